@@ -1,0 +1,161 @@
+"""Pickles read against an allow-list, and pickles written that name torch's classes without importing torch.
+
+DCP's ``.metadata`` and every ``data.pkl`` inside a ``torch.save`` archive are pickles. Unpickling them with
+the stock unpickler runs whatever globals they name; :class:`SafeUnpickler` resolves only the names a
+context allows and maps each to plain-data stand-ins. :class:`RefPickler` writes the opposite direction:
+:class:`Ref` and :class:`Call` stand for torch globals and calls, so the bytes torch later loads are the
+ones torch itself would have written.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from .dtypes import DType
+from .errors import FormatError, UnsafeCheckpointError
+
+__all__ = ["Call", "Record", "Ref", "RefPickler", "SafeUnpickler", "dumps", "keep_call", "make_record", "record_class", "ref"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A global ``module.name`` as it appears in a pickle."""
+
+    module: str
+    name: str
+
+
+@functools.cache
+def ref(module: str, name: str) -> Ref:
+    # One instance per name, so the pickler's memo writes each global once.
+    return Ref(module, name)
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """``module.name(*args)``: an allowed callable kept as data, so a later write reproduces it exactly."""
+
+    func: Ref
+    args: tuple
+
+
+class Record:
+    """Stand-in for an allowed class built by NEWOBJ + BUILD: its state becomes attributes."""
+
+    _pickle_name: Ref
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)) and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # (dict, slots) from dataclasses with __slots__
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.state = state
+
+    def __repr__(self) -> str:
+        return f"{self._pickle_name.name}({self.__dict__})"
+
+
+@functools.cache
+def record_class(module: str, name: str) -> type[Record]:
+    return type(name, (Record,), {"_pickle_name": ref(module, name)})
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Resolves globals through ``allowed`` only; any other global is refused, naming it and the file."""
+
+    def __init__(self, data: bytes, allowed: Mapping[tuple[str, str], Any], *, where: str,
+                 persistent_load: Callable[[Any], Any] | None = None) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allowed, self._where, self._persistent = allowed, where, persistent_load
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allowed[(module, name)]
+        except KeyError:
+            raise UnsafeCheckpointError(
+                f"{self._where}: the pickle asks for {module}.{name}, which is not on ckptkit's allow-list; "
+                "ckptkit never runs code from a checkpoint (re-save the state without custom classes)"
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise FormatError(f"{self._where}: unexpected persistent id {pid!r} in a pickle that should hold none")
+        return self._persistent(pid)
+
+    def load_checked(self) -> Any:
+        try:
+            return self.load()
+        except (UnsafeCheckpointError, FormatError):
+            raise
+        except Exception as e:  # a truncated or corrupt pickle raises a zoo of types
+            raise FormatError(f"{self._where}: cannot read pickle ({type(e).__name__}: {e})") from e
+
+
+def make_record(module: str, name: str, state: Any) -> Record:
+    obj = record_class(module, name).__new__(record_class(module, name))
+    obj.__setstate__(state)
+    return obj
+
+
+def keep_call(module: str, name: str) -> Callable[..., Call]:
+    return lambda *args: Call(ref(module, name), args)
+
+
+class RefPickler(pickle._Pickler):  # the pure-Python pickler: its dispatch table can be extended
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def __init__(self, file: io.BytesIO, protocol: int, persistent_id: Callable[[Any], Any] | None = None) -> None:
+        super().__init__(file, protocol)
+        self._pid = persistent_id
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self._pid(obj) if self._pid else None
+
+    def _save_ref(self, obj: Ref) -> None:
+        if self.proto >= 4:
+            self.save(obj.module)
+            self.save(obj.name)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+        self.memoize(obj)
+
+    def _save_call(self, obj: Call) -> None:
+        self.save(obj.func)
+        self.save(tuple(obj.args))
+        self.write(pickle.REDUCE)
+        self.memoize(obj)
+
+    def _save_record(self, obj: Record) -> None:
+        self.save(obj._pickle_name)
+        self.save(())
+        self.write(pickle.NEWOBJ)
+        self.memoize(obj)
+        state = obj.__dict__["state"] if "state" in obj.__dict__ else dict(obj.__dict__)
+        if state:
+            self.save(state)
+            self.write(pickle.BUILD)
+
+    def _save_dtype(self, obj: DType) -> None:
+        self.save(ref("torch", obj.name))  # through save(), so the memo serves repeats
+
+    dispatch[Ref] = _save_ref
+    dispatch[Call] = _save_call
+    dispatch[DType] = _save_dtype
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        # Record subclasses are made on demand (one per allowed class name): register each as it is met.
+        if isinstance(obj, Record) and type(obj) not in self.dispatch:
+            self.dispatch[type(obj)] = RefPickler._save_record
+        super().save(obj, save_persistent_id)
+
+
+def dumps(obj: Any, *, protocol: int, persistent_id: Callable[[Any], Any] | None = None) -> bytes:
+    buf = io.BytesIO()
+    RefPickler(buf, protocol, persistent_id).dump(obj)
+    return buf.getvalue()

@@ -1,0 +1,279 @@
+"""``torch.save`` archives as data: read their pickles into trees with :class:`TensorRef` leaves, and lay out
+new archives whose tensor records are streamed :class:`Region` parts.
+
+A ``torch.save`` file is a zip of stored (uncompressed) records: ``data.pkl`` names each tensor's storage by
+a persistent id, and ``data/<key>`` holds the storage bytes, 64-byte aligned. Reading needs no torch: the
+central directory gives record offsets and :class:`SafeUnpickler` rebuilds tensors as byte spans. Writing
+mirrors ``torch.save`` with ``compute_crc32=False`` (CRC 0 on tensor records), which torch loads as its own,
+so tensor bytes can move kernel-side without passing through Python.
+"""
+
+from __future__ import annotations
+
+import collections
+import codecs
+import hashlib
+import io
+import os
+import struct
+import zipfile
+from typing import Any
+
+from . import dtypes
+from ._pickle import Call, SafeUnpickler, dumps, keep_call, ref
+from .dtypes import DType
+from .errors import FormatError
+from .manifest import Span, TensorEntry, Chunk, TensorRef, row_major
+from .planner import Literal, Part, Region
+
+__all__ = ["archive_parts", "is_archive", "load_blob", "raw_entry", "read_archive"]
+
+_ALIGN = 64
+_U32 = 0xFFFFFFFF
+
+
+class _Window(io.RawIOBase):
+    """``length`` bytes of an open file from ``start``, as a file of its own (zipfile finds its directory at the end)."""
+
+    def __init__(self, f: io.BufferedReader, start: int, length: int) -> None:
+        self._f, self._start, self._len, self._pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = {0: 0, 1: self._pos, 2: self._len}[whence] + offset
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = self._len if n is None or n < 0 else min(self._len, self._pos + n)
+        if end <= self._pos:
+            return b""
+        self._f.seek(self._start + self._pos)
+        data = self._f.read(end - self._pos)
+        self._pos += len(data)
+        return data
+
+
+def is_archive(path: str, offset: int = 0) -> bool:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(4) == b"PK\x03\x04"
+
+
+class _Storage:
+    __slots__ = ("span", "dtype")
+
+    def __init__(self, span: Span, dtype: DType | None) -> None:
+        self.span, self.dtype = span, dtype
+
+
+def _tensor(storage: _Storage, offset: int, size: Any, stride: Any, dtype: DType | None) -> TensorRef:
+    dtype = dtype or storage.dtype or dtypes.by_name("uint8")
+    shape, stride = tuple(size), tuple(stride)
+    skip = offset * dtype.itemsize
+    span = Span(storage.span.file, storage.span.offset + skip, storage.span.length - skip)
+    strides = None if shape == () or stride == row_major(shape) else stride
+    return TensorRef(dtype, shape, span, strides)
+
+
+def _rebuild_v2(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    return _tensor(storage, offset, size, stride, None)
+
+
+def _rebuild_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
+    return _tensor(storage, offset, size, stride, dtype)
+
+
+class _StorageTag:
+    """A storage class named in a persistent id (``torch.FloatStorage``): only its dtype matters."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: DType | None) -> None:
+        self.dtype = dtype
+
+
+def _storage_class(dtype: DType | None) -> _StorageTag:
+    return _StorageTag(dtype)
+
+
+# Globals a tensor-bearing pickle may name. Everything maps to data; nothing runs code of the checkpoint's.
+OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+    ("torch._utils", "_rebuild_parameter"): lambda data, requires_grad=False, hooks=None: data,
+    ("torch._utils", "_rebuild_parameter_with_state"): lambda data, requires_grad, hooks, state: data,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
+    ("builtins", "slice"): slice,
+    ("builtins", "bytearray"): bytearray,
+    ("_codecs", "encode"): codecs.encode,
+    ("torch", "Size"): keep_call("torch", "Size"),
+    ("torch", "device"): keep_call("torch", "device"),
+    ("torch.serialization", "_get_layout"): keep_call("torch.serialization", "_get_layout"),
+    ("torch.storage", "UntypedStorage"): _storage_class(None),
+    ("torch", "UntypedStorage"): _storage_class(None),
+    **{("torch", d.name): d for d in dtypes._TABLE},
+    **{("torch", d.storage_class): _storage_class(d) for d in dtypes._TABLE if d.storage_class},
+}
+
+
+def _records(f: io.BufferedReader, path: str, start: int, length: int) -> dict[str, Span]:
+    try:
+        infos = zipfile.ZipFile(_Window(f, start, length)).infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise FormatError(f"{path} @ {start}: not a torch.save archive ({e})") from e
+    out = {}
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise FormatError(f"{path}: record {info.filename} is compressed; torch.save archives store records raw")
+        f.seek(start + info.header_offset)
+        head = f.read(30)
+        if len(head) != 30 or head[:4] != b"PK\x03\x04":
+            raise FormatError(f"{path}: bad local header for record {info.filename}")
+        name_len, extra_len = struct.unpack("<HH", head[26:30])
+        data = info.header_offset + 30 + name_len + extra_len
+        if data + info.file_size > length:
+            raise FormatError(f"{path}: record {info.filename} runs past the end of the archive")
+        out[info.filename] = Span(path, start + data, info.file_size)
+    return out
+
+
+def read_archive(path: str, start: int = 0, length: int | None = None, *, where: str = "",
+                 extra_globals: dict | None = None) -> Any:
+    """Unpickle the archive's ``data.pkl`` with tensors as :class:`TensorRef` byte spans into ``path``."""
+    where = where or path
+    with open(path, "rb") as f:
+        if length is None:
+            length = os.fstat(f.fileno()).st_size - start
+        records = _records(f, path, start, length)
+        pkl = [n for n in records if n.endswith("data.pkl") and n.count("/") <= 1]
+        if len(pkl) != 1:
+            raise FormatError(f"{where}: no data.pkl record; not a torch.save archive (legacy pre-1.6 files are not supported)")
+        prefix = pkl[0][: -len("data.pkl")]
+        f.seek(records[pkl[0]].offset)
+        data = f.read(records[pkl[0]].length)
+
+    def persistent_load(pid: Any) -> _Storage:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise FormatError(f"{where}: unexpected persistent id {pid!r}")
+        _, tag, key, _location, _numel = pid
+        if not isinstance(tag, _StorageTag):
+            raise FormatError(f"{where}: persistent id names {tag!r}, not a storage class")
+        span = records.get(f"{prefix}data/{key}")
+        if span is None:
+            raise FormatError(f"{where}: data.pkl names storage {key!r} but the archive has no record {prefix}data/{key}")
+        return _Storage(span, tag.dtype)
+
+    allowed = {**OBJECT_GLOBALS, **(extra_globals or {})}
+    return SafeUnpickler(data, allowed, where=where, persistent_load=persistent_load).load_checked()
+
+
+def load_blob(span: Span, *, where: str) -> Any:
+    return read_archive(span.file, span.offset, span.length, where=where)
+
+
+def raw_entry(span: Span, key: str = "<bytes>") -> TensorEntry:
+    """A byte span as a 1-D uint8 tensor, so that opaque blobs copy through the same byte-range machinery."""
+    return TensorEntry(key, (key,), dtypes.by_name("uint8"), (span.length,), (Chunk((0,), (span.length,), span),))
+
+
+class _StorageKey:
+    __slots__ = ("key", "nbytes")
+
+    def __init__(self, key: str, nbytes: int) -> None:
+        self.key, self.nbytes = key, nbytes
+
+
+def _tensorize(tree: Any, records: list[tuple[str, Part]]) -> Any:
+    """Replace :class:`Region` leaves by ``_rebuild_tensor_v3`` calls on new storage records."""
+    if isinstance(tree, Region):
+        key = str(len(records))
+        records.append((f"data/{key}", tree))
+        return Call(ref("torch._utils", "_rebuild_tensor_v3"), (
+            _StorageKey(key, tree.nbytes), 0, tuple(tree.sizes), tuple(row_major(tree.sizes)),
+            False, Call(ref("collections", "OrderedDict"), ()), tree.dtype))
+    if isinstance(tree, dict):
+        return type(tree)((k, _tensorize(v, records)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)) and not isinstance(tree, Call):
+        return type(tree)(_tensorize(v, records) for v in tree)
+    return tree
+
+
+def _persistent_id(obj: Any) -> Any:
+    if isinstance(obj, _StorageKey):
+        # UntypedStorage counts bytes; _rebuild_tensor_v3 carries the dtype. Same for every dtype.
+        return ("storage", ref("torch.storage", "UntypedStorage"), obj.key, "cpu", obj.nbytes)
+    return None
+
+
+def _local_header(name: bytes, size: int, crc: int, pos: int) -> bytes:
+    zip64 = size >= _U32
+    extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
+    fixed = 30 + len(name) + len(extra)
+    pad = (-(pos + fixed + 4)) % _ALIGN  # an "FB" extra field of padding aligns the data, as torch's writer does
+    extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+    small = _U32 if zip64 else size
+    return struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21, crc, small, small,
+                       len(name), len(extra)) + name + extra
+
+
+def _central(entries: list[tuple[bytes, int, int, int]], cd_offset: int) -> bytes:
+    out = bytearray()
+    for name, size, crc, offset in entries:
+        fields = [v for v in (size, size) if v >= _U32] if size >= _U32 else []
+        fields += [offset] if offset >= _U32 else []
+        extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) if fields else b""
+        small = _U32 if size >= _U32 else size
+        out += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if fields else 20, 0, 0, 0, 0x21, crc, small, small,
+                           len(name), len(extra), 0, 0, 0, 0, min(offset, _U32)) + name + extra
+    cd_size, count = len(out), len(entries)
+    if count >= 0xFFFF or cd_size >= _U32 or cd_offset >= _U32:
+        eocd64 = cd_offset + cd_size
+        out += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, cd_offset)
+        out += struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1)
+    out += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
+                       min(cd_size, _U32), min(cd_offset, _U32), 0)
+    return bytes(out)
+
+
+def archive_parts(tree: Any, *, name: str = "archive") -> tuple[Part, ...]:
+    """The parts of a ``torch.save`` archive of ``tree``, whose :class:`Region` leaves become tensors."""
+    records: list[tuple[str, Part]] = []
+    pkl = dumps(_tensorize(tree, records), protocol=2, persistent_id=_persistent_id)
+    digest = hashlib.sha1(pkl + repr([(n, p.nbytes) for n, p in records]).encode()).digest()
+    serial_id = str(int.from_bytes(digest, "big") % 10**40).zfill(40).encode()
+    ordered = [("data.pkl", Literal(pkl)), (".format_version", Literal(b"1")),
+               (".storage_alignment", Literal(b"64")), ("byteorder", Literal(b"little")), *records,
+               ("version", Literal(b"3\n")), (".data/serialization_id", Literal(serial_id))]
+    parts: list[Part] = []
+    central: list[tuple[bytes, int, int, int]] = []
+    pos = 0
+    for rec_name, payload in ordered:
+        full = f"{name}/{rec_name}".encode()
+        crc = zipfile.crc32(payload.data) if isinstance(payload, Literal) else 0
+        header = _local_header(full, payload.nbytes, crc, pos)
+        central.append((full, payload.nbytes, crc, pos))
+        parts += [Literal(header), payload]
+        pos += len(header) + payload.nbytes
+    parts.append(Literal(_central(central, pos)))
+    return _merge_literals(parts)
+
+
+def _merge_literals(parts: list[Part]) -> tuple[Part, ...]:
+    out: list[Part] = []
+    for p in parts:
+        if isinstance(p, Literal) and out and isinstance(out[-1], Literal):
+            out[-1] = Literal(out[-1].data + p.data)
+        elif not (isinstance(p, Literal) and not p.data):
+            out.append(p)
+    return tuple(out)

@@ -1,0 +1,196 @@
+"""Execution: stream a :class:`WritePlan` into a staging directory, then move it into place.
+
+Bytes that need no change move kernel-side with ``os.copy_file_range`` (no user-space buffer, no RSS).
+Only a dtype cast brings bytes into memory, one row block of at most ``max_memory`` at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .errors import FormatError, UsageError
+from .planner import Literal, Region, WritePlan, plan_copies, row_blocks
+
+__all__ = ["DEFAULT_MAX_MEMORY", "Files", "check_destination", "execute", "read_region", "staged_output"]
+
+DEFAULT_MAX_MEMORY = 1 << 30
+_COPY_PIECE = 1 << 30  # copy_file_range moves at most this much per call; larger counts are split
+
+
+class Files:
+    """Read-only descriptors of source files, opened once each, with sizes checked against every read."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, tuple[int, int]] = {}
+
+    def fd(self, path: str, need_end: int) -> int:
+        if path not in self._fds:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise FormatError(f"{path}: cannot open ({e.strerror})") from e
+            self._fds[path] = (fd, os.fstat(fd).st_size)
+        fd, size = self._fds[path]
+        if need_end > size:
+            raise FormatError(f"{path}: needs bytes up to offset {need_end} but the file has {size} (truncated?)")
+        return fd
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "Files":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise FormatError(f"{path}: unexpected end of file at offset {offset}")
+        view, offset = view[n:], offset + n
+
+
+def read_region(region: Region, files: Files) -> bytearray:
+    """The row-major bytes of ``region`` in the entry's dtype (``region.cast`` is not applied here)."""
+    buf = bytearray(Region(region.entry, region.offsets, region.sizes).nbytes)
+    view = memoryview(buf)
+    for cp in plan_copies(region):
+        fd = files.fd(cp.src.file, cp.src.offset + cp.src.length)
+        _pread_into(fd, view[cp.dst:cp.dst + cp.src.length], cp.src.offset, cp.src.file)
+    return buf
+
+
+def _cast(data: bytearray, region: Region) -> memoryview:
+    import torch  # only a dtype cast needs torch
+
+    src = getattr(torch, region.entry.dtype.name)
+    dst = getattr(torch, region.cast.name)
+    t = torch.frombuffer(data, dtype=src) if data else torch.empty(0, dtype=src)
+    return memoryview(t.to(dst).view(torch.uint8).numpy())
+
+
+class _Writer:
+    def __init__(self, files: Files, max_memory: int, progress: Callable[[int], None]) -> None:
+        self.files, self.max_memory, self.progress = files, max_memory, progress
+        self.kernel_copy = hasattr(os, "copy_file_range")
+
+    def write_file(self, out: int, parts: tuple) -> None:
+        pos = 0
+        for part in parts:
+            if isinstance(part, Literal):
+                os.pwrite(out, part.data, pos)
+            elif part.cast is None or part.cast == part.entry.dtype:
+                self._copy(out, part, pos)
+            else:
+                self._cast_copy(out, part, pos)
+            pos += part.nbytes
+            self.progress(part.nbytes)
+        os.ftruncate(out, pos)
+
+    def _copy(self, out: int, region: Region, pos: int) -> None:
+        for cp in plan_copies(region):
+            fd = self.files.fd(cp.src.file, cp.src.offset + cp.src.length)
+            self._copy_range(fd, out, cp.src.offset, pos + cp.dst, cp.src.length)
+
+    def _copy_range(self, src: int, out: int, src_off: int, dst_off: int, n: int) -> None:
+        while n > 0 and self.kernel_copy:
+            try:
+                done = os.copy_file_range(src, out, min(n, _COPY_PIECE), src_off, dst_off)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM):
+                    raise
+                self.kernel_copy = False  # this filesystem pair cannot: fall back to a buffer for good
+                break
+            if done == 0:
+                raise FormatError(f"unexpected end of source file while copying {n} bytes at offset {src_off}")
+            src_off, dst_off, n = src_off + done, dst_off + done, n - done
+        buf = bytearray(min(n, 64 << 20))
+        while n > 0:
+            view = memoryview(buf)[:min(n, len(buf))]
+            got = os.preadv(src, [view], src_off)
+            if got == 0:
+                raise FormatError(f"unexpected end of source file while copying {n} bytes at offset {src_off}")
+            os.pwrite(out, view[:got], dst_off)
+            src_off, dst_off, n = src_off + got, dst_off + got, n - got
+
+    def _cast_copy(self, out: int, region: Region, pos: int) -> None:
+        # The source block and its cast copy are both alive at once: give each half the budget.
+        for block in row_blocks(region, max(1, self.max_memory // 2)):
+            data = _cast(read_region(block, self.files), block)
+            os.pwrite(out, data, pos)
+            pos += len(data)
+
+
+def check_destination(dst: Path, *, overwrite: bool, sources: tuple[Path, ...] = ()) -> Path:
+    """Refuse a destination that exists (unless ``overwrite``) or that overlaps an input."""
+    dst = Path(dst).absolute()
+    d = dst.resolve()
+    for src in sources:
+        src = Path(src).resolve()
+        if d == src or src in d.parents or d in src.parents:
+            raise UsageError(f"destination {dst} overlaps the input {src}; ckptkit never writes into its input")
+    if (dst.exists() or dst.is_symlink()) and not overwrite:
+        raise UsageError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
+    return dst
+
+
+@contextlib.contextmanager
+def staged_output(dst: Path, *, single_file: str | None = None) -> Iterator[Path]:
+    """Yield a fresh staging directory beside ``dst``; on success it (or its one file ``single_file``)
+    replaces ``dst``, on any failure it vanishes and ``dst`` is left as it was."""
+    dst = Path(dst).absolute()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    stage = dst.parent / f".{dst.name}.ckptkit-partial-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        yield stage
+        old = dst.parent / f".{dst.name}.ckptkit-old-{os.getpid()}"
+        had_old = dst.exists() or dst.is_symlink()
+        if had_old:
+            os.rename(dst, old)
+        os.rename(stage / single_file if single_file else stage, dst)
+        if had_old:
+            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+        _fsync_dir(dst.parent)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def execute(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
+            max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = True,
+            progress: Callable[[int], None] = lambda n: None) -> Path:
+    """Write every file of ``plan`` under a staging directory and move the result to ``dst`` atomically."""
+    dst = check_destination(dst, overwrite=overwrite, sources=sources)
+    single = plan.files[0].relpath if plan.single_file else None
+    with Files() as files, staged_output(dst, single_file=single) as stage:
+        writer = _Writer(files, max_memory, progress)
+        for fp in plan.files:
+            path = stage / fp.relpath
+            path.parent.mkdir(parents=True, exist_ok=True)
+            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                writer.write_file(out, fp.parts)
+                if fsync:
+                    os.fsync(out)
+            finally:
+                os.close(out)
+    return dst

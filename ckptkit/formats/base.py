@@ -1,0 +1,111 @@
+"""The one interface every format implements.
+
+Call order: 1. ``detect(path)`` picks the format; 2. ``read(path)`` builds the :class:`Manifest` (headers and
+metadata only, no tensor bytes); 3. ``plan(manifest, options)`` lays the target out as a :class:`WritePlan`,
+a pure function; 4. the executor streams the plan into a staging directory.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._pickle import Call
+from ..dtypes import DType
+from ..errors import FormatError, IncompleteCheckpointError
+from ..manifest import Format, Manifest, TensorRef
+from ..planner import Region, WritePlan
+
+__all__ = ["FormatIO", "WriteOptions", "cast_for", "index_json", "read_index", "regions_in", "split_files"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WriteOptions:
+    world_size: int = 1
+    """Ranks the output is laid out for (SHARDED, LOCAL)."""
+    max_shard_size: int | None = None
+    """Largest output file in bytes (HF, FULL); None writes one file."""
+    cast: DType | None = None
+    """Floating tensors are cast to this dtype; others keep theirs."""
+    single_file: bool = True
+    """FULL output is one ``torch.save`` file rather than a directory."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+
+
+class FormatIO(abc.ABC):
+    format: Format
+
+    @classmethod
+    @abc.abstractmethod
+    def detect(cls, path: Path) -> bool:
+        """Whether ``path`` holds a checkpoint of this format (cheap: names and magic bytes only)."""
+
+    @abc.abstractmethod
+    def read(self, path: Path) -> Manifest:
+        """The manifest of the checkpoint at ``path``; raises a :class:`CheckpointError` naming the bad file."""
+
+    @abc.abstractmethod
+    def plan(self, manifest: Manifest, options: WriteOptions) -> WritePlan:
+        """The files that represent ``manifest`` in this format. No I/O."""
+
+
+def cast_for(dtype: DType, cast: DType | None) -> DType | None:
+    """The cast to apply to a tensor of ``dtype``: only floating tensors change type."""
+    return cast if cast is not None and dtype.is_floating and cast != dtype else None
+
+
+def regions_in(value: Any, cast: DType | None = None) -> Any:
+    """``value`` with its :class:`TensorRef` leaves turned into whole-tensor regions, ready to write."""
+    if isinstance(value, TensorRef):
+        entry = value.as_entry("<tensor inside an object>")
+        return Region.whole(entry, cast_for(entry.dtype, cast))
+    if isinstance(value, dict):
+        return type(value)((k, regions_in(v, cast)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not isinstance(value, Call):
+        return type(value)(regions_in(v, cast) for v in value)
+    return value
+
+
+def split_files(regions: dict[str, Region], pattern: str, max_shard_size: int | None) -> dict[str, list[str]]:
+    """File name to keys, by huggingface_hub's own splitter (keys keep their order; a big tensor gets a file)."""
+    from huggingface_hub.serialization._base import split_state_dict_into_shards_factory
+
+    split = split_state_dict_into_shards_factory(
+        regions, get_storage_size=lambda r: r.nbytes, filename_pattern=pattern,
+        max_shard_size=max_shard_size if max_shard_size is not None else 1 << 62)
+    return split.filename_to_tensors
+
+
+def index_json(files: dict[str, list[str]], regions: dict[str, Region]) -> bytes:
+    weight_map = {k: name for name, keys in files.items() for k in keys}
+    index = {"metadata": {"total_size": sum(r.nbytes for r in regions.values())},
+             "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(index, indent=2) + "\n").encode()
+
+
+def read_index(path: Path, suffix: str) -> dict[str, Path]:
+    """Key to shard file from an HF-style index, checked as untrusted input (structure, names, existence)."""
+    try:
+        if path.stat().st_size > 64 << 20:
+            raise FormatError(f"{path}: index file is {path.stat().st_size} bytes; an index is expected under 64 MiB")
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{path}: cannot read index JSON ({e})") from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise FormatError(f"{path}: expected {{\"weight_map\": {{key: file name}}}}")
+    out = {}
+    for key, name in weight_map.items():
+        if "/" in name or "\\" in name or name in ("", ".", "..") or not name.endswith(suffix):
+            raise FormatError(f"{path}: weight_map[{key!r}] = {name!r} is not a plain '*{suffix}' file name")
+        shard = path.parent / name
+        if not shard.is_file():
+            raise IncompleteCheckpointError(f"{path}: shard {name} (holding {key!r}) does not exist")
+        out[key] = shard
+    return out

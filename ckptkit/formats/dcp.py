@@ -1,0 +1,180 @@
+"""SHARDED: ``torch.distributed.checkpoint`` directories (``.metadata`` + ``__R_I.distcp``), read and written
+without a process group and without importing torch.
+
+``.metadata`` is a pickle of DCP's metadata dataclasses; it is read through an allow-list that maps those
+classes to plain records, so a hostile file cannot run code (torch's own ``dcp_to_torch_save`` unpickles it
+unrestricted). Each chunk's bytes are a ``torch.save`` archive inside a ``.distcp`` file. Writing lays the
+state out as N ranks of FSDP2 would have saved it: rank r's file holds the ``Shard(0)`` row block r of every
+tensor (``torch.chunk`` sizes, so the last ranks may hold fewer rows or none).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from .._pickle import Record, SafeUnpickler, dumps, keep_call, make_record, record_class
+from .._torchzip import archive_parts, is_archive, raw_entry, read_archive
+from ..dtypes import DType
+from ..errors import FormatError, IncompleteCheckpointError
+from ..manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, key_of
+from ..planner import FilePlan, Literal, Part, Region, WritePlan
+from .. import dtypes
+from .base import FormatIO, WriteOptions, cast_for, regions_in
+
+__all__ = ["DcpIO"]
+
+METADATA = ".metadata"
+_META = "torch.distributed.checkpoint.metadata"
+_FS = "torch.distributed.checkpoint.filesystem"
+_RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
+
+
+def _records(module: str, *names: str) -> dict[tuple[str, str], type[Record]]:
+    return {(module, n): record_class(module, n) for n in names}
+
+
+METADATA_GLOBALS: dict[tuple[str, str], Any] = {
+    **_records(_META, "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+               "TensorProperties", "MetadataIndex", "StorageMeta"),
+    **_records(_FS, "_StorageInfo"),
+    (_META, "_MEM_FORMAT_ENCODING"): lambda v: v,
+    ("torch", "Size"): lambda v=(): tuple(v),
+    ("torch.serialization", "_get_layout"): lambda name: name,
+    ("pathlib", "PosixPath"): lambda *parts: "/".join(parts),
+    ("pathlib", "WindowsPath"): lambda *parts: "\\".join(parts),
+    ("collections", "OrderedDict"): dict,
+    **{("torch", d.name): d for d in dtypes._TABLE},
+}
+
+
+def _tensor_dtype(props: Record, where: str) -> DType:
+    dtype = props.state[0] if hasattr(props, "state") else getattr(props, "dtype", None)
+    if not isinstance(dtype, DType):
+        raise FormatError(f"{where}: tensor properties carry no known dtype ({dtype!r})")
+    return dtype
+
+
+class DcpIO(FormatIO):
+    format = Format.SHARDED
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        return path.is_dir() and (path / METADATA).is_file()
+
+    def read(self, path: Path) -> Manifest:
+        root = path.absolute()
+        meta_path = root / METADATA
+        md = SafeUnpickler(meta_path.read_bytes(), METADATA_GLOBALS, where=str(meta_path)).load_checked()
+        if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict):
+            raise FormatError(f"{meta_path}: not DCP metadata (found {type(md).__name__})")
+        storage: dict[tuple[str, tuple | None], Any] = {}
+        for idx, info in (getattr(md, "storage_data", None) or {}).items():
+            offset = None if getattr(idx, "offset", None) is None else tuple(idx.offset)
+            storage[(idx.fqn, offset)] = info
+        paths = getattr(md, "planner_data", None) or {}
+        tensors, objects, rank_files = [], [], set()
+
+        def locate(key: str, offset: tuple | None) -> Span:
+            info = storage.get((key, offset))
+            if info is None:
+                raise IncompleteCheckpointError(f"{meta_path}: no storage entry for {key!r} at offset {offset}")
+            if getattr(info, "transform_descriptors", None):
+                raise FormatError(f"{meta_path}: {key!r} is stored with transforms {list(info.transform_descriptors)}; "
+                                  "ckptkit reads untransformed (uncompressed) DCP entries only")
+            file = root / info.relative_path
+            if Path(info.relative_path).is_absolute() or ".." in Path(info.relative_path).parts:
+                raise FormatError(f"{meta_path}: {key!r} points outside the checkpoint ({info.relative_path!r})")
+            if not file.is_file():
+                raise IncompleteCheckpointError(f"{root}: {info.relative_path} (holding {key!r}) is missing")
+            rank_files.add(info.relative_path)
+            return Span(str(file), info.offset, info.length)
+
+        for key, sm in md.state_dict_metadata.items():
+            path_ = tuple(paths.get(key, (key,)))
+            kind = type(sm).__name__
+            if kind == "BytesStorageMetadata":
+                objects.append(ObjectEntry(key, path_, blob=locate(key, None)))
+                continue
+            if kind != "TensorStorageMetadata":
+                raise FormatError(f"{meta_path}: {key!r} has unknown storage metadata {kind}")
+            dtype, shape = _tensor_dtype(sm.properties, f"{meta_path}: {key!r}"), tuple(sm.size)
+            chunks = []
+            for c in sm.chunks:
+                offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+                span = locate(key, offsets)
+                strides = None
+                if is_archive(span.file, span.offset):
+                    ref = read_archive(span.file, span.offset, span.length, where=f"{span.file}: {key!r} chunk {list(offsets)}")
+                    if not isinstance(ref, TensorRef) or ref.shape != sizes or ref.dtype != dtype:
+                        found = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
+                        raise FormatError(f"{span.file}: {key!r} chunk at {list(offsets)} holds {found}, "
+                                          f".metadata says {dtype} {list(sizes)}")
+                    span, strides = ref.span, ref.strides
+                chunks.append(Chunk(offsets, sizes, span, strides))
+            entry = TensorEntry(key, path_, dtype, shape, tuple(chunks))
+            entry.validate()
+            tensors.append(entry)
+        ranks = [int(m.group(1)) for f in rank_files if (m := _RANK_FILE.search(f))]
+        world = max(ranks) + 1 if ranks else None
+        split = {len(t.chunks) for t in tensors if t.numel}
+        details = (("files", str(len(rank_files))), ("chunks per tensor", ",".join(map(str, sorted(split)))))
+        return Manifest(Format.SHARDED, str(root), tuple(tensors), tuple(objects), world, details)
+
+    def plan(self, manifest: Manifest, options: WriteOptions) -> WritePlan:
+        n = options.world_size
+        parts: list[list[Part]] = [[] for _ in range(n)]
+        sizes = [0] * n
+        sd_meta, storage = {}, {}
+
+        def put(rank: int, blob: tuple[Part, ...]) -> tuple[str, int, int]:
+            name, start = f"__{rank}_0.distcp", sizes[rank]
+            parts[rank].extend(blob)
+            sizes[rank] += sum(p.nbytes for p in blob)
+            return name, start, sizes[rank] - start
+
+        for t in manifest.tensors:
+            cast = cast_for(t.dtype, options.cast)
+            chunk_list = []
+            for rank, (offsets, box) in _shard0(t.shape, n):
+                name, start, length = put(rank, archive_parts(Region(t, offsets, box, cast)))
+                chunk_list.append(make_record(_META, "ChunkStorageMetadata", {"offsets": _size(offsets), "sizes": _size(box)}))
+                index = make_record(_META, "MetadataIndex", {"fqn": t.key, "offset": _size(offsets), "index": len(chunk_list) - 1})
+                storage[index] = _storage_info(name, start, length)
+            props = make_record(_META, "TensorProperties", ((cast or t.dtype), keep_call("torch.serialization", "_get_layout")("torch.strided"),
+                                                            False, keep_call(_META, "_MEM_FORMAT_ENCODING")(0), False))
+            sd_meta[t.key] = make_record(_META, "TensorStorageMetadata", {"properties": props, "size": _size(t.shape), "chunks": chunk_list})
+        for o in manifest.objects:
+            blob = (Region.whole(raw_entry(o.blob, o.key)),) if o.blob else archive_parts(regions_in(o.value, options.cast))
+            name, start, length = put(0, blob)
+            sd_meta[o.key] = make_record(_META, "BytesStorageMetadata", {})
+            storage[make_record(_META, "MetadataIndex", {"fqn": o.key, "offset": None, "index": None})] = _storage_info(name, start, length)
+        planner_data = {e.key: tuple(e.path) for e in (*manifest.tensors, *manifest.objects)}
+        md = make_record(_META, "Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner_data,
+                                             "storage_data": storage, "storage_meta": None, "version": "1.0.0"})
+        files = [FilePlan(f"__{r}_0.distcp", tuple(parts[r])) for r in range(n)]
+        files.append(FilePlan(METADATA, (Literal(dumps(md, protocol=2)),)))
+        return WritePlan(tuple(files))
+
+
+def _size(v: tuple[int, ...]) -> Any:
+    return keep_call("torch", "Size")(tuple(v))
+
+
+def _storage_info(name: str, offset: int, length: int) -> Record:
+    return make_record(_FS, "_StorageInfo", {"relative_path": name, "offset": offset, "length": length})
+
+
+def _shard0(shape: tuple[int, ...], n: int) -> list[tuple[int, tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """(rank, (offsets, sizes)) of each non-empty ``Shard(0)`` chunk, with ``torch.chunk`` sizes."""
+    if not shape or shape[0] == 0 or math.prod(shape) == 0:
+        return [(0, ((0,) * len(shape), shape))]  # scalars and empty tensors live whole on rank 0
+    step = -(-shape[0] // n)
+    out = []
+    for rank in range(n):
+        lo, hi = rank * step, min(shape[0], (rank + 1) * step)
+        if hi > lo:
+            out.append((rank, ((lo, *[0] * (len(shape) - 1)), (hi - lo, *shape[1:]))))
+    return out

@@ -1,0 +1,90 @@
+"""FULL: unsharded state dicts written by ``torch.save``: one file, or HF-style ``pytorch_model-*.bin`` shards.
+
+Read without torch: each archive's pickle becomes a tree whose tensors are byte spans (``_torchzip``);
+nested dicts flatten to dotted keys with DCP's rules. Written as ``torch.save`` archives whose tensor
+records are streamed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .._torchzip import archive_parts, is_archive, read_archive
+from .._tree import flatten, unflatten
+from ..errors import FormatError, UsageError
+from ..manifest import Format, Manifest, ObjectEntry, TensorEntry, TensorRef, key_of
+from ..planner import FilePlan, Literal, Region, WritePlan
+from .base import FormatIO, WriteOptions, cast_for, index_json, read_index, regions_in, split_files
+
+__all__ = ["FullIO"]
+
+INDEX = "pytorch_model.bin.index.json"
+SINGLE_NAMES = ("pytorch_model.bin", "model.pt", "model.pth", "checkpoint.pt", "state_dict.pt")
+SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def _is_tensor(v: object) -> bool:
+    return isinstance(v, TensorRef)
+
+
+class FullIO(FormatIO):
+    format = Format.FULL
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        if path.is_file():
+            return is_archive(str(path))
+        return (path / INDEX).is_file() or any((path / n).is_file() for n in SINGLE_NAMES)
+
+    def read(self, path: Path) -> Manifest:
+        if path.is_dir():
+            if (path / INDEX).is_file():
+                return self._read_sharded(path)
+            path = next(path / n for n in SINGLE_NAMES if (path / n).is_file())
+        if not is_archive(str(path)):
+            raise FormatError(f"{path}: not a torch.save zip archive (legacy pre-1.6 pickles are not supported)")
+        tree = read_archive(str(path.absolute()))
+        tensors, objects = [], []
+        for p, leaf in flatten(tree, _is_tensor):
+            p = p or ("",)  # a bare tensor saved on its own
+            if isinstance(leaf, TensorRef):
+                entry = leaf.as_entry(key_of(p))
+                tensors.append(TensorEntry(entry.key, p, entry.dtype, entry.shape, entry.chunks))
+            else:
+                objects.append(ObjectEntry(key_of(p), p, leaf))
+        return Manifest(Format.FULL, str(path), tuple(tensors), tuple(objects))
+
+    def _read_sharded(self, root: Path) -> Manifest:
+        keys = read_index(root / INDEX, ".bin")
+        tensors = []
+        for shard in dict.fromkeys(keys.values()):
+            tree = read_archive(str(shard.absolute()))
+            if not isinstance(tree, dict):
+                raise FormatError(f"{shard}: expected a flat dict of tensors, found {type(tree).__name__}")
+            for key, leaf in tree.items():
+                if not isinstance(leaf, TensorRef):
+                    raise FormatError(f"{shard}: entry {key!r} is {type(leaf).__name__}; shards hold tensors only")
+                if keys.get(key) != shard:
+                    raise FormatError(f"{shard}: holds {key!r}, which {INDEX} places in {keys.get(key, 'no file')}")
+                tensors.append(TensorEntry(key, (key,), leaf.dtype, leaf.shape, leaf.as_entry(key).chunks))
+        missing = set(keys) - {t.key for t in tensors}
+        if missing:
+            raise FormatError(f"{root / INDEX}: lists keys no shard holds: {sorted(missing)[:5]}")
+        return Manifest(Format.FULL, str(root), tuple(tensors))
+
+    def plan(self, manifest: Manifest, options: WriteOptions) -> WritePlan:
+        regions = {t.key: Region.whole(t, cast_for(t.dtype, options.cast)) for t in manifest.tensors}
+        if options.max_shard_size is None:
+            items = [(t.path, regions[t.key]) for t in manifest.tensors]
+            items += [(o.path, regions_in(o.load(), options.cast)) for o in manifest.objects]
+            name = "model.pt" if options.single_file else "pytorch_model.bin"
+            return WritePlan((FilePlan(name, archive_parts(unflatten(items))),), single_file=options.single_file)
+        if manifest.objects:
+            raise UsageError(f"{manifest.root}: sharded FULL output (pytorch_model-*.bin) holds model tensors only, "
+                             f"but the checkpoint has {len(manifest.objects)} non-tensor entries; "
+                             "write one file (no --max-shard-size) or export the model part")
+        files = split_files(regions, "pytorch_model{suffix}.bin", options.max_shard_size)
+        plans = [FilePlan(name, archive_parts({k: regions[k] for k in keys})) for name, keys in files.items()]
+        if len(plans) > 1:
+            plans.append(FilePlan(INDEX, (Literal(index_json(files, regions)),)))
+        return WritePlan(tuple(plans))

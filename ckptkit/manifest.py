@@ -1,0 +1,194 @@
+"""The one in-memory description every format reads into and writes from.
+
+A :class:`Manifest` lists tensors and non-tensor objects. A tensor is described by its global shape and the
+chunks that hold it; a chunk is a box of the global tensor (``offsets``/``sizes``, as in DCP's
+``ChunkStorageMetadata``) whose bytes lie in one :class:`Span` of one file. Nothing here reads a file:
+readers build manifests, the planner turns them into byte copies.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .dtypes import DType
+from .errors import IncompleteCheckpointError
+
+__all__ = ["Chunk", "Format", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of", "row_major"]
+
+Path_ = tuple  # a state-dict path: str keys and int list indices, e.g. ("optim", "param_groups", 0, "lr")
+
+
+class Format(str, enum.Enum):
+    FULL = "full"
+    SHARDED = "sharded"
+    LOCAL = "local"
+    HF = "hf"
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """``length`` bytes at ``offset`` in ``file`` (an absolute path)."""
+
+    file: str
+    offset: int
+    length: int
+
+
+def row_major(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A box of the global tensor and where its bytes lie.
+
+    ``strides`` (in elements, into ``span``) is None for row-major storage, which is what every sharded
+    format writes; ``torch.save`` of a transposed view is the one source of other strides.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    span: Span
+    strides: tuple[int, ...] | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    key: str
+    path: Path_
+    dtype: DType
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def validate(self) -> None:
+        """Chunks must lie inside the tensor and tile it exactly; identical replicas (HSDP) count once."""
+        problems, boxes = [], []
+        for c in self.chunks:
+            where = c.span.file
+            if len(c.offsets) != len(self.shape) or len(c.sizes) != len(self.shape):
+                problems.append(f"chunk in {where} has rank {len(c.sizes)}, tensor has rank {len(self.shape)}")
+                continue
+            if any(o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, self.shape)):
+                problems.append(f"chunk at {list(c.offsets)} size {list(c.sizes)} in {where} exceeds shape {list(self.shape)}")
+                continue
+            need = _extent(c.sizes, c.strides) * self.dtype.itemsize
+            if c.span.length < need:
+                problems.append(f"chunk at {list(c.offsets)} in {where} holds {c.span.length} bytes, needs {need}")
+            box = (c.offsets, c.sizes)
+            if c.numel and box not in boxes:
+                boxes.append(box)
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                if all(max(ao, bo) < min(ao + asz, bo + bsz) for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1])):
+                    problems.append(f"chunks at {list(a[0])} and {list(b[0])} overlap")
+        covered = sum(math.prod(s) for _, s in boxes)
+        if not problems and covered != self.numel:
+            problems.append(f"chunks cover {covered} of {self.numel} elements (a rank file or chunk is missing)")
+        if problems:
+            raise IncompleteCheckpointError(f"tensor {self.key!r}: " + "; ".join(problems))
+
+
+def _extent(sizes: tuple[int, ...], strides: tuple[int, ...] | None) -> int:
+    if math.prod(sizes) == 0:
+        return 0
+    if strides is None:
+        return math.prod(sizes)
+    return 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor found inside a pickled object (an RNG state, a tensor in a tuple): small, read whole."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    span: Span
+    strides: tuple[int, ...] | None = None
+
+    def as_entry(self, key: str) -> TensorEntry:
+        chunk = Chunk((0,) * len(self.shape), self.shape, self.span, self.strides)
+        return TensorEntry(key, (key,), self.dtype, self.shape, (chunk,))
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectEntry:
+    """A non-tensor entry (step, param_groups, scheduler state). ``value`` may hold :class:`TensorRef` leaves.
+
+    ``blob`` is where a format keeps the entry's serialized ``torch.save`` bytes (DCP does): a writer of the
+    same format copies them verbatim, and ``value`` is decoded from them on demand.
+    """
+
+    key: str
+    path: Path_
+    value: Any = None
+    blob: Span | None = None
+
+    def load(self) -> Any:
+        if self.blob is None:
+            return self.value
+        from ._torchzip import load_blob
+
+        return load_blob(self.blob, where=f"object {self.key!r}")
+
+
+def key_of(path: Path_) -> str:
+    return ".".join(str(p) for p in path)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format: Format
+    root: str
+    tensors: tuple[TensorEntry, ...]
+    objects: tuple[ObjectEntry, ...] = ()
+    world_size: int | None = None
+    details: tuple[tuple[str, str], ...] = ()
+    """Format-specific facts for ``inspect`` (e.g. ``("layout", "FSDP2 Shard(0)")``)."""
+    _by_key: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_key: dict[str, TensorEntry | ObjectEntry] = {}
+        for e in (*self.tensors, *self.objects):
+            if e.key in by_key:
+                raise IncompleteCheckpointError(f"{self.root}: key {e.key!r} appears twice")
+            by_key[e.key] = e
+        object.__setattr__(self, "_by_key", by_key)
+
+    def __getitem__(self, key: str) -> TensorEntry | ObjectEntry:
+        return self._by_key[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._by_key
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._by_key)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def files(self) -> list[str]:
+        seen = dict.fromkeys(c.span.file for t in self.tensors for c in t.chunks)
+        seen.update(dict.fromkeys(o.blob.file for o in self.objects if o.blob))
+        return list(seen)

@@ -1,0 +1,149 @@
+"""Pure planning: what bytes each output file is made of, and which source byte ranges fill a tensor region.
+
+Nothing here opens a file. Writers describe their output as :class:`WritePlan` (files made of
+:class:`Literal` framing bytes and :class:`Region` tensor boxes); :func:`plan_copies` turns a region into the
+list of source byte ranges that produce its row-major bytes. The executor then moves the bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from .dtypes import DType
+from .errors import IncompleteCheckpointError
+from .manifest import Span, TensorEntry, row_major
+
+__all__ = ["Copy", "FilePlan", "Literal", "Part", "Region", "WritePlan", "plan_copies", "row_blocks"]
+
+
+@dataclass(frozen=True, slots=True)
+class Literal:
+    """Bytes a writer computed itself: headers, pickles, zip directories."""
+
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """The row-major bytes of box ``offsets``/``sizes`` of tensor ``entry``, cast to ``cast`` if set."""
+
+    entry: TensorEntry
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    cast: DType | None = None
+
+    @classmethod
+    def whole(cls, entry: TensorEntry, cast: DType | None = None) -> "Region":
+        return cls(entry, (0,) * len(entry.shape), entry.shape, cast)
+
+    @property
+    def dtype(self) -> DType:
+        return self.cast or self.entry.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.sizes) * self.dtype.itemsize
+
+
+Part = Literal | Region
+
+
+@dataclass(frozen=True, slots=True)
+class FilePlan:
+    relpath: str
+    parts: tuple[Part, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    files: tuple[FilePlan, ...]
+    single_file: bool = False
+    """The destination is one file (``files`` has one entry) rather than a directory."""
+    total_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_bytes", sum(f.nbytes for f in self.files))
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Copy ``src`` to byte ``dst`` of the region's row-major buffer."""
+
+    src: Span
+    dst: int
+
+
+def plan_copies(region: Region) -> tuple[Copy, ...]:
+    """Source byte ranges that make up ``region`` (in the entry's own dtype), coalesced, ordered by ``dst``."""
+    entry, ro, rs = region.entry, region.offsets, region.sizes
+    isz, n = entry.dtype.itemsize, len(entry.shape)
+    if math.prod(rs) == 0:
+        return ()
+    rstrides = row_major(rs)
+    copies: list[Copy] = []
+    seen: set[tuple] = set()
+    for c in entry.chunks:
+        box = (c.offsets, c.sizes)
+        if box in seen:  # a replica (HSDP without de-duplication): the first copy serves
+            continue
+        seen.add(box)
+        lo = tuple(max(a, b) for a, b in zip(ro, c.offsets))
+        hi = tuple(min(a + s, b + t) for a, s, b, t in zip(ro, rs, c.offsets, c.sizes))
+        if any(h <= l for l, h in zip(lo, hi)):
+            continue
+        isizes = tuple(h - l for l, h in zip(lo, hi))
+        cstrides = c.strides or row_major(c.sizes)
+        # Widen the contiguous run leftwards while every dim to its right is whole in chunk and region alike.
+        if n == 0:
+            k = 0
+        elif cstrides[-1] != 1:
+            k = n
+        else:
+            k = n - 1
+            while k > 0 and isizes[k] == c.sizes[k] == rs[k] and cstrides[k - 1] == cstrides[k] * c.sizes[k]:
+                k -= 1
+        run = math.prod(isizes[k:]) * isz
+        base_src = sum((lo[d] - c.offsets[d]) * cstrides[d] for d in range(k, n))
+        base_dst = sum((lo[d] - ro[d]) * rstrides[d] for d in range(k, n))
+        for idx in itertools.product(*(range(lo[d], hi[d]) for d in range(k))):
+            s = base_src + sum((i - c.offsets[d]) * cstrides[d] for d, i in enumerate(idx))
+            t = base_dst + sum((i - ro[d]) * rstrides[d] for d, i in enumerate(idx))
+            copies.append(Copy(Span(c.span.file, c.span.offset + s * isz, run), t * isz))
+    copies.sort(key=lambda cp: cp.dst)
+    merged: list[Copy] = []
+    for cp in copies:
+        last = merged[-1] if merged else None
+        if (last and last.src.file == cp.src.file and last.src.offset + last.src.length == cp.src.offset
+                and last.dst + last.src.length == cp.dst):
+            merged[-1] = Copy(Span(cp.src.file, last.src.offset, last.src.length + cp.src.length), last.dst)
+        else:
+            merged.append(cp)
+    covered = sum(cp.src.length for cp in merged)
+    if covered != math.prod(rs) * isz:
+        raise IncompleteCheckpointError(
+            f"tensor {entry.key!r}: chunks supply {covered} of the {math.prod(rs) * isz} bytes of box "
+            f"{list(ro)}+{list(rs)} (a rank file or chunk is missing)")
+    return tuple(merged)
+
+
+def row_blocks(region: Region, budget: int) -> list[Region]:
+    """Split ``region`` along dim 0 into boxes of at most ``budget`` bytes (one row at least)."""
+    if not region.sizes or region.nbytes <= budget:
+        return [region]
+    row = region.nbytes // region.sizes[0] or 1
+    step = max(1, budget // row)
+    out = []
+    for a in range(0, region.sizes[0], step):
+        b = min(a + step, region.sizes[0])
+        out.append(Region(region.entry, (region.offsets[0] + a, *region.offsets[1:]), (b - a, *region.sizes[1:]), region.cast))
+    return out
