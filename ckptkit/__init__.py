@@ -1,0 +1,19 @@
+"""ckptkit: convert, re-shard, export and verify PyTorch (FSDP) checkpoints by streaming bytes.
+
+Four forms, one :class:`Manifest`: FULL (``torch.save``), SHARDED (``torch.distributed.checkpoint``),
+LOCAL (FSDP1 ``LOCAL_STATE_DICT``) and HF safetensors.
+"""
+
+from .convert import Report, convert, reshard
+from .errors import (CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError,
+                     UsageError)
+from .export import export_hf
+from .inspect import inspect
+from .manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry
+from .verify import VerifyReport, verify
+
+__all__ = [
+    "CheckpointError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError", "Manifest", "ObjectEntry",
+    "Report", "Span", "TensorEntry", "UnsafeCheckpointError", "UsageError", "VerifyReport", "convert",
+    "export_hf", "inspect", "reshard", "verify",
+]

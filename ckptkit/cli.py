@@ -1,0 +1,162 @@
+"""``ckptkit`` command line: a thin shell over the library.
+
+Exit codes: 0 success, 1 ``verify`` found differences, 2 bad input or usage (one line, no traceback unless
+``--debug``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import CheckpointError
+
+__all__ = ["main"]
+
+
+def _size(value: str) -> int:
+    from .convert import parse_size
+
+    return parse_size(value, "--max-memory")
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (CheckpointError, OSError) as e:
+            if ctx.params.get("debug"):
+                raise
+            click.echo(f"ckptkit: error: {e}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+@click.version_option(package_name="ckptkit")
+def cli(debug: bool) -> None:
+    """Convert, re-shard, export and verify PyTorch FSDP checkpoints, streaming tensor by tensor."""
+
+
+_quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bar or report.")
+_overwrite = click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
+_memory = click.option("--max-memory", default="1GiB", show_default=True, callback=lambda c, p, v: _size(v),
+                       help="Budget for bytes held in memory (dtype casts, verify).")
+_no_fsync = click.option("--no-fsync", is_flag=True, help="Skip fsync of written files (faster, not crash-safe).")
+
+
+def _report(report, quiet: bool) -> None:
+    if not quiet:
+        click.echo("\n".join(report.lines()))
+
+
+@cli.command()
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def inspect(path: Path, as_json: bool) -> None:
+    """Show format, world size, tensors with shapes and chunking, and other entries."""
+    from .inspect import inspect as _inspect, render, summary
+
+    s = summary(_inspect(path))
+    click.echo(json.dumps(s, indent=2) if as_json else render(s))
+
+
+@cli.command()
+@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--to", "to", required=True, type=click.Choice(["full", "sharded", "hf"]), help="Target format.")
+@click.option("--world-size", default=1, show_default=True, type=click.IntRange(min=1), help="Ranks (sharded).")
+@click.option("--max-shard-size", default=None, help="Largest output file, e.g. 5GB (hf, full).")
+@_overwrite
+@_memory
+@_no_fsync
+@_quiet
+def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, no_fsync, quiet) -> None:
+    """Convert SRC (any format) to DST in format --to."""
+    from .convert import convert as _convert
+
+    _report(_convert(src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, overwrite=overwrite,
+                     max_memory=max_memory, fsync=not no_fsync, progress=not quiet), quiet)
+
+
+@cli.command()
+@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--world-size", required=True, type=click.IntRange(min=1), help="Ranks to lay the checkpoint out for.")
+@_overwrite
+@_memory
+@_no_fsync
+@_quiet
+def reshard(src, dst, world_size, overwrite, max_memory, no_fsync, quiet) -> None:
+    """Re-lay-out the sharded checkpoint SRC for --world-size ranks (no GPUs, no process group)."""
+    from .convert import reshard as _reshard
+
+    _report(_reshard(src, dst, world_size=world_size, overwrite=overwrite, max_memory=max_memory,
+                     fsync=not no_fsync, progress=not quiet), quiet)
+
+
+@cli.command("export-hf")
+@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--model-key", default="auto", show_default=True,
+              help="Top-level key holding the model ('auto' tries model, state_dict, model_state_dict, module).")
+@click.option("--dtype", default="keep", show_default=True, type=click.Choice(["keep", "bf16", "fp16", "fp32"]),
+              help="Cast floating tensors; integer and bool tensors keep their dtype.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file.")
+@click.option("--strip-prefix", "strip_prefixes", multiple=True, help="Also strip this leading key prefix (repeatable).")
+@click.option("--keep-wrapper-prefixes", is_flag=True,
+              help="Do not strip module., _orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.")
+@click.option("--hf-assets", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="HF model directory to copy config.json and tokenizer files from.")
+@_overwrite
+@_memory
+@_no_fsync
+@_quiet
+def export_hf(src, dst, model_key, dtype, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
+              overwrite, max_memory, no_fsync, quiet) -> None:
+    """Write the model part of SRC as Hugging Face safetensors in DST."""
+    from .export import export_hf as _export
+
+    _report(_export(src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
+                    strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
+                    overwrite=overwrite, max_memory=max_memory, fsync=not no_fsync, progress=not quiet), quiet)
+
+
+@cli.command()
+@click.argument("a", type=click.Path(exists=True, path_type=Path))
+@click.argument("b", type=click.Path(exists=True, path_type=Path))
+@click.option("--model-only", is_flag=True, help="Compare only the model part, named as export-hf names it.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_memory
+@_quiet
+def verify(a, b, model_only, as_json, max_memory, quiet) -> None:
+    """Compare A and B (any formats) key by key and byte by byte; exit 1 if they differ."""
+    from .verify import verify as _verify
+
+    r = _verify(a, b, model_only=model_only, max_memory=max_memory, progress=not quiet)
+    if as_json:
+        click.echo(json.dumps(r.to_json(), indent=2))
+    elif not quiet or not r.ok:
+        click.echo(f"{a} ({r.format_a.value}) vs {b} ({r.format_b.value}): {r.tensors} tensors "
+                   f"({r.bytes:,} bytes) and {r.objects} other entries compared")
+        click.echo("identical" if r.ok else f"{len(r.differences)} differences:")
+        for d in r.differences:
+            click.echo(f"  {d.key}: {d.what}")
+    sys.exit(0 if r.ok else 1)
+
+
+@cli.command()
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep the demo's checkpoints here (default: a temporary directory, removed after).")
+def demo(workdir) -> None:
+    """Train a small transformer on 4 gloo ranks, then reshard, export, convert back and verify."""
+    from .demo import run_demo
+
+    run_demo(workdir)
+
+
+def main() -> None:
+    cli(prog_name="ckptkit")

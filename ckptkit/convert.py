@@ -1,0 +1,104 @@
+"""Any format to any format, and offline re-sharding: read a manifest, plan the target, stream it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UsageError
+from .executor import DEFAULT_MAX_MEMORY, execute
+from .formats import WriteOptions, detect, io_for
+from .manifest import Format, Manifest
+from .planner import FilePlan, WritePlan
+from .progress import progress_bar
+
+__all__ = ["Report", "convert", "parse_size", "reshard", "write"]
+
+FULL_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a conversion wrote."""
+
+    source: str
+    source_format: Format
+    destination: str
+    destination_format: Format
+    tensors: int
+    objects: int
+    bytes: int
+    files: int
+    seconds: float
+    world_size: int | None = None
+    notes: tuple[str, ...] = ()
+
+    def lines(self) -> list[str]:
+        ws = f" for {self.world_size} ranks" if self.world_size else ""
+        return [f"{self.source} ({self.source_format.value}) -> {self.destination} ({self.destination_format.value}{ws})",
+                f"  {self.tensors} tensors, {self.objects} other entries, {self.bytes / 1e6:.1f} MB in {self.files} files, "
+                f"{self.seconds:.2f} s", *(f"  note: {n}" for n in self.notes)]
+
+
+_BINARY = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(value: int | str | None, option: str = "--max-shard-size") -> int | None:
+    """``"5GB"`` (decimal, by huggingface_hub's own parser, as HF uses) or ``"1GiB"`` (binary) to bytes."""
+    if value is None or isinstance(value, int):
+        return value
+    text = value.strip().upper()
+    unit = next((u for u in _BINARY if text.endswith(u)), None)
+    try:
+        if unit:
+            return int(float(text[: -len(unit)]) * _BINARY[unit])
+        if text.isdigit():
+            return int(text)
+        from huggingface_hub.serialization._base import parse_size_to_int
+
+        return parse_size_to_int(text)
+    except ValueError as e:
+        raise UsageError(f"{option}: expected a size like 5GB, 512MiB or 1000000, got {value!r}") from e
+
+
+def write(manifest: Manifest, fmt: Format, dst: Path | str, options: WriteOptions, *, overwrite: bool,
+          max_memory: int, fsync: bool, progress: bool, extra_files: tuple[FilePlan, ...] = (),
+          notes: tuple[str, ...] = ()) -> Report:
+    start = time.perf_counter()
+    plan = io_for(fmt).plan(manifest, options)
+    plan = WritePlan(plan.files + extra_files, single_file=plan.single_file)
+    with progress_bar(plan.total_bytes, f"{fmt.value}", progress) as update:
+        execute(plan, Path(dst), overwrite=overwrite, sources=(Path(manifest.root),), max_memory=max_memory,
+                fsync=fsync, progress=update)
+    ws = options.world_size if fmt in (Format.SHARDED, Format.LOCAL) else None
+    return Report(manifest.root, manifest.format, str(dst), fmt, len(manifest.tensors), len(manifest.objects),
+                  plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes)
+
+
+def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: int = 1,
+            max_shard_size: int | str | None = None, overwrite: bool = False,
+            max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = True, progress: bool = False) -> Report:
+    """Convert the checkpoint at ``src`` into format ``to`` at ``dst``, streaming tensor by tensor.
+
+    FULL output is one ``torch.save`` file when ``dst`` ends in .pt/.pth/.bin/.ckpt and no shard size is
+    given, else a directory (``pytorch_model.bin`` or HF-style ``pytorch_model-*.bin`` shards).
+    """
+    fmt = Format(to)
+    manifest = detect(src).read(Path(src))
+    single = fmt is Format.FULL and max_shard_size is None and Path(dst).suffix in FULL_FILE_SUFFIXES
+    options = WriteOptions(world_size=world_size, max_shard_size=parse_size(max_shard_size), single_file=single)
+    return write(manifest, fmt, dst, options, overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=progress)
+
+
+def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: bool = False,
+            max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = True, progress: bool = False) -> Report:
+    """Re-lay-out a sharded checkpoint for ``world_size`` ranks, in its own format; no GPU or process group."""
+    reader = detect(src)
+    if reader.format not in (Format.SHARDED, Format.LOCAL):
+        raise UsageError(f"{src}: is a {reader.format.value} checkpoint, not a sharded one; "
+                         f"use 'ckptkit convert {src} DST --to sharded --world-size {world_size}'")
+    manifest = reader.read(Path(src))
+    options = WriteOptions(world_size=world_size)
+    return write(manifest, reader.format, dst, options, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
+                 progress=progress)

@@ -1,0 +1,47 @@
+"""What a checkpoint holds, as a dict (``--json``) or as text."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from .formats import detect
+from .manifest import Manifest
+
+__all__ = ["inspect", "render", "summary"]
+
+
+def inspect(path: Path | str) -> Manifest:
+    """The manifest of the checkpoint at ``path``: format, tensors with their chunks, other entries."""
+    return detect(path).read(Path(path))
+
+
+def summary(m: Manifest) -> dict[str, Any]:
+    return {
+        "path": m.root,
+        "format": m.format.value,
+        "world_size": m.world_size,
+        "tensors": len(m.tensors),
+        "bytes": m.nbytes,
+        "dtypes": dict(Counter(t.dtype.name for t in m.tensors)),
+        "details": dict(m.details),
+        "entries": [{"key": t.key, "dtype": t.dtype.name, "shape": list(t.shape),
+                     "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": Path(c.span.file).name}
+                                for c in t.chunks]} for t in m.tensors],
+        "objects": [{"key": o.key, "value": repr(o.load())[:200]} for o in m.objects],
+    }
+
+
+def render(s: dict[str, Any]) -> str:
+    ws = f", world size {s['world_size']}" if s["world_size"] else ""
+    dts = ", ".join(f"{k} x{v}" for k, v in s["dtypes"].items())
+    lines = [f"{s['path']}: {s['format']}{ws}",
+             f"{s['tensors']} tensors, {s['bytes']:,} bytes ({dts or 'none'}); {len(s['objects'])} other entries"]
+    lines += [f"{k}: {v}" for k, v in s["details"].items()]
+    width = max((len(e["key"]) for e in s["entries"]), default=0)
+    for e in s["entries"]:
+        chunks = len(e["chunks"])
+        lines.append(f"  {e['key']:<{width}}  {e['dtype']:<14} {str(e['shape']):<20} {chunks} chunk{'s' * (chunks != 1)}")
+    lines += [f"  {o['key']} = {o['value']}" for o in s["objects"]]
+    return "\n".join(lines)
