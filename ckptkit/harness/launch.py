@@ -1,0 +1,54 @@
+"""Start N real ranks (``torch.multiprocessing`` spawn, gloo or NCCL, ``file://`` rendezvous) and collect
+what each returns."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_ranks"]
+
+
+def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tuple, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"file://{rdv}", rank=rank, world_size=world)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        results.put((rank, fn(rank, world, *args), None))
+    except BaseException as e:  # report, then let spawn see the failure too
+        results.put((rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results by rank.
+
+    ``fn`` must be importable (a module-level function) since ranks are spawned, not forked.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory(prefix="ckptkit-rdv-") as tmp:
+        rdv = os.path.join(tmp, "rendezvous")
+        try:
+            mp.spawn(_entry, args=(fn, world_size, rdv, backend, args, results), nprocs=world_size, join=True)
+        except mp.ProcessRaisedException:
+            pass  # the rank's own message is in results
+        out: dict[int, Any] = {}
+        while not results.empty():
+            rank, value, error = results.get()
+            if error:
+                raise RuntimeError(f"rank {rank} of {world_size} failed: {error}")
+            out[rank] = value
+    if len(out) != world_size:
+        raise RuntimeError(f"only ranks {sorted(out)} of {world_size} reported back")
+    return [out[r] for r in range(world_size)]
