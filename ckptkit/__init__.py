@@ -4,16 +4,29 @@ Four forms, one :class:`Manifest`: FULL (``torch.save``), SHARDED (``torch.distr
 LOCAL (FSDP1 ``LOCAL_STATE_DICT``) and HF safetensors.
 """
 
-from .convert import Report, convert, reshard
+import importlib
+
 from .errors import (CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError,
                      UsageError)
-from .export import export_hf
-from .inspect import inspect
-from .manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry
-from .verify import VerifyReport, verify
 
-__all__ = [
-    "CheckpointError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError", "Manifest", "ObjectEntry",
-    "Report", "Span", "TensorEntry", "UnsafeCheckpointError", "UsageError", "VerifyReport", "convert",
-    "export_hf", "inspect", "reshard", "verify",
-]
+# Public names load on first use (PEP 562): the command line imports only what a command runs, and
+# never torch on the byte-moving paths.
+_LAZY = {
+    "convert": "convert", "reshard": "convert", "Report": "convert",
+    "export_hf": "export", "inspect": "inspect", "verify": "verify", "VerifyReport": "verify",
+    "Chunk": "manifest", "Format": "manifest", "Manifest": "manifest", "ObjectEntry": "manifest",
+    "Span": "manifest", "TensorEntry": "manifest",
+}
+
+__all__ = ["CheckpointError", "FormatError", "IncompleteCheckpointError", "UnsafeCheckpointError", "UsageError",
+           *sorted(_LAZY)]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

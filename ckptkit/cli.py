@@ -45,7 +45,8 @@ _quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bar or re
 _overwrite = click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
 _memory = click.option("--max-memory", default="1GiB", show_default=True, callback=lambda c, p, v: _size(v),
                        help="Budget for bytes held in memory (dtype casts, verify).")
-_no_fsync = click.option("--no-fsync", is_flag=True, help="Skip fsync of written files (faster, not crash-safe).")
+_fsync = click.option("--fsync", is_flag=True,
+                      help="fsync every written file before the final rename (durable across power loss; slower).")
 
 
 def _report(report, quiet: bool) -> None:
@@ -72,14 +73,14 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option("--max-shard-size", default=None, help="Largest output file, e.g. 5GB (hf, full).")
 @_overwrite
 @_memory
-@_no_fsync
+@_fsync
 @_quiet
-def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, no_fsync, quiet) -> None:
+def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, fsync, quiet) -> None:
     """Convert SRC (any format) to DST in format --to."""
     from .convert import convert as _convert
 
     _report(_convert(src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, overwrite=overwrite,
-                     max_memory=max_memory, fsync=not no_fsync, progress=not quiet), quiet)
+                     max_memory=max_memory, fsync=fsync, progress=not quiet), quiet)
 
 
 @cli.command()
@@ -88,14 +89,14 @@ def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, no_
 @click.option("--world-size", required=True, type=click.IntRange(min=1), help="Ranks to lay the checkpoint out for.")
 @_overwrite
 @_memory
-@_no_fsync
+@_fsync
 @_quiet
-def reshard(src, dst, world_size, overwrite, max_memory, no_fsync, quiet) -> None:
+def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet) -> None:
     """Re-lay-out the sharded checkpoint SRC for --world-size ranks (no GPUs, no process group)."""
     from .convert import reshard as _reshard
 
     _report(_reshard(src, dst, world_size=world_size, overwrite=overwrite, max_memory=max_memory,
-                     fsync=not no_fsync, progress=not quiet), quiet)
+                     fsync=fsync, progress=not quiet), quiet)
 
 
 @cli.command("export-hf")
@@ -113,16 +114,16 @@ def reshard(src, dst, world_size, overwrite, max_memory, no_fsync, quiet) -> Non
               help="HF model directory to copy config.json and tokenizer files from.")
 @_overwrite
 @_memory
-@_no_fsync
+@_fsync
 @_quiet
 def export_hf(src, dst, model_key, dtype, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
-              overwrite, max_memory, no_fsync, quiet) -> None:
+              overwrite, max_memory, fsync, quiet) -> None:
     """Write the model part of SRC as Hugging Face safetensors in DST."""
     from .export import export_hf as _export
 
     _report(_export(src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
                     strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
-                    overwrite=overwrite, max_memory=max_memory, fsync=not no_fsync, progress=not quiet), quiet)
+                    overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=not quiet), quiet)
 
 
 @cli.command()
@@ -160,3 +161,7 @@ def demo(workdir) -> None:
 
 def main() -> None:
     cli(prog_name="ckptkit")
+
+
+if __name__ == "__main__":
+    main()

@@ -78,7 +78,7 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, options: WriteOption
 
 def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: int = 1,
             max_shard_size: int | str | None = None, overwrite: bool = False,
-            max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = True, progress: bool = False) -> Report:
+            max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False) -> Report:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``, streaming tensor by tensor.
 
     FULL output is one ``torch.save`` file when ``dst`` ends in .pt/.pth/.bin/.ckpt and no shard size is
@@ -92,7 +92,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: i
 
 
 def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: bool = False,
-            max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = True, progress: bool = False) -> Report:
+            max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False) -> Report:
     """Re-lay-out a sharded checkpoint for ``world_size`` ranks, in its own format; no GPU or process group."""
     reader = detect(src)
     if reader.format not in (Format.SHARDED, Format.LOCAL):

@@ -63,7 +63,7 @@ def _untie(tensors: list[TensorEntry], config: dict, max_memory: int) -> tuple[l
 def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: str = "keep",
               max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
               strip_wrappers: bool = True, hf_assets: Path | str | None = None, overwrite: bool = False,
-              max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = True, progress: bool = False) -> Report:
+              max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False) -> Report:
     """Write the model tensors of ``src`` as HF safetensors at ``dst`` (with the index file when sharded).
 
     ``dtype`` is ``keep`` or one of ``bf16``/``fp16``/``fp32``; a cast touches floating tensors only.

@@ -11,14 +11,16 @@ tensor (``torch.chunk`` sizes, so the last ranks may hold fewer rows or none).
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 from .._pickle import Record, SafeUnpickler, dumps, keep_call, make_record, record_class
-from .._torchzip import archive_parts, is_archive, raw_entry, read_archive
+from .._torchzip import ARCHIVE_MAGIC, archive_parts, raw_entry, read_archive
 from ..dtypes import DType
 from ..errors import FormatError, IncompleteCheckpointError
+from ..executor import Files
 from ..manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, key_of
 from ..planner import FilePlan, Literal, Part, Region, WritePlan
 from .. import dtypes
@@ -65,7 +67,10 @@ class DcpIO(FormatIO):
         return path.is_dir() and (path / METADATA).is_file()
 
     def read(self, path: Path) -> Manifest:
-        root = path.absolute()
+        with Files() as files:
+            return self._read(path.absolute(), files)
+
+    def _read(self, root: Path, files: Files) -> Manifest:
         meta_path = root / METADATA
         md = SafeUnpickler(meta_path.read_bytes(), METADATA_GLOBALS, where=str(meta_path)).load_checked()
         if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict):
@@ -106,8 +111,10 @@ class DcpIO(FormatIO):
                 offsets, sizes = tuple(c.offsets), tuple(c.sizes)
                 span = locate(key, offsets)
                 strides = None
-                if is_archive(span.file, span.offset):
-                    ref = read_archive(span.file, span.offset, span.length, where=f"{span.file}: {key!r} chunk {list(offsets)}")
+                fd = files.fd(span.file, span.offset + span.length)
+                if os.pread(fd, 4, span.offset) == ARCHIVE_MAGIC:
+                    ref = read_archive(span.file, span.offset, span.length, fd=fd,
+                                       where=f"{span.file}: {key!r} chunk {list(offsets)}")
                     if not isinstance(ref, TensorRef) or ref.shape != sizes or ref.dtype != dtype:
                         found = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
                         raise FormatError(f"{span.file}: {key!r} chunk at {list(offsets)} holds {found}, "

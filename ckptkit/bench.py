@@ -1,0 +1,150 @@
+"""``bin/bench``: ckptkit against ``cp`` and against the path users take today, on one synthetic checkpoint.
+
+A LLaMA-shaped bf16 state dict of about ``--size`` bytes (random bits; the shapes are what matter) is
+written as a 4-rank DCP checkpoint, FSDP2-style ``Shard(0)``. Each contender then runs as its own process,
+``--repeat`` times on a warm page cache; the table shows median wall time and the peak RSS of that
+process (``os.wait4``; every row includes a ~9 MB floor, see ``_RUNNER``), and ratios against ``cp`` and the torch path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from .convert import parse_size
+from .dtypes import by_name
+from .executor import execute
+from .formats import WriteOptions, io_for
+from .manifest import Chunk, Format, Manifest, Span, TensorEntry
+
+__all__ = ["main"]
+
+_TORCH_PATH = """
+import sys, torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from safetensors.torch import save_file
+src, tmp, out = sys.argv[1:]
+dcp_to_torch_save(src, tmp)
+save_file(torch.load(tmp, weights_only=True), out)
+"""
+
+
+def llama_shapes(target: int, dim: int = 2048, ffn: int = 5632, vocab: int = 32000) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameter names and shapes of a LLaMA with as many layers as fit in ``target`` bf16 bytes."""
+    per_layer = 2 * (4 * dim * dim + 3 * dim * ffn + 2 * dim)
+    layers = max(1, (target - 2 * 2 * vocab * dim) // per_layer)
+    shapes = [("model.embed_tokens.weight", (vocab, dim))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [(p + f"self_attn.{n}_proj.weight", (dim, dim)) for n in "qkvo"]
+        shapes += [(p + "mlp.gate_proj.weight", (ffn, dim)), (p + "mlp.up_proj.weight", (ffn, dim)),
+                   (p + "mlp.down_proj.weight", (dim, ffn))]
+        shapes += [(p + "input_layernorm.weight", (dim,)), (p + "post_attention_layernorm.weight", (dim,))]
+    return shapes + [("model.norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))]
+
+
+def make_checkpoint(root: Path, size: int, world_size: int = 4) -> int:
+    """Write the synthetic checkpoint as DCP under ``root / 'dcp'``; return its tensor bytes."""
+    bf16 = by_name("bfloat16")
+    shapes = llama_shapes(size)
+    total = sum(2 * _numel(s) for _, s in shapes)
+    raw = root / "random.bin"
+    block = os.urandom(64 << 20)
+    with open(raw, "wb") as f:
+        for start in range(0, total, len(block)):
+            f.write(block[: min(len(block), total - start)])
+    tensors, pos = [], 0
+    for key, shape in shapes:
+        n = 2 * _numel(shape)
+        tensors.append(TensorEntry(key, (key,), bf16, shape, (Chunk((0,) * len(shape), shape, Span(str(raw), pos, n)),)))
+        pos += n
+    manifest = Manifest(Format.FULL, str(raw), tuple(tensors))
+    execute(io_for(Format.SHARDED).plan(manifest, WriteOptions(world_size=world_size)), root / "dcp", fsync=False)
+    raw.unlink()
+    return total
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# Runs one command and prints "wall_seconds peak_rss_bytes". A process inherits, as its RSS high-water mark,
+# the RSS of whoever exec'd it; this runner is a bare interpreter (~9 MB), so every row carries that floor
+# rather than the ~100 MB of this benchmark process.
+_RUNNER = """
+import os, sys, time
+t = time.perf_counter()
+pid = os.posix_spawnp(sys.argv[2], sys.argv[2:], os.environ, file_actions=[
+    (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+    (os.POSIX_SPAWN_OPEN, 2, sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)])
+_, status, usage = os.wait4(pid, 0)
+print(time.perf_counter() - t, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status))
+"""
+
+
+def _run(cmd: list[str], log: Path) -> tuple[float, float]:
+    """Wall seconds and peak RSS in bytes of ``cmd`` as a child process."""
+    out = subprocess.run([sys.executable, "-S", "-c", _RUNNER, str(log), *cmd], capture_output=True, text=True, check=True)
+    wall, rss, code = out.stdout.split()
+    if int(code) != 0:
+        raise click.ClickException(f"{' '.join(cmd)} failed: {log.read_text()[-2000:]}")
+    return float(wall), float(rss)
+
+
+@click.command()
+@click.option("--size", default="2GB", show_default=True, help="Approximate checkpoint size.")
+@click.option("--repeat", default=3, show_default=True, type=click.IntRange(min=1), help="Runs per contender (median).")
+@click.option("--skip-torch", is_flag=True, help="Leave out the torch path (it needs ~1.1x the size in RAM).")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), help="Where to write (default: a temp dir).")
+def main(size: str, repeat: int, skip_torch: bool, workdir: Path | None) -> None:
+    root = Path(tempfile.mkdtemp(prefix="ckptkit-bench-", dir=workdir))
+    try:
+        total = make_checkpoint(root, parse_size(size, "--size"))
+        src = root / "dcp"
+        ckptkit = [sys.executable, "-m", "ckptkit.cli"]
+        contenders = {
+            "cp -r (same bytes)": lambda out: ["cp", "-r", str(src), str(out)],
+            "ckptkit export-hf": lambda out: [*ckptkit, "export-hf", str(src), str(out), "-q"],
+            "ckptkit reshard -> 3": lambda out: [*ckptkit, "reshard", str(src), str(out), "--world-size", "3", "-q"],
+            "ckptkit export-hf --fsync": lambda out: [*ckptkit, "export-hf", str(src), str(out), "-q", "--fsync"],
+        }
+        if not skip_torch:
+            contenders["torch dcp_to_torch_save + save_file"] = lambda out: [
+                sys.executable, "-c", _TORCH_PATH, str(src), str(root / "tmp.pt"), str(out)]
+        subprocess.run(["cat", *map(str, src.iterdir())], stdout=subprocess.DEVNULL, check=True)  # warm the cache
+        results = {}
+        for name, cmd in contenders.items():
+            runs = []
+            for _ in range(repeat):
+                out = root / "out"
+                runs.append(_run(cmd(out), root / "stderr.log"))
+                shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink(missing_ok=True)
+                (root / "tmp.pt").unlink(missing_ok=True)
+            results[name] = (statistics.median(w for w, _ in runs), max(r for _, r in runs))
+        _table(results, total, repeat)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _table(results: dict[str, tuple[float, float]], total: int, repeat: int) -> None:
+    cp = results["cp -r (same bytes)"][0]
+    torch_path = results.get("torch dcp_to_torch_save + save_file", (None,))[0]
+    click.echo(f"checkpoint: {total / 1e9:.2f} GB bf16, LLaMA-shaped, 4-rank DCP; median of {repeat} runs, warm cache")
+    click.echo(f"{'what':<38} {'wall s':>7} {'GB/s':>6} {'peak RSS MB':>12} {'x cp':>6} {'x torch':>8}")
+    for name, (wall, rss) in results.items():
+        vs_torch = f"{wall / torch_path:.2f}" if torch_path else "-"
+        click.echo(f"{name:<38} {wall:7.2f} {total / wall / 1e9:6.2f} {rss / 2**20:12.0f} {wall / cp:6.2f} {vs_torch:>8}")
+
+
+if __name__ == "__main__":
+    main()
