@@ -1,32 +1,21 @@
 """ckptkit: convert, re-shard, export and verify PyTorch (FSDP) checkpoints by streaming bytes.
 
 Four forms, one :class:`Manifest`: FULL (``torch.save``), SHARDED (``torch.distributed.checkpoint``),
-LOCAL (FSDP1 ``LOCAL_STATE_DICT``) and HF safetensors.
+LOCAL (FSDP1 ``LOCAL_STATE_DICT``) and HF safetensors. None of this imports torch; only a dtype cast does.
 """
 
-import importlib
-
+# Imported eagerly: a function bound here after its module (``convert`` in ``ckptkit.convert``) stays the
+# package attribute, whereas a lazily fetched one is replaced by the module on the module's first import.
+from .convert import Report, convert, reshard
 from .errors import (CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError,
                      UsageError)
+from .export import export_hf
+from .inspect import inspect
+from .manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry
+from .verify import VerifyReport, verify
 
-# Public names load on first use (PEP 562): the command line imports only what a command runs, and
-# never torch on the byte-moving paths.
-_LAZY = {
-    "convert": "convert", "reshard": "convert", "Report": "convert",
-    "export_hf": "export", "inspect": "inspect", "verify": "verify", "VerifyReport": "verify",
-    "Chunk": "manifest", "Format": "manifest", "Manifest": "manifest", "ObjectEntry": "manifest",
-    "Span": "manifest", "TensorEntry": "manifest",
-}
-
-__all__ = ["CheckpointError", "FormatError", "IncompleteCheckpointError", "UnsafeCheckpointError", "UsageError",
-           *sorted(_LAZY)]
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__all__ = [
+    "CheckpointError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError", "Manifest", "ObjectEntry",
+    "Report", "Span", "TensorEntry", "UnsafeCheckpointError", "UsageError", "VerifyReport", "convert",
+    "export_hf", "inspect", "reshard", "verify",
+]

@@ -7,7 +7,12 @@ from typing import Any, Callable, Iterator
 
 from .manifest import Path_
 
-__all__ = ["flatten", "unflatten"]
+__all__ = ["ListIndex", "dcp_path", "flatten", "from_dcp_path", "unflatten"]
+
+
+class ListIndex(int):
+    """A list position in a path. Plain ``int`` path elements are dict keys (``optimizer.state`` is keyed by
+    int), so the two must stay apart for a round trip to rebuild dicts as dicts and lists as lists."""
 
 
 def _is_terminal_list(value: list, is_tensor: Callable[[Any], bool]) -> bool:
@@ -22,31 +27,41 @@ def flatten(tree: Any, is_tensor: Callable[[Any], bool], prefix: Path_ = ()) -> 
             yield from flatten(v, is_tensor, (*prefix, k))
     elif isinstance(tree, list) and tree and not _is_terminal_list(tree, is_tensor):
         for i, v in enumerate(tree):
-            yield from flatten(v, is_tensor, (*prefix, i))
+            yield from flatten(v, is_tensor, (*prefix, ListIndex(i)))
     else:
         yield prefix, tree
 
 
 def unflatten(items: list[tuple[Path_, Any]]) -> Any:
-    """Rebuild nesting: ``str`` path elements make dicts, ``int`` ones make lists."""
+    """Rebuild nesting: :class:`ListIndex` path elements make lists, any other key makes a dict."""
     if len(items) == 1 and items[0][0] == ():
         return items[0][1]
-    root: dict = {}
+    new = lambda key: [] if isinstance(key, ListIndex) else {}  # noqa: E731
+    root = new(items[0][0][0]) if items else {}
     for path, value in items:
-        node: Any = root
+        node = root
         for here, nxt in zip(path, path[1:]):
-            child = [] if isinstance(nxt, int) else {}
-            if isinstance(node, list):
-                while len(node) <= here:
-                    node.append(None)
-                if node[here] is None:
-                    node[here] = child
-                node = node[here]
-            else:
-                node = node.setdefault(here, child)
-        last = path[-1]
-        if isinstance(node, list):
-            while len(node) <= last:
-                node.append(None)
-        node[last] = value
+            node = _slot(node, here, lambda: new(nxt))
+        _slot(node, path[-1], lambda: value, replace=True)
     return root
+
+
+def _slot(node: Any, key: Any, make: Callable[[], Any], replace: bool = False) -> Any:
+    if isinstance(node, list):
+        node.extend([None] * (key + 1 - len(node)))
+        if node[key] is None or replace:
+            node[key] = make()
+        return node[key]
+    if key not in node or replace:
+        node[key] = make()
+    return node[key]
+
+
+def dcp_path(path: Path_) -> tuple:
+    """The path as DCP's ``planner_data`` spells it: dict keys as ``str``, list positions as ``int``."""
+    return tuple(int(p) if isinstance(p, ListIndex) else str(p) for p in path)
+
+
+def from_dcp_path(path: tuple) -> Path_:
+    """DCP stringifies dict keys, so an ``int`` in its ``planner_data`` is always a list position."""
+    return tuple(ListIndex(p) if isinstance(p, int) else p for p in path)

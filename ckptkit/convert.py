@@ -9,6 +9,7 @@ from pathlib import Path
 from .errors import UsageError
 from .executor import DEFAULT_MAX_MEMORY, execute
 from .formats import WriteOptions, detect, io_for
+from .formats.base import is_empty_container
 from .manifest import Format, Manifest
 from .planner import FilePlan, WritePlan
 from .progress import progress_bar
@@ -66,6 +67,7 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, options: WriteOption
           max_memory: int, fsync: bool, progress: bool, extra_files: tuple[FilePlan, ...] = (),
           notes: tuple[str, ...] = ()) -> Report:
     start = time.perf_counter()
+    notes += _left_out(manifest, fmt)
     plan = io_for(fmt).plan(manifest, options)
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file)
     with progress_bar(plan.total_bytes, f"{fmt.value}", progress) as update:
@@ -76,6 +78,17 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, options: WriteOption
                   plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes)
 
 
+def _left_out(manifest: Manifest, fmt: Format) -> tuple[str, ...]:
+    """Notes on entries the target format cannot hold, so that nothing goes missing unreported."""
+    if fmt is Format.HF and manifest.objects:
+        return (f"{len(manifest.objects)} non-tensor entries not written (safetensors holds tensors only): "
+                + ", ".join(o.key for o in manifest.objects[:5]) + (" ..." if len(manifest.objects) > 5 else ""),)
+    empty = [o.key for o in manifest.objects if is_empty_container(o)]
+    if fmt is Format.SHARDED and empty:
+        return (f"empty containers not written (torch's DCP does not store them): {', '.join(empty[:5])}",)
+    return ()
+
+
 def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: int = 1,
             max_shard_size: int | str | None = None, overwrite: bool = False,
             max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False) -> Report:
@@ -84,7 +97,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: i
     FULL output is one ``torch.save`` file when ``dst`` ends in .pt/.pth/.bin/.ckpt and no shard size is
     given, else a directory (``pytorch_model.bin`` or HF-style ``pytorch_model-*.bin`` shards).
     """
-    fmt = Format(to)
+    fmt = io_for(to).format
     manifest = detect(src).read(Path(src))
     single = fmt is Format.FULL and max_shard_size is None and Path(dst).suffix in FULL_FILE_SUFFIXES
     options = WriteOptions(world_size=world_size, max_shard_size=parse_size(max_shard_size), single_file=single)

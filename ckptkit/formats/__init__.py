@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import CheckpointError, FormatError
+from ..errors import CheckpointError, FormatError, UsageError
 from ..manifest import Format, Manifest
 from .base import FormatIO, WriteOptions
 from .dcp import DcpIO
@@ -18,7 +18,10 @@ _ALL: tuple[type[FormatIO], ...] = (DcpIO, HfIO, FullIO)
 
 
 def io_for(fmt: Format | str) -> FormatIO:
-    fmt = Format(fmt)
+    try:
+        fmt = Format(fmt)
+    except ValueError:
+        raise UsageError(f"unknown format {fmt!r}; expected one of {', '.join(f.value for f in Format)}") from None
     for cls in _ALL:
         if cls.format == fmt:
             return cls()

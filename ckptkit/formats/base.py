@@ -15,11 +15,12 @@ from typing import Any
 
 from .._pickle import Call
 from ..dtypes import DType
-from ..errors import FormatError, IncompleteCheckpointError
-from ..manifest import Format, Manifest, TensorRef
+from ..errors import FormatError, IncompleteCheckpointError, UsageError
+from ..manifest import Format, Manifest, ObjectEntry, TensorRef
 from ..planner import Region, WritePlan
 
-__all__ = ["FormatIO", "WriteOptions", "cast_for", "index_json", "read_index", "regions_in", "split_files"]
+__all__ = ["FormatIO", "WriteOptions", "cast_for", "index_json", "is_empty_container", "read_index", "regions_in",
+           "split_files"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,7 +36,7 @@ class WriteOptions:
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+            raise UsageError(f"world_size must be >= 1, got {self.world_size}")
 
 
 class FormatIO(abc.ABC):
@@ -58,6 +59,11 @@ class FormatIO(abc.ABC):
 def cast_for(dtype: DType, cast: DType | None) -> DType | None:
     """The cast to apply to a tensor of ``dtype``: only floating tensors change type."""
     return cast if cast is not None and dtype.is_floating and cast != dtype else None
+
+
+def is_empty_container(entry: ObjectEntry) -> bool:
+    """An entry that only records an empty dict or list (a disabled GradScaler's state, say)."""
+    return entry.blob is None and isinstance(entry.value, (dict, list)) and not entry.value
 
 
 def regions_in(value: Any, cast: DType | None = None) -> Any:

@@ -24,7 +24,8 @@ from ..executor import Files
 from ..manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, key_of
 from ..planner import FilePlan, Literal, Part, Region, WritePlan
 from .. import dtypes
-from .base import FormatIO, WriteOptions, cast_for, regions_in
+from .._tree import dcp_path, from_dcp_path
+from .base import FormatIO, WriteOptions, cast_for, is_empty_container, regions_in
 
 __all__ = ["DcpIO"]
 
@@ -98,7 +99,7 @@ class DcpIO(FormatIO):
             return Span(str(file), info.offset, info.length)
 
         for key, sm in md.state_dict_metadata.items():
-            path_ = tuple(paths.get(key, (key,)))
+            path_ = from_dcp_path(tuple(paths.get(key, (key,))))
             kind = type(sm).__name__
             if kind == "BytesStorageMetadata":
                 objects.append(ObjectEntry(key, path_, blob=locate(key, None)))
@@ -110,21 +111,24 @@ class DcpIO(FormatIO):
             for c in sm.chunks:
                 offsets, sizes = tuple(c.offsets), tuple(c.sizes)
                 span = locate(key, offsets)
-                strides = None
                 fd = files.fd(span.file, span.offset + span.length)
-                if os.pread(fd, 4, span.offset) == ARCHIVE_MAGIC:
-                    ref = read_archive(span.file, span.offset, span.length, fd=fd,
-                                       where=f"{span.file}: {key!r} chunk {list(offsets)}")
-                    if not isinstance(ref, TensorRef) or ref.shape != sizes or ref.dtype != dtype:
-                        found = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
-                        raise FormatError(f"{span.file}: {key!r} chunk at {list(offsets)} holds {found}, "
-                                          f".metadata says {dtype} {list(sizes)}")
-                    span, strides = ref.span, ref.strides
-                chunks.append(Chunk(offsets, sizes, span, strides))
+                if os.pread(fd, 4, span.offset) != ARCHIVE_MAGIC:
+                    raise FormatError(
+                        f"{span.file}: {key!r} chunk at {list(offsets)} is not a torch.save record; DCP saved with "
+                        "serialization_format=SAFETENSORS or a custom storage writer is not supported")
+                ref = read_archive(span.file, span.offset, span.length, fd=fd,
+                                   where=f"{span.file}: {key!r} chunk {list(offsets)}")
+                if not isinstance(ref, TensorRef) or ref.shape != sizes or ref.dtype != dtype:
+                    found = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
+                    raise FormatError(f"{span.file}: {key!r} chunk at {list(offsets)} holds {found}, "
+                                      f".metadata says {dtype} {list(sizes)}")
+                chunks.append(Chunk(offsets, sizes, ref.span, ref.strides))
             entry = TensorEntry(key, path_, dtype, shape, tuple(chunks))
             entry.validate()
             tensors.append(entry)
-        ranks = [int(m.group(1)) for f in rank_files if (m := _RANK_FILE.search(f))]
+        # A rank that holds no chunk writes an empty file that .metadata never names: count the files too.
+        on_disk = {p.name for p in root.iterdir() if _RANK_FILE.search(p.name)}
+        ranks = [int(m.group(1)) for f in rank_files | on_disk if (m := _RANK_FILE.search(f))]
         world = max(ranks) + 1 if ranks else None
         split = {len(t.chunks) for t in tensors if t.numel}
         details = (("files", str(len(rank_files))), ("chunks per tensor", ",".join(map(str, sorted(split)))))
@@ -153,12 +157,15 @@ class DcpIO(FormatIO):
             props = make_record(_META, "TensorProperties", ((cast or t.dtype), keep_call("torch.serialization", "_get_layout")("torch.strided"),
                                                             False, keep_call(_META, "_MEM_FORMAT_ENCODING")(0), False))
             sd_meta[t.key] = make_record(_META, "TensorStorageMetadata", {"properties": props, "size": _size(t.shape), "chunks": chunk_list})
-        for o in manifest.objects:
+        # torch never writes an empty container into DCP, and its loader trips over one (it falls back to a
+        # pre-2.4 key scheme), so they are left out here too; convert() reports them.
+        objects = [o for o in manifest.objects if not is_empty_container(o)]
+        for o in objects:
             blob = (Region.whole(raw_entry(o.blob, o.key)),) if o.blob else archive_parts(regions_in(o.value, options.cast))
             name, start, length = put(0, blob)
             sd_meta[o.key] = make_record(_META, "BytesStorageMetadata", {})
             storage[make_record(_META, "MetadataIndex", {"fqn": o.key, "offset": None, "index": None})] = _storage_info(name, start, length)
-        planner_data = {e.key: tuple(e.path) for e in (*manifest.tensors, *manifest.objects)}
+        planner_data = {e.key: dcp_path(e.path) for e in (*manifest.tensors, *objects)}
         md = make_record(_META, "Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner_data,
                                              "storage_data": storage, "storage_meta": None, "version": "1.0.0"})
         files = [FilePlan(f"__{r}_0.distcp", tuple(parts[r])) for r in range(n)]

@@ -46,7 +46,6 @@ class FullIO(FormatIO):
         tree = read_archive(str(path.absolute()))
         tensors, objects = [], []
         for p, leaf in flatten(tree, _is_tensor):
-            p = p or ("",)  # a bare tensor saved on its own
             if isinstance(leaf, TensorRef):
                 entry = leaf.as_entry(key_of(p))
                 tensors.append(TensorEntry(entry.key, p, entry.dtype, entry.shape, entry.chunks))

@@ -1,0 +1,229 @@
+"""The ``ckptkit`` command line: through click's runner for output, and as the installed console script for exit
+codes and what a user sees on stderr. Exit codes: 0 success, 1 verify found differences, 2 bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from _checks import assert_same_tree, flat_tensors, load_dcp, load_full, load_hf
+from ckptkit.cli import cli
+from ckptkit.convert import convert
+
+CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "ckptkit")
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def assert_one_line_error(result, message: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("ckptkit: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+
+
+# ------------------------------------------------------------------------------------ inspect
+
+
+def test_cli_inspect_text(dcp_ckpt, training_state):
+    result = run("inspect", dcp_ckpt)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"{dcp_ckpt}: sharded, world size 2"
+    tensors = flat_tensors(training_state)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert lines[1].startswith(f"{len(tensors)} tensors, {nbytes:,} bytes (float32 x")
+    assert lines[1].endswith("; 7 other entries")
+    row = next(line for line in lines if line.strip().startswith("model.tall "))
+    assert row.split() == ["model.tall", "float32", "[11,", "4]", "2", "chunks"]
+    assert "  step = 7" in lines and "  name = 'run-1'" in lines
+
+
+def test_cli_inspect_json(dcp_ckpt, training_state):
+    result = run("inspect", dcp_ckpt, "--json")
+    assert result.exit_code == 0, result.output
+    s = json.loads(result.stdout)
+    assert (s["format"], s["world_size"], s["path"]) == ("sharded", 2, str(dcp_ckpt))
+    tensors = flat_tensors(training_state)
+    assert {e["key"] for e in s["entries"]} == set(tensors)
+    tall = next(e for e in s["entries"] if e["key"] == "model.tall")
+    assert tall["dtype"] == "float32" and tall["shape"] == [11, 4]
+    assert tall["chunks"] == [{"offsets": [0, 0], "sizes": [6, 4], "file": "__0_0.distcp"},
+                              {"offsets": [6, 0], "sizes": [5, 4], "file": "__1_0.distcp"}]
+    assert {o["key"]: o["value"] for o in s["objects"]}["step"] == "7"
+    assert s["dtypes"]["float8_e4m3fn"] == 1 and s["dtypes"]["bool"] == 1
+
+
+# ------------------------------------------------------------------------------------ writing commands
+
+
+def test_cli_convert(tmp_path, full_ckpt, training_state):
+    dst = tmp_path / "dcp3"
+    result = run("convert", full_ckpt, dst, "--to", "sharded", "--world-size", "3")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[0] == f"{full_ckpt} (full) -> {dst} (sharded for 3 ranks)"
+    assert_same_tree(load_dcp(dst, tmp_path / "c.pt"), training_state)
+
+    quiet = run("convert", dst, tmp_path / "back.pt", "--to", "full", "-q")
+    assert quiet.exit_code == 0 and quiet.output == ""
+    assert_same_tree(load_full(tmp_path / "back.pt"), training_state)
+
+
+def test_cli_reshard(tmp_path, dcp_ckpt, training_state):
+    result = run("reshard", dcp_ckpt, tmp_path / "dcp1", "--world-size", "1", "-q")
+    assert result.exit_code == 0, result.output
+    assert json.loads(run("inspect", tmp_path / "dcp1", "--json").stdout)["world_size"] == 1
+    assert_same_tree(load_dcp(tmp_path / "dcp1", tmp_path / "c.pt"), training_state)
+
+
+def test_cli_export_hf(tmp_path, full_ckpt, training_state):
+    dst = tmp_path / "hf"
+    result = run("export-hf", full_ckpt, dst, "--dtype", "bf16", "--max-shard-size", "100", "--strip-prefix", "t")
+    assert result.exit_code == 0, result.output
+    # f32, f16, f8, scalar, empty, short, single, tall: 8 floating tensors not already bf16
+    assert "  note: cast 8 floating tensors to bfloat16; others kept their dtype" in result.stdout
+    assert "  note: stripped 't' from 1 keys" in result.stdout
+    assert (dst / "model.safetensors.index.json").is_file()
+    out = load_hf(dst)
+    model = {("all" if k == "tall" else k): v for k, v in training_state["model"].items()}
+    assert set(out) == set(model)
+    for k, t in model.items():
+        want = t.to(torch.bfloat16) if t.is_floating_point() else t
+        assert_same_tree(out[k], want, k)
+
+
+def test_cli_export_hf_keep_wrapper_prefixes(tmp_path):
+    torch.save({"module.w": torch.ones(2)}, tmp_path / "src.pt")
+    assert run("export-hf", tmp_path / "src.pt", tmp_path / "a", "-q").exit_code == 0
+    assert run("export-hf", tmp_path / "src.pt", tmp_path / "b", "-q", "--keep-wrapper-prefixes").exit_code == 0
+    assert set(load_hf(tmp_path / "a")) == {"w"} and set(load_hf(tmp_path / "b")) == {"module.w"}
+
+
+# ------------------------------------------------------------------------------------ verify
+
+
+def test_cli_verify_identical_exits_0(tmp_path, full_ckpt, dcp_ckpt):
+    result = run("verify", full_ckpt, dcp_ckpt)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == "identical"
+    as_json = run("verify", full_ckpt, dcp_ckpt, "--json")
+    assert as_json.exit_code == 0 and json.loads(as_json.stdout)["ok"] is True
+    assert run("verify", full_ckpt, dcp_ckpt, "-q").output == ""
+
+
+def test_cli_verify_differing_exits_1_with_per_key_report(tmp_path, zoo):
+    torch.save(zoo, tmp_path / "a.pt")
+    changed = {**zoo, "f16": zoo["f16"].clone()}
+    changed["f16"].view(torch.int16)[2] ^= 1
+    del changed["scalar"]
+    torch.save(changed, tmp_path / "b.pt")
+    result = run("verify", tmp_path / "a.pt", tmp_path / "b.pt", "-q")  # -q still reports differences
+    assert result.exit_code == 1, result.output
+    lines = result.stdout.splitlines()
+    assert lines[1] == "2 differences:"
+    assert sorted(lines[2:]) == sorted([f"  scalar: only in {tmp_path / 'a.pt'}",
+                                        "  f16: bytes differ from element 2 of the row block starting at row 0"])
+    as_json = run("verify", tmp_path / "a.pt", tmp_path / "b.pt", "--json")
+    assert as_json.exit_code == 1
+    report = json.loads(as_json.stdout)
+    assert report["ok"] is False and {d["key"] for d in report["differences"]} == {"scalar", "f16"}
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def test_cli_unknown_directory_exits_2(tmp_path):
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("x")
+    result = run("inspect", tmp_path / "junk")
+    assert_one_line_error(result, f"{tmp_path / 'junk'}: not a checkpoint ckptkit knows (found: notes.txt)")
+
+
+def test_cli_existing_destination_exits_2(tmp_path, full_ckpt):
+    (tmp_path / "out.pt").write_text("keep me")
+    result = run("convert", full_ckpt, tmp_path / "out.pt", "--to", "full")
+    assert_one_line_error(result, "already exists; pass --overwrite")
+    assert (tmp_path / "out.pt").read_text() == "keep me"
+    assert run("convert", full_ckpt, tmp_path / "out.pt", "--to", "full", "--overwrite", "-q").exit_code == 0
+    assert_same_tree(load_full(tmp_path / "out.pt"), load_full(full_ckpt))
+
+
+def test_cli_unsafe_metadata_exits_2(tmp_path, dcp_ckpt):
+    import pickle
+
+    from test_errors import Evil
+
+    marker = tmp_path / "hacked"
+    (dcp_ckpt / ".metadata").write_bytes(pickle.dumps(Evil(marker), protocol=2))
+    result = run("inspect", dcp_ckpt)
+    assert_one_line_error(result, "the pickle asks for posix.system, which is not on ckptkit's allow-list")
+    assert not marker.exists()
+
+
+def test_cli_reshard_of_full_exits_2(tmp_path, full_ckpt):
+    result = run("reshard", full_ckpt, tmp_path / "out", "--world-size", "2")
+    assert_one_line_error(result, f"is a full checkpoint, not a sharded one; use 'ckptkit convert {full_ckpt} DST "
+                                  "--to sharded --world-size 2'")
+
+
+def test_cli_debug_shows_the_exception(tmp_path):
+    from ckptkit.errors import FormatError
+
+    (tmp_path / "junk").mkdir()
+    result = run("--debug", "inspect", tmp_path / "junk")
+    assert result.exit_code == 1 and isinstance(result.exception, FormatError)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["convert", "{src}", "{tmp}/x"], "Missing option '--to'"),                         # --to is required
+    (["convert", "{src}", "{tmp}/x", "--to", "onnx"], "'onnx' is not one of"),          # unknown format
+    (["convert", "{src}", "{tmp}/x", "--to", "sharded", "--world-size", "0"], "0 is not in the range x>=1"),
+    (["export-hf", "{src}", "{tmp}/x", "--dtype", "int8"], "'int8' is not one of"),     # not a floating cast
+    (["inspect", "{tmp}/nothing"], "does not exist"),                                   # missing input
+])
+def test_cli_usage_errors_exit_2(tmp_path, flat_full_ckpt, args, message):
+    result = run(*(a.format(src=flat_full_ckpt, tmp=tmp_path) for a in args))
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------------ the installed script
+
+
+def script(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([CONSOLE_SCRIPT, *map(str, args)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def test_cli_console_script_exit_codes(tmp_path, zoo):
+    torch.save(zoo, tmp_path / "a.pt")
+    ok = script("convert", tmp_path / "a.pt", tmp_path / "hf", "--to", "hf", "-q")
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, "", "")
+    assert_same_tree(load_hf(tmp_path / "hf"), zoo)
+
+    same = script("verify", tmp_path / "a.pt", tmp_path / "hf")
+    assert same.returncode == 0 and same.stdout.splitlines()[-1] == "identical", same
+
+    torch.save({**zoo, "i64": zoo["i64"] + 1}, tmp_path / "b.pt")
+    differ = script("verify", tmp_path / "a.pt", tmp_path / "b.pt")
+    assert differ.returncode == 1
+    assert "  i64: bytes differ from element 0 of the row block starting at row 0" in differ.stdout.splitlines()
+
+    (tmp_path / "trunc").mkdir()
+    convert(tmp_path / "a.pt", tmp_path / "trunc" / "dcp", to="sharded", world_size=2)
+    rank1 = tmp_path / "trunc" / "dcp" / "__1_0.distcp"
+    rank1.write_bytes(rank1.read_bytes()[:50])
+    bad = script("convert", tmp_path / "trunc" / "dcp", tmp_path / "out.pt", "--to", "full")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith(f"ckptkit: error: {rank1}: ") and bad.stderr.count("\n") == 1, bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert not (tmp_path / "out.pt").exists()

@@ -1,0 +1,387 @@
+"""ckptkit against torch's own distributed checkpointing, in real gloo process groups on CPU.
+
+One spawned group per world size (1, 2, 3) does every multi-process check of that size, and writes what it
+found to files; the tests below read those files and assert. In each group:
+
+1. every rank loads ckptkit's DCP for 1, 2 and 3 ranks with ``torch.distributed.checkpoint.load`` into a
+   ``Shard(0)`` DTensor state dict;
+2. (2 and 3 ranks) DTensors placed ``Shard(1)``, ``Replicate()`` and ``Shard(0)`` are saved with DCP;
+3. (2 and 3 ranks) a real FSDP2 model trains a step with AdamW and saves model + optimizer with DCP, beside
+   the full state dict torch gathers itself; rank 0 has ckptkit convert that DCP to FULL and re-shard it,
+   and fresh FSDP2 ranks resume from ckptkit's output with torch's loader and train on identically;
+4. (2 ranks) an FSDP1 model saves its ``SHARDED_STATE_DICT`` (model + optimizer) with DCP, beside its
+   ``FULL_STATE_DICT``.
+
+The test process then converts every torch-written DCP to each form and compares with what torch gathered.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from _checks import (assert_same_tree, flat_tensors, load_dcp, load_full, load_hf, make_training_state,
+                     tensor_bits)
+from ckptkit.convert import convert, reshard
+from ckptkit.errors import CheckpointError
+from ckptkit.export import export_hf
+from ckptkit.inspect import inspect
+from ckptkit.verify import verify
+
+SOURCE_WORLD_SIZES = (1, 2, 3)
+GROUP_TIMEOUT_S = 240
+
+
+def loadable_state() -> dict:
+    return make_training_state()
+
+
+# ------------------------------------------------------------------------------------ in the spawned ranks
+
+
+class Tiny(torch.nn.Module):
+    """Shapes chosen so that 2 and 3 ranks split rows unevenly and the head leaves rank 2 with no rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 4)   # 5 rows: 3+2 / 2+2+1
+        self.proj = torch.nn.Linear(4, 3)       # 3 rows: 2+1 / 1+1+1
+        self.head = torch.nn.Linear(3, 2)       # 2 rows: 1+1 / 1+1+0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.proj(self.embed(idx))))
+
+
+def _train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randint(0, 5, (4, 3), generator=g)).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(tensor_bits(a), tensor_bits(b))
+
+
+def _check_loads(rank: int, ws: int, mesh, root: Path) -> dict:
+    """Load ckptkit's DCP for each source world size into Shard(0) DTensors; compare with the source."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Shard
+
+    ref = loadable_state()
+
+    def target(v):
+        if isinstance(v, dict):
+            return {k: target(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [target(x) for x in v]
+        if not isinstance(v, torch.Tensor):
+            return None  # non-tensor entries are replaced by what the checkpoint holds
+        if v.dim() == 0 or v.numel() == 0:
+            return torch.zeros_like(v)
+        rows = torch.chunk(torch.empty(v.shape, device="meta"), ws)
+        n = rows[rank].shape[0] if rank < len(rows) else 0
+        local = torch.zeros((n, *v.shape[1:]), dtype=v.dtype)
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=v.shape, stride=v.stride())
+
+    results = {}
+    for n in SOURCE_WORLD_SIZES:
+        found = {}
+        try:
+            sd = target(ref)
+            dcp.load(sd, checkpoint_id=str(root / f"ckptkit-dcp{n}"))
+            for key, want in flat_tensors(ref).items():
+                got = flat_tensors(sd)[key]
+                if isinstance(got, DTensor):
+                    parts = torch.chunk(want, ws)
+                    local_want = parts[rank] if rank < len(parts) else want[:0]
+                    ok = _bits_equal(got.to_local(), local_want)
+                    # gloo cannot move float8: gather its bytes instead
+                    as_bytes = DTensor.from_local(got.to_local().view(torch.uint8), mesh, [Shard(0)], run_check=False,
+                                                  shape=want.shape, stride=want.stride()
+                                                  ) if want.dtype == torch.float8_e4m3fn else None
+                    full = as_bytes.full_tensor().view(want.dtype) if as_bytes is not None else got.full_tensor()
+                    ok = ok and _bits_equal(full, want)
+                else:
+                    ok = _bits_equal(got, want)
+                found[key] = "ok" if ok else "bytes differ"
+            found["step"] = "ok" if sd["step"] == 7 else repr(sd["step"])
+            found["name"] = "ok" if sd["name"] == "run-1" else repr(sd["name"])
+            pg = sd["optimizer"]["param_groups"]
+            found["param_groups"] = "ok" if pg == ref["optimizer"]["param_groups"] else repr(pg)
+        except Exception:
+            found["<load>"] = traceback.format_exc()
+        results[f"dcp{n}"] = found
+    return results
+
+
+def _fsdp2(rank: int, ws: int, mesh, root: Path) -> dict:
+    """Train, save with DCP (and the full state torch gathers), then resume from ckptkit's re-sharded copy."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = Tiny()
+        fully_shard(model.proj, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    model, optim = build(0)
+    _train_step(model, optim, 1)
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(root / "fsdp2"))
+    full = dict(zip(("model", "optim"), get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))))
+    if rank == 0:
+        torch.save(full, root / "fsdp2-full.pt")
+        # ckptkit, offline, on one rank: torch's DCP -> FULL -> DCP for 3 ranks -> re-shard for this world size
+        convert(root / "fsdp2", root / "fsdp2-via-ckptkit.pt", to="full")
+        convert(root / "fsdp2-via-ckptkit.pt", root / "fsdp2-ckptkit3", to="sharded", world_size=3)
+        reshard(root / "fsdp2-ckptkit3", root / "fsdp2-ckptkit-resume", world_size=ws)
+    dist.barrier()
+
+    # Fresh ranks resume from ckptkit's output with torch's own loader.
+    model2, optim2 = build(123)
+    msd2, osd2 = get_state_dict(model2, optim2)
+    resumed = {"model": msd2, "optim": osd2}
+    dcp.load(resumed, checkpoint_id=str(root / "fsdp2-ckptkit-resume"))
+    set_state_dict(model2, optim2, model_state_dict=resumed["model"], optim_state_dict=resumed["optim"])
+    again = dict(zip(("model", "optim"), get_state_dict(model2, optim2, options=StateDictOptions(full_state_dict=True))))
+    result = {}
+    try:
+        assert_same_tree(again, full)
+        result["resume"] = "ok"
+    except AssertionError as e:
+        result["resume"] = str(e)
+    # ...and both continue identically.
+    _train_step(model, optim, 2)
+    _train_step(model2, optim2, 2)
+    after = [get_state_dict(m, o, options=StateDictOptions(full_state_dict=True)) for m, o in
+             ((model, optim), (model2, optim2))]
+    try:
+        assert_same_tree(after[0], after[1])
+        result["train_on"] = "ok"
+    except AssertionError as e:
+        result["train_on"] = str(e)
+    return result
+
+
+def _fsdp1(rank: int, root: Path) -> dict:
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = FSDP(Tiny(), device_id=torch.device("cpu"))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train_step(model, optim, 1)
+    # The full state first: FSDP1 on CPU cannot unshard after a SHARDED_STATE_DICT call in the same process;
+    # nor with offload_to_cpu=True.
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
+        full = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+    if rank == 0:
+        torch.save(full, root / "fsdp1-full.pt")
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+    dcp.save(sharded, checkpoint_id=str(root / "fsdp1"))
+    return {}
+
+
+def placed_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {"col": torch.randn(3, 7, generator=g),    # Shard(1): columns 4+3 / 3+3+1
+            "rep": torch.randn(4, 2, generator=g),    # Replicate(): every rank holds it all
+            "row": torch.randn(5, 3, generator=g).to(torch.bfloat16)}  # Shard(0)
+
+
+def _save_placements(mesh, root: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    t = placed_tensors()
+    placements = {"col": [Shard(1)], "rep": [Replicate()], "row": [Shard(0)]}
+    dcp.save({k: distribute_tensor(v, mesh, placements[k]) for k, v in t.items()}, checkpoint_id=str(root / "placed"))
+
+
+def _group_main(rank: int, ws: int, root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    root = Path(root)
+    dist.init_process_group("gloo", init_method=f"file://{root / 'rendezvous'}", rank=rank, world_size=ws)
+    try:
+        mesh = init_device_mesh("cpu", (ws,))
+        results = {"loads": _check_loads(rank, ws, mesh, root)}
+        if ws >= 2:
+            _save_placements(mesh, root)
+            results["fsdp2"] = _fsdp2(rank, ws, mesh, root)
+        if ws == 2:
+            results["fsdp1"] = _fsdp1(rank, root)
+        (root / f"results-rank{rank}.json").write_text(json.dumps(results))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------ in the test process
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda ws: f"ws{ws}")
+def group(request, tmp_path_factory):
+    """Run one gloo group of ``param`` ranks; (world size, its directory, per-rank results)."""
+    import torch.multiprocessing as mp
+
+    ws = request.param
+    root = tmp_path_factory.mktemp(f"group{ws}")
+    torch.save(loadable_state(), root / "source.pt")
+    for n in SOURCE_WORLD_SIZES:
+        convert(root / "source.pt", root / f"ckptkit-dcp{n}", to="sharded", world_size=n)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")  # 2 cores for up to 3 ranks
+        ranks = mp.spawn(_group_main, args=(ws, str(root)), nprocs=ws, join=False)
+    deadline = time.monotonic() + GROUP_TIMEOUT_S
+    while not ranks.join(timeout=2):
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail(f"the gloo group of {ws} ranks did not finish in {GROUP_TIMEOUT_S} s")
+    results = [json.loads((root / f"results-rank{r}.json").read_text()) for r in range(ws)]
+    return ws, root, results
+
+
+def test_dcp_load_by_torch_reads_ckptkit_output(group):
+    ws, _, results = group
+    for rank, res in enumerate(results):
+        for source, found in res["loads"].items():
+            bad = {k: v for k, v in found.items() if v != "ok"}
+            assert not bad, f"rank {rank} of {ws} loading {source}: {bad}"
+            assert len(found) == len(flat_tensors(loadable_state())) + 3
+
+
+def _check_every_form(tmp_path: Path, src: Path, reference: dict) -> None:
+    """ckptkit turns torch's DCP ``src`` into FULL, HF and DCP for 1 and 3 ranks, all equal to ``reference``."""
+    convert(src, tmp_path / "full.pt", to="full")
+    assert_same_tree(load_full(tmp_path / "full.pt"), reference)
+
+    convert(src, tmp_path / "hf", to="hf")
+    assert_same_tree(load_hf(tmp_path / "hf"), flat_tensors(reference))
+    export_hf(src, tmp_path / "export")
+    assert_same_tree(load_hf(tmp_path / "export"), reference["model"])
+
+    for n in (1, 3):
+        convert(src, tmp_path / f"dcp{n}", to="sharded", world_size=n)
+        assert_same_tree(load_dcp(tmp_path / f"dcp{n}", tmp_path / f"dcp{n}.pt"), reference)
+        assert verify(src, tmp_path / f"dcp{n}").ok
+    assert verify(src, tmp_path / "full.pt").ok
+    assert verify(src, tmp_path / "export", model_only=True).ok
+
+
+@pytest.mark.parametrize("group", [2, 3], indirect=True, ids=lambda ws: f"ws{ws}")  # FSDP2 runs in these groups
+def test_convert_fsdp2_dcp_to_every_form(group, tmp_path):
+    ws, root, results = group
+    reference = load_full(root / "fsdp2-full.pt")
+    # torch's own consolidation of its DCP agrees with the state torch gathered: the reference is sound.
+    assert_same_tree(load_dcp(root / "fsdp2", tmp_path / "torch.pt"), reference)
+    _check_every_form(tmp_path, root / "fsdp2", reference)
+    assert_same_tree(load_full(root / "fsdp2-via-ckptkit.pt"), reference)
+
+
+@pytest.mark.parametrize("group", [2, 3], indirect=True, ids=lambda ws: f"ws{ws}")  # FSDP2 runs in these groups
+def test_dcp_load_by_fsdp2_resumes_from_ckptkit_reshard(group):
+    ws, _, results = group
+    for rank, res in enumerate(results):
+        assert res["fsdp2"] == {"resume": "ok", "train_on": "ok"}, f"rank {rank} of {ws}"
+
+
+@pytest.mark.parametrize("group", [2, 3], indirect=True, ids=lambda ws: f"ws{ws}")
+def test_convert_dtensor_column_shards_and_replicas(group, tmp_path):
+    ws, root, _ = group
+    src = root / "placed"
+    chunks = {t.key: [(c.offsets, c.sizes) for c in t.chunks] for t in inspect(src).tensors}
+    cols = [c.shape[1] for c in torch.chunk(torch.empty(3, 7), ws, dim=1)]
+    starts = [sum(cols[:i]) for i in range(len(cols))]
+    assert chunks["col"] == [((0, s), (3, n)) for s, n in zip(starts, cols)]
+    assert len({box for box in chunks["rep"]}) == 1  # replicas of one box (torch may keep one or all)
+    expected = placed_tensors()
+    for form, kwargs in (("out.pt", {"to": "full"}), ("hf", {"to": "hf"}), ("dcp", {"to": "sharded", "world_size": 2})):
+        convert(src, tmp_path / form, **kwargs)
+    assert_same_tree(load_full(tmp_path / "out.pt"), expected)
+    assert_same_tree(load_hf(tmp_path / "hf"), expected)
+    assert_same_tree(load_dcp(tmp_path / "dcp", tmp_path / "c.pt"), expected)
+    assert verify(src, tmp_path / "out.pt").ok
+
+
+@pytest.mark.parametrize("group", [2], indirect=True, ids=lambda ws: f"ws{ws}")  # FSDP1 runs in this group
+def test_convert_fsdp1_sharded_state_dict_to_every_form(group, tmp_path):
+    ws, root, _ = group
+    reference = load_full(root / "fsdp1-full.pt")
+    assert_same_tree(load_dcp(root / "fsdp1", tmp_path / "torch.pt"), reference)
+    _check_every_form(tmp_path, root / "fsdp1", reference)
+
+
+def test_dcp_load_with_empty_container(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"w": torch.randn(3, 2)},
+             "optimizer": {"state": {"w": {"exp_avg": torch.randn(3, 2)}}, "param_groups": [{"lr": 0.1, "params": ["w"]}]},
+             "scaler": {}}
+    torch.save(state, tmp_path / "src.pt")
+    convert(tmp_path / "src.pt", tmp_path / "dcp", to="sharded", world_size=2)
+    target = {"model": {"w": torch.zeros(3, 2)},
+              "optimizer": {"state": {"w": {"exp_avg": torch.zeros(3, 2)}}, "param_groups": [{"lr": 0.0, "params": None}]},
+              "scaler": {}}
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert_same_tree(target, state)
+
+
+def test_dcp_load_without_process_group_reads_ckptkit_output(tmp_path):
+    # torch's single-process path (no_dist=True) into plain tensors, for every dtype of the zoo.
+    import torch.distributed.checkpoint as dcp
+
+    state = loadable_state()
+    torch.save(state, tmp_path / "src.pt")
+    for n in SOURCE_WORLD_SIZES:
+        convert(tmp_path / "src.pt", tmp_path / f"dcp{n}", to="sharded", world_size=n)
+        target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+                  "optimizer": {"state": {"f32": {"exp_avg": torch.zeros(5, 3), "step": torch.tensor(0.0)}},
+                                "param_groups": [{"lr": None, "betas": None, "eps": None, "foreach": None, "params": None}]},
+                  "step": 0, "name": ""}
+        dcp.load(target, checkpoint_id=str(tmp_path / f"dcp{n}"), no_dist=True)
+        assert_same_tree(target, state)
+
+
+@pytest.mark.parametrize("writer", [
+    {"single_file_per_rank": False},  # one .distcp file per tensor
+    {"thread_count": 2},              # __0_0.distcp and __0_1.distcp
+])
+def test_convert_reads_torch_writer_variants(tmp_path, writer):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    base = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+    state = {"t": base.t(), "cols": base[:, 1:4], "b": torch.arange(5), "c": torch.ones(2, dtype=torch.bfloat16),
+             "step": 3}
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path / "dcp"), **writer), no_dist=True)
+    convert(tmp_path / "dcp", tmp_path / "out.pt", to="full")
+    assert_same_tree(load_full(tmp_path / "out.pt"), {k: v.contiguous() if isinstance(v, torch.Tensor) else v
+                                                      for k, v in state.items()})
+
+
+def test_convert_torch_dcp_with_safetensors_serialization(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
+
+    state = {"a": torch.randn(4, 3), "b": torch.arange(5), "step": 3}
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path / "dcp"),
+                                                    serialization_format=SerializationFormat.SAFETENSORS), no_dist=True)
+    try:
+        convert(tmp_path / "dcp", tmp_path / "out.pt", to="full")
+    except CheckpointError:
+        return  # refusing what it cannot read is correct too
+    assert_same_tree(load_full(tmp_path / "out.pt"), state)

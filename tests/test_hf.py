@@ -1,0 +1,303 @@
+"""HF safetensors output: read by ``safetensors`` and ``transformers`` themselves; naming, casts, ties."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from _checks import assert_same_tree, assert_tensor_identical, hash_tree, load_dcp, load_full, load_hf
+from ckptkit.convert import convert
+from ckptkit.errors import UsageError
+from ckptkit.export import export_hf
+from ckptkit.verify import verify
+
+
+def test_convert_hf_output_read_by_safetensors(tmp_path, flat_full_ckpt, zoo):
+    report = convert(flat_full_ckpt, tmp_path / "hf", to="hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
+    assert report.files == 1
+    assert_same_tree(load_file(tmp_path / "hf" / "model.safetensors"), zoo)
+    with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    raw = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert n % 8 == 0  # tensor data starts 8-byte aligned, as the safetensors writer aligns it
+
+
+def _big_model() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    sd = {f"layers.{i}.weight": torch.randn(10, 10, generator=g) for i in range(6)}  # 400 bytes each
+    sd["embed.weight"] = torch.randn(30, 10, generator=g)                             # 1200 bytes: over the limit
+    sd["layers.0.bias"] = torch.arange(10)                                            # int64, 80 bytes
+    return sd
+
+
+@pytest.mark.parametrize("how", [
+    "export_hf",  # ckptkit.export_hf(..., max_shard_size=1000)
+    "convert",    # ckptkit.convert(..., to="hf", max_shard_size="1000")
+])
+def test_export_hf_shards_with_index(tmp_path, how):
+    model = _big_model()
+    torch.save({"model": model, "step": 1}, tmp_path / "src.pt")
+    if how == "export_hf":
+        report = export_hf(tmp_path / "src.pt", tmp_path / "hf", max_shard_size=1000)
+        expected = model
+    else:
+        torch.save(model, tmp_path / "flat.pt")
+        report = convert(tmp_path / "flat.pt", tmp_path / "hf", to="hf", max_shard_size="1000")
+        expected = model
+
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    weight_map = index["weight_map"]
+    assert set(weight_map) == set(expected)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in expected.values())
+    files = sorted(set(weight_map.values()))
+    assert len(files) >= 3 and report.files == len(files) + 1
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == sorted([*files, "model.safetensors.index.json"])
+    for name in files:
+        assert name.startswith("model-") and name.endswith(f"-of-{len(files):05d}.safetensors")
+        part = load_file(tmp_path / "hf" / name)
+        assert set(part) == {k for k, v in weight_map.items() if v == name}
+        data = sum(t.numel() * t.element_size() for t in part.values())
+        assert data <= 1000 or len(part) == 1, f"{name} holds {data} bytes in {len(part)} tensors"
+    assert_same_tree(load_hf(tmp_path / "hf"), expected)
+
+
+def test_convert_reads_hf_shards_written_by_huggingface_hub(tmp_path):
+    from huggingface_hub import save_torch_state_dict
+
+    model = _big_model()
+    (tmp_path / "hub").mkdir()
+    save_torch_state_dict(model, tmp_path / "hub", max_shard_size=1000)
+    assert (tmp_path / "hub" / "model.safetensors.index.json").is_file()
+    convert(tmp_path / "hub", tmp_path / "full.pt", to="full")
+    assert_same_tree(load_full(tmp_path / "full.pt"), model)
+
+
+WRAPPED = {
+    "module._orig_mod.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.weight": torch.ones(2, 2),
+    "module._orig_mod.layers.0._fsdp_wrapped_module.bias": torch.zeros(2),
+    "module.norm.weight": torch.full((2,), 3.0),
+}
+
+
+def test_export_hf_strips_wrapper_prefixes_and_says_so(tmp_path):
+    torch.save({"model": WRAPPED, "optimizer": {"state": {}}, "step": 3}, tmp_path / "src.pt")
+    report = export_hf(tmp_path / "src.pt", tmp_path / "hf")
+    out = load_hf(tmp_path / "hf")
+    assert_same_tree(out, {"layers.0.weight": torch.ones(2, 2), "layers.0.bias": torch.zeros(2),
+                           "norm.weight": torch.full((2,), 3.0)})
+    assert report.notes == (
+        "model taken from top-level key 'model'",
+        "stripped '_checkpoint_wrapped_module.' from 1 keys",
+        "stripped '_fsdp_wrapped_module.' from 2 keys",
+        "stripped '_orig_mod.' from 2 keys",
+        "stripped 'module.' from 3 keys",
+        "2 non-model entries (optimizer state, counters) left out",
+    )
+    assert any("note: stripped 'module.' from 3 keys" in line for line in report.lines())
+
+
+def test_export_hf_keep_wrapper_prefixes(tmp_path):
+    torch.save(WRAPPED, tmp_path / "src.pt")
+    report = export_hf(tmp_path / "src.pt", tmp_path / "hf", strip_wrappers=False)
+    assert set(load_hf(tmp_path / "hf")) == set(WRAPPED)
+    assert report.notes == ("checkpoint is a flat model state dict",)
+
+
+def test_export_hf_strip_prefixes(tmp_path):
+    flat = {"model.layers.0.weight": torch.ones(2), "model.norm.weight": torch.zeros(2), "lm_head.weight": torch.ones(3)}
+    torch.save(flat, tmp_path / "src.pt")
+    report = export_hf(tmp_path / "src.pt", tmp_path / "hf", strip_prefixes=("model.",))
+    assert_same_tree(load_hf(tmp_path / "hf"),
+                     {"layers.0.weight": torch.ones(2), "norm.weight": torch.zeros(2), "lm_head.weight": torch.ones(3)})
+    assert "stripped 'model.' from 2 keys" in report.notes
+
+
+def test_export_hf_refuses_keys_that_collide_after_stripping(tmp_path):
+    torch.save({"module.w": torch.ones(1), "w": torch.zeros(1)}, tmp_path / "src.pt")
+    with pytest.raises(UsageError, match=r"'module\.w' and 'w' both become 'w' after stripping prefixes"):
+        export_hf(tmp_path / "src.pt", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("model_key, expected", [
+    ("auto", "model"),   # the first of model, state_dict, model_state_dict, module that holds tensors
+    ("ema", "ema"),      # named explicitly
+])
+def test_export_hf_model_key(tmp_path, model_key, expected):
+    state = {"ema": {"w": torch.zeros(2)}, "model": {"w": torch.ones(2)}, "step": 1}
+    torch.save(state, tmp_path / "src.pt")
+    report = export_hf(tmp_path / "src.pt", tmp_path / "hf", model_key=model_key)
+    assert_same_tree(load_hf(tmp_path / "hf"), state[expected])
+    assert report.notes[0] == f"model taken from top-level key {expected!r}"
+
+
+def test_export_hf_unknown_model_key_lists_top_level_keys(tmp_path, full_ckpt):
+    with pytest.raises(UsageError, match=r"no model under top-level key 'net'; top-level keys are "
+                                         r"\['model', 'optimizer', 'step', 'name'\]"):
+        export_hf(full_ckpt, tmp_path / "hf", model_key="net")
+
+
+@pytest.mark.parametrize("dtype, torch_dtype", [
+    ("bf16", torch.bfloat16),  # the usual export
+    ("fp16", torch.float16),   # narrows fp32, widens float8
+    ("fp32", torch.float32),   # widens bf16, fp16 and float8
+])
+def test_export_hf_dtype_casts_floating_tensors_only(tmp_path, full_ckpt, training_state, dtype, torch_dtype):
+    # 64 bytes of memory budget: casts go row block by row block.
+    report = export_hf(full_ckpt, tmp_path / "hf", dtype=dtype, max_memory=64)
+    out = load_hf(tmp_path / "hf")
+    model = training_state["model"]
+    assert set(out) == set(model)
+    for key, t in model.items():
+        want = t.to(torch_dtype) if t.is_floating_point() else t  # int64 and bool keep their dtype
+        assert_tensor_identical(out[key], want, key)
+    n = sum(1 for t in model.values() if t.is_floating_point() and t.dtype != torch_dtype)
+    assert f"cast {n} floating tensors to {str(torch_dtype).removeprefix('torch.')}; others kept their dtype" in report.notes
+
+
+def test_export_hf_rejects_unknown_dtype(tmp_path, full_ckpt):
+    with pytest.raises(UsageError, match=r"--dtype must be one of keep, bf16, fp16, fp32; got 'int8'"):
+        export_hf(full_ckpt, tmp_path / "hf", dtype="int8")
+
+
+def test_convert_hf_refuses_dtype_safetensors_cannot_store(tmp_path):
+    torch.save({"ok": torch.ones(2), "z": torch.ones(2, dtype=torch.complex128)}, tmp_path / "src.pt")
+    with pytest.raises(UsageError, match=r"tensor 'z' has dtype complex128, which safetensors cannot store"):
+        convert(tmp_path / "src.pt", tmp_path / "hf", to="hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_convert_hf_says_what_it_leaves_out(tmp_path):
+    torch.save({"w": torch.ones(2), "step": 5, "rng": (torch.arange(3), 1)}, tmp_path / "src.pt")
+    try:
+        report = convert(tmp_path / "src.pt", tmp_path / "hf", to="hf")
+    except UsageError as e:  # refusing, naming the entries, would do as well
+        assert "step" in str(e)
+        return
+    assert set(load_hf(tmp_path / "hf")) == {"w"}
+    assert any("step" in n or "2 non-tensor entries" in n for n in report.notes), report.notes
+
+
+def test_export_hf_cast_reads_strided_views(tmp_path):
+    base = torch.randn(6, 8, generator=torch.Generator().manual_seed(5))
+    views = {"t": base.t(), "cols": base[:, 1:7:2], "rows": base[2:5]}
+    torch.save({"model": views}, tmp_path / "src.pt")
+    export_hf(tmp_path / "src.pt", tmp_path / "hf", dtype="fp16", max_memory=8)  # one row a block
+    assert_same_tree(load_hf(tmp_path / "hf"), {k: v.to(torch.float16) for k, v in views.items()})
+
+
+def test_verify_model_only_matches_export(tmp_path, full_ckpt):
+    export_hf(full_ckpt, tmp_path / "hf")
+    assert verify(full_ckpt, tmp_path / "hf", model_only=True).ok
+    assert not verify(full_ckpt, tmp_path / "hf").ok  # the optimizer and counters are only in the source
+
+
+# ------------------------------------------------------------------------------------------ hf_assets
+
+
+def _assets(root: Path, tie: bool | None) -> Path:
+    root.mkdir()
+    config = {"model_type": "llama", "vocab_size": 6}
+    if tie is not None:
+        config["tie_word_embeddings"] = tie
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "tokenizer.json").write_text('{"version": "1.0"}')
+    (root / "README.md").write_text("not copied")
+    return root
+
+
+def _lm(head_equal: bool) -> dict[str, torch.Tensor]:
+    embed = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    head = embed.clone() if head_equal else embed + 1
+    return {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(4), "lm_head.weight": head}
+
+
+@pytest.mark.parametrize("tie, head_equal, head_kept", [
+    (True, True, False),    # tied in config and equal: left out, as save_pretrained does
+    (None, True, False),    # config silent: transformers' default is tied
+    (False, True, True),    # untied in config: kept even though equal
+    (False, False, True),   # untied and different: kept
+])
+def test_export_hf_assets_tie_word_embeddings(tmp_path, tie, head_equal, head_kept):
+    assets = _assets(tmp_path / "assets", tie)
+    sd = _lm(head_equal)
+    torch.save({"model": {"_orig_mod." + k: v for k, v in sd.items()}}, tmp_path / "src.pt")
+    report = export_hf(tmp_path / "src.pt", tmp_path / "hf", hf_assets=assets)
+    out = load_file(tmp_path / "hf" / "model.safetensors")
+    expected = dict(sd) if head_kept else {k: v for k, v in sd.items() if k != "lm_head.weight"}
+    assert_same_tree(out, expected)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    for name in ("config.json", "tokenizer.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (assets / name).read_bytes()
+    tie_note = "lm_head.weight left out: tied to model.embed_tokens.weight (tie_word_embeddings)"
+    assert (tie_note in report.notes) == (not head_kept)
+    assert "copied config.json, tokenizer.json" in report.notes
+
+
+def test_export_hf_assets_refuse_tie_when_tensors_differ(tmp_path):
+    assets = _assets(tmp_path / "assets", True)
+    torch.save(_lm(head_equal=False), tmp_path / "src.pt")
+    before = hash_tree(tmp_path / "src.pt")
+    with pytest.raises(UsageError, match=r"config\.json says tie_word_embeddings, but lm_head\.weight and "
+                                         r"model\.embed_tokens\.weight differ \(bytes differ from element 0 .*\); "
+                                         r"refusing to drop lm_head\.weight"):
+        export_hf(tmp_path / "src.pt", tmp_path / "hf", hf_assets=assets)
+    assert not (tmp_path / "hf").exists()
+    assert hash_tree(tmp_path / "src.pt") == before
+
+
+def test_export_hf_assets_need_config_json(tmp_path, flat_full_ckpt):
+    (tmp_path / "assets").mkdir()
+    with pytest.raises(UsageError, match=r"--hf-assets .*assets: no config\.json there"):
+        export_hf(flat_full_ckpt, tmp_path / "hf", hf_assets=tmp_path / "assets")
+
+
+@pytest.mark.parametrize("tie", [
+    False,  # LlamaConfig's default: lm_head.weight is exported
+    True,   # tied: lm_head.weight is left out and transformers re-ties it on load
+])
+def test_export_hf_loads_in_transformers_llama(tmp_path, tie):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
+                         intermediate_size=64, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    state = model.state_dict()
+    # As a torch.compile'd training loop saves it.
+    torch.save({"model": {"_orig_mod." + k: v for k, v in state.items()}, "step": 10}, tmp_path / "train.pt")
+    config.save_pretrained(tmp_path / "assets")
+
+    report = export_hf(tmp_path / "train.pt", tmp_path / "hf", hf_assets=tmp_path / "assets")
+    assert ("lm_head.weight" in load_hf(tmp_path / "hf")) != tie
+    assert ("lm_head.weight left out: tied to model.embed_tokens.weight (tie_word_embeddings)" in report.notes) == tie
+
+    loaded, info = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    loaded.eval()
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert_same_tree(loaded.state_dict(), state)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_tensor_identical(loaded(ids).logits, model(ids).logits, "logits")
+
+
+def test_convert_reads_transformers_sharded_save_pretrained(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
+                                         intermediate_size=64))
+    model.save_pretrained(tmp_path / "pretrained", max_shard_size="20KB")
+    assert len(list((tmp_path / "pretrained").glob("model-*.safetensors"))) > 1
+    convert(tmp_path / "pretrained", tmp_path / "dcp", to="sharded", world_size=2)
+    state = {k: v for k, v in model.state_dict().items()}
+    assert_same_tree(load_dcp(tmp_path / "dcp", tmp_path / "c.pt"), state)
+    assert verify(tmp_path / "pretrained", tmp_path / "dcp").ok
