@@ -297,3 +297,19 @@ def test_convert_bad_shard_size(tmp_path, flat_full_ckpt):
 def test_convert_bad_request_is_a_usage_error(tmp_path, flat_full_ckpt, kwargs):
     with pytest.raises(CheckpointError):
         convert(flat_full_ckpt, tmp_path / "out", **kwargs)
+
+
+def test_inspect_refuses_getattr_beyond_dcp_enum_members(tmp_path, dcp_ckpt):
+    # torch may pickle DCP's memory-format enum as getattr(enum, "TORCH_CONTIGUOUS_FORMAT"); getattr on
+    # anything else, even an allowed global such as torch.Size, must stay refused.
+    import shutil
+
+    class Evil:
+        def __reduce__(self):
+            return (getattr, (torch.Size, "__new__"))
+
+    bad = tmp_path / "bad"
+    shutil.copytree(dcp_ckpt, bad)
+    (bad / ".metadata").write_bytes(pickle.dumps(Evil(), protocol=4))
+    with pytest.raises(UnsafeCheckpointError, match="not on ckptkit's allow-list|not allowed"):
+        inspect(bad)
