@@ -15,7 +15,16 @@ from .manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry
 from .verify import VerifyReport, verify
 
 __all__ = [
-    "CheckpointError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError", "Manifest", "ObjectEntry",
+    "load", "save", "CheckpointError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError", "Manifest", "ObjectEntry",
     "Report", "Span", "TensorEntry", "UnsafeCheckpointError", "UsageError", "VerifyReport", "convert",
     "export_hf", "inspect", "reshard", "verify",
 ]
+
+
+def __getattr__(name: str):
+    # save/load import torch; loading them on first use keeps ``import ckptkit`` (and the CLI) torch-free.
+    if name in ("save", "load"):
+        from . import saving
+
+        return getattr(saving, name)
+    raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
