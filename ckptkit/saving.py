@@ -99,7 +99,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     With ``step``, ``path`` is a root: the checkpoint goes to ``path/step-NNNNNNNN``, ``latest`` moves to it
     once it is complete, and ``keep_last`` / ``max_total_gb`` then remove older steps (never the new one).
     Without ``step``, ``path`` is the checkpoint directory itself. ``async_save=True`` returns once the state
-    is copied to CPU memory; call ``handle.wait()`` on every rank before the next save.
+    is copied to CPU memory; call ``handle.wait()`` on every rank before the next save. (FSDP1's sharded
+    state cannot be staged by torch's async stager; that one case writes before returning.)
     """
     if form not in _FORMS:
         raise UsageError(f"form must be one of {', '.join(_FORMS)}, got {form!r}")
@@ -115,7 +116,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     _barrier()
 
     full = form in ("full", "hf")
-    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+    # Offload only from an accelerator: FSDP1's CPU offload of CPU parameters crashes (torch 2.13, SIGSEGV).
+    on_device = any(p.device.type != "cpu" for p in model.parameters())
+    options = StateDictOptions(full_state_dict=full, cpu_offload=full and on_device)
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
     state: dict[str, Any] = {"model": msd}
     if optimizer is not None:
@@ -143,7 +146,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
         _barrier()
 
     if form == "sharded":
-        if async_save:
+        # torch's async stager cannot copy FSDP1's ShardedTensors (torch 2.13): those save synchronously.
+        sharded_tensors = any(type(v).__name__ == "ShardedTensor" for v in msd.values())
+        if async_save and not sharded_tensors:
             future = dcp.async_save(state, checkpoint_id=str(stage))
             return SaveHandle(final, finish, _future=future)
         dcp.save(state, checkpoint_id=str(stage))

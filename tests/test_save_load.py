@@ -1,0 +1,200 @@
+"""ckptkit.save / ckptkit.load: real gloo ranks, every form, other wrappers and world sizes on load."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ckptkit
+from ckptkit import rotation
+from ckptkit.errors import UsageError
+from ckptkit.harness.launch import run_ranks
+from ckptkit.harness.model import TinyConfig, TinyTransformer, batch
+
+FORMS = ("sharded", "full", "hf")
+
+
+def _build(kind: str):
+    torch.manual_seed(0)
+    model = TinyTransformer(TinyConfig(layers=1))
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    elif kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _full_state(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    # No cpu_offload: the parameters are on CPU already, and FSDP1 crashes offloading CPU parameters.
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return {"model": {k: v.clone() for k, v in msd.items()}, "optim": osd}
+
+
+def _train(model, opt, rank: int, steps: int = 2) -> None:
+    cfg = TinyConfig(layers=1)
+    for step in range(steps):
+        tokens = batch(cfg, step, rank=rank)
+        logits = model(tokens[:, :-1])  # through the wrapper's forward: FSDP1 unshards there
+        torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _save_all_forms(rank: int, world: int, root: str, kind: str) -> None:
+    model, opt = _build(kind)
+    _train(model, opt, rank)
+    ref = _full_state(model, opt)
+    for form in FORMS:
+        ckptkit.save(f"{root}/{form}", model, optimizer=opt, form=form, step=2, extra_state={"seed": 7})
+    ckptkit.save(f"{root}/async", model, optimizer=opt, step=2, async_save=True).wait()
+    if rank == 0:
+        torch.save(ref, f"{root}/ref.pt")
+
+
+def _load_all_forms(rank: int, world: int, root: str, kind: str) -> list:
+    ref = torch.load(f"{root}/ref.pt", weights_only=False)
+    out = []
+    for form in (*FORMS, "async"):
+        model, opt = _build(kind)
+        result = ckptkit.load(f"{root}/{form}", model, optimizer=None if form == "hf" else opt)
+        got = _full_state(model, opt)
+        if rank == 0:
+            same = all(torch.equal(got["model"][k], v) for k, v in ref["model"].items())
+            if form != "hf":  # hf holds weights only
+                same = same and all(torch.equal(got["optim"]["state"][p][s], t)
+                                    for p, st in ref["optim"]["state"].items() for s, t in st.items())
+            out.append((form, same, result.step, result.extra_state))
+    return out
+
+
+@pytest.mark.parametrize("saved_by, save_ws, loads", [
+    # FSDP2 at 2 ranks, loaded by FSDP2 at 3, DDP at 2 and a plain model at 1
+    ("fsdp2", 2, [("fsdp2", 3), ("ddp", 2), ("plain", 1)]),
+    # FSDP1 FULL_SHARD at 2 ranks, loaded by FSDP1 at 3 and FSDP2 at 1
+    ("fsdp1", 2, [("fsdp1", 3), ("fsdp2", 1)]),
+])
+def test_save_load_any_form_any_wrapper_any_world_size(tmp_path, saved_by, save_ws, loads):
+    run_ranks(_save_all_forms, save_ws, str(tmp_path), saved_by)
+    for kind, ws in loads:
+        results = run_ranks(_load_all_forms, ws, str(tmp_path), kind)[0]
+        for form, same, step, extra in results:
+            assert same, f"{saved_by}@{save_ws} -> {kind}@{ws}: {form} differs"
+            if form == "hf":
+                assert (step, extra) == (None, None)
+            elif form == "async":
+                assert step == 2 and extra is None
+            else:
+                assert step == 2 and extra == {"seed": 7}
+
+
+def _plain_model():
+    torch.manual_seed(0)
+    return TinyTransformer(TinyConfig(layers=1))
+
+
+def test_save_rotation_keeps_the_newest_complete_steps(tmp_path):
+    model = _plain_model()
+    for step in (1, 2, 3, 4):
+        with torch.no_grad():
+            model.model.norm.weight.fill_(step)
+        ckptkit.save(tmp_path, model, form="full", step=step, keep_last=2)
+    assert [s.step for s in rotation.complete_steps(tmp_path)] == [3, 4]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000004"
+    fresh = _plain_model()
+    assert ckptkit.load(tmp_path, fresh).step == 4
+    assert torch.equal(fresh.model.norm.weight, torch.full_like(fresh.model.norm.weight, 4.0))
+
+
+def test_save_rotation_by_size_never_removes_the_only_complete_step(tmp_path):
+    model = _plain_model()
+    for step in (1, 2):
+        ckptkit.save(tmp_path, model, form="full", step=step, max_total_gb=1e-9)
+    assert [s.step for s in rotation.complete_steps(tmp_path)] == [2]
+
+
+_KILLED_SAVE = """
+import os, signal, sys, torch
+sys.path.insert(0, {tests!r})
+import ckptkit
+from ckptkit.harness.model import TinyConfig, TinyTransformer
+torch.manual_seed(0)
+model = TinyTransformer(TinyConfig(layers=1))
+real_save = torch.save
+def dying_save(obj, f, *a, **k):
+    with open(f, "wb") as out:
+        out.write(b"PK\\x03\\x04 half a file")
+    os.kill(os.getpid(), signal.SIGKILL)
+torch.save = dying_save
+ckptkit.save({root!r}, model, form="full", step=2)
+"""
+
+
+def test_save_killed_midway_leaves_previous_latest_loadable(tmp_path):
+    model = _plain_model()
+    ckptkit.save(tmp_path, model, form="full", step=1)
+    code = textwrap.dedent(_KILLED_SAVE).format(tests=os.path.dirname(__file__), root=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    assert (tmp_path / ".step-00000002.ckptkit-partial").is_dir()  # the dead save's leftovers
+    assert [s.step for s in rotation.complete_steps(tmp_path)] == [1]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000001"
+    fresh = _plain_model()
+    assert ckptkit.load(tmp_path, fresh).step == 1
+    ckptkit.save(tmp_path, model, form="full", step=2)  # the next save starts clean
+    assert [s.step for s in rotation.complete_steps(tmp_path)] == [1, 2]
+    assert not (tmp_path / ".step-00000002.ckptkit-partial").exists()
+
+
+@pytest.mark.parametrize("form", ["full", "hf"])  # sharded async runs in the multi-rank test
+def test_save_async_writes_what_sync_writes(tmp_path, form):
+    model = _plain_model()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt, 0, steps=1)
+    ckptkit.save(tmp_path / "sync", model, optimizer=opt, form=form)
+    handle = ckptkit.save(tmp_path / "async", model, optimizer=opt, form=form, async_save=True)
+    with torch.no_grad():  # training goes on while the async save writes: the snapshot must not change
+        for p in model.parameters():
+            p.add_(1.0)
+    handle.wait()
+    report = ckptkit.verify(tmp_path / "sync", tmp_path / "async")
+    assert report.ok, report.differences
+    assert report.tensors > 0
+
+
+def test_load_strict_lists_missing_keys(tmp_path):
+    model = _plain_model()
+    ckptkit.save(tmp_path / "ck", model)
+    bigger = _plain_model()
+    bigger.extra_head = torch.nn.Linear(2, 2)
+    with pytest.raises(UsageError, match=r"checkpoint lacks 2 keys .*model\.extra_head\.weight"):
+        ckptkit.load(tmp_path / "ck", bigger)
+    ckptkit.load(tmp_path / "ck", bigger, strict=False)
+    assert torch.equal(bigger.model.norm.weight, model.model.norm.weight)
+
+
+def test_save_writes_manifest_with_checksums(tmp_path):
+    import json
+    import zlib
+
+    model = _plain_model()
+    ckptkit.save(tmp_path / "ck", model, form="full", step=3)
+    info = json.loads((tmp_path / "ck" / "step-00000003" / "ckptkit.json").read_text())
+    assert (info["format"], info["world_size"], info["step"]) == ("full", 1, 3)
+    w = model.model.norm.weight.detach()
+    assert info["tensors"]["model.model.norm.weight"]["crc32"] == f"{zlib.crc32(w.numpy().tobytes()):08x}"
