@@ -48,6 +48,18 @@ def _barrier() -> None:
         dist.barrier()
 
 
+_ASYNC_GROUPS: dict[int, Any] = {}
+
+
+def _async_group() -> Any:
+    """A gloo group of its own for background saves: their collectives must not interleave with training's
+    on the default group. Made once per default group (new_group is itself a collective)."""
+    key = id(dist.group.WORLD)
+    if key not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS[key] = dist.new_group(backend="gloo")
+    return _ASYNC_GROUPS[key]
+
+
 def _cpu_copy(tree: Any) -> Any:
     """Clone every tensor to CPU memory so training may change the originals while files are written."""
     if isinstance(tree, torch.Tensor):
@@ -149,7 +161,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
         # torch's async stager cannot copy FSDP1's ShardedTensors (torch 2.13): those save synchronously.
         sharded_tensors = any(type(v).__name__ == "ShardedTensor" for v in msd.values())
         if async_save and not sharded_tensors:
-            future = dcp.async_save(state, checkpoint_id=str(stage))
+            group = _async_group() if dist.is_available() and dist.is_initialized() else None
+            future = dcp.async_save(state, checkpoint_id=str(stage), process_group=group)
             return SaveHandle(final, finish, _future=future)
         dcp.save(state, checkpoint_id=str(stage))
         handle = SaveHandle(final, finish)

@@ -198,3 +198,16 @@ def test_save_writes_manifest_with_checksums(tmp_path):
     assert (info["format"], info["world_size"], info["step"]) == ("full", 1, 3)
     w = model.model.norm.weight.detach()
     assert info["tensors"]["model.model.norm.weight"]["crc32"] == f"{zlib.crc32(w.numpy().tobytes()):08x}"
+
+
+def test_example_trains_saves_and_resumes_on_another_world_size(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "train_fsdp2.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for ranks, steps in ((2, 4), (3, 6)):
+        proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(ranks), script,
+                               "--ckpt", str(tmp_path), "--steps", str(steps)],
+                              capture_output=True, text=True, env=env, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step 4 on 3 ranks" in proc.stdout
+    assert (tmp_path / "latest").read_text().strip() == "step-00000006"
