@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
-from .executor import DEFAULT_MAX_MEMORY, execute
+from .executor import DEFAULT_MAX_MEMORY, execute, execute_distributed
 from .formats import WriteOptions, detect, io_for
 from .formats.base import is_empty_container
 from .manifest import Format, Manifest
@@ -65,14 +65,18 @@ def parse_size(value: int | str | None, option: str = "--max-shard-size") -> int
 
 def write(manifest: Manifest, fmt: Format, dst: Path | str, options: WriteOptions, *, overwrite: bool,
           max_memory: int, fsync: bool, progress: bool, extra_files: tuple[FilePlan, ...] = (),
-          notes: tuple[str, ...] = ()) -> Report:
+          notes: tuple[str, ...] = (), distributed: bool = False) -> Report:
     start = time.perf_counter()
     notes += _left_out(manifest, fmt)
     plan = io_for(fmt).plan(manifest, options)
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file)
-    with progress_bar(plan.total_bytes, f"{fmt.value}", progress) as update:
-        execute(plan, Path(dst), overwrite=overwrite, sources=(Path(manifest.root),), max_memory=max_memory,
-                fsync=fsync, progress=update)
+    if distributed:
+        execute_distributed(plan, Path(dst), overwrite=overwrite, sources=(Path(manifest.root),),
+                            max_memory=max_memory, fsync=fsync)
+    else:
+        with progress_bar(plan.total_bytes, f"{fmt.value}", progress) as update:
+            execute(plan, Path(dst), overwrite=overwrite, sources=(Path(manifest.root),), max_memory=max_memory,
+                    fsync=fsync, progress=update)
     ws = options.world_size if fmt in (Format.SHARDED, Format.LOCAL) else None
     return Report(manifest.root, manifest.format, str(dst), fmt, len(manifest.tensors), len(manifest.objects),
                   plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes)

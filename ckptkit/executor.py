@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .errors import FormatError, UsageError
-from .planner import Literal, Region, WritePlan, plan_copies, row_blocks
+from .planner import FilePlan, Literal, Region, WritePlan, plan_copies, row_blocks
 
-__all__ = ["DEFAULT_MAX_MEMORY", "Files", "check_destination", "execute", "read_region", "staged_output"]
+__all__ = ["DEFAULT_MAX_MEMORY", "Files", "check_destination", "execute", "execute_distributed", "read_region",
+           "replace_with", "staged_output", "write_files"]
 
 DEFAULT_MAX_MEMORY = 1 << 30
 _COPY_PIECE = 1 << 30  # copy_file_range moves at most this much per call; larger counts are split
@@ -144,6 +145,18 @@ def check_destination(dst: Path, *, overwrite: bool, sources: tuple[Path, ...] =
     return dst
 
 
+def replace_with(dst: Path, new: Path) -> None:
+    """Put ``new`` (a finished staging directory or file) at ``dst``, replacing what was there."""
+    old = dst.parent / f".{dst.name}.ckptkit-old-{os.getpid()}"
+    had_old = dst.exists() or dst.is_symlink()
+    if had_old:
+        os.rename(dst, old)
+    os.rename(new, dst)
+    if had_old:
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    _fsync_dir(dst.parent)
+
+
 @contextlib.contextmanager
 def staged_output(dst: Path, *, single_file: str | None = None) -> Iterator[Path]:
     """Yield a fresh staging directory beside ``dst``; on success it (or its one file ``single_file``)
@@ -155,14 +168,7 @@ def staged_output(dst: Path, *, single_file: str | None = None) -> Iterator[Path
     stage.mkdir()
     try:
         yield stage
-        old = dst.parent / f".{dst.name}.ckptkit-old-{os.getpid()}"
-        had_old = dst.exists() or dst.is_symlink()
-        if had_old:
-            os.rename(dst, old)
-        os.rename(stage / single_file if single_file else stage, dst)
-        if had_old:
-            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-        _fsync_dir(dst.parent)
+        replace_with(dst, stage / single_file if single_file else stage)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
@@ -175,15 +181,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def execute(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
-            max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = True,
-            progress: Callable[[int], None] = lambda n: None) -> Path:
-    """Write every file of ``plan`` under a staging directory and move the result to ``dst`` atomically."""
-    dst = check_destination(dst, overwrite=overwrite, sources=sources)
-    single = plan.files[0].relpath if plan.single_file else None
-    with Files() as files, staged_output(dst, single_file=single) as stage:
-        writer = _Writer(files, max_memory, progress)
-        for fp in plan.files:
+def write_files(files: tuple[FilePlan, ...], stage: Path, *, max_memory: int = DEFAULT_MAX_MEMORY,
+                fsync: bool = True, progress: Callable[[int], None] = lambda n: None) -> None:
+    """Write ``files`` under the existing directory ``stage``."""
+    with Files() as sources:
+        writer = _Writer(sources, max_memory, progress)
+        for fp in files:
             path = stage / fp.relpath
             path.parent.mkdir(parents=True, exist_ok=True)
             out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -193,4 +196,59 @@ def execute(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tup
                     os.fsync(out)
             finally:
                 os.close(out)
+
+
+def execute(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
+            max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = True,
+            progress: Callable[[int], None] = lambda n: None) -> Path:
+    """Write every file of ``plan`` under a staging directory and move the result to ``dst`` atomically."""
+    dst = check_destination(dst, overwrite=overwrite, sources=sources)
+    single = plan.files[0].relpath if plan.single_file else None
+    with staged_output(dst, single_file=single) as stage:
+        write_files(plan.files, stage, max_memory=max_memory, fsync=fsync, progress=progress)
+    return dst
+
+
+def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
+                        max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = True) -> Path:
+    """``execute`` with the files split round-robin over the ranks of the default process group.
+
+    Every rank must pass the same plan (planning is pure, so the same inputs give it). Rank 0 checks the
+    destination and publishes once all ranks have written their share into the one staging directory.
+    """
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dst = Path(dst).absolute()
+    stage = dst.parent / f".{dst.name}.ckptkit-partial"
+    error = None
+    if rank == 0:
+        try:
+            check_destination(dst, overwrite=overwrite, sources=sources)
+            shutil.rmtree(stage, ignore_errors=True)
+            stage.mkdir(parents=True)
+        except Exception as e:  # told to every rank below, so none waits forever
+            error = e
+    verdict = [str(error) if error else None]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise error if error else UsageError(verdict[0])
+    try:
+        write_files(plan.files[rank::world], stage, max_memory=max_memory, fsync=fsync)
+        failed = None
+    except Exception as e:
+        failed = e
+    outcomes = [None] * world
+    dist.all_gather_object(outcomes, None if failed is None else f"rank {rank}: {failed}")
+    problems = [o for o in outcomes if o]
+    if rank == 0:
+        if problems:
+            shutil.rmtree(stage, ignore_errors=True)
+        else:
+            replace_with(dst, stage / plan.files[0].relpath if plan.single_file else stage)
+            if plan.single_file:
+                shutil.rmtree(stage, ignore_errors=True)
+    dist.barrier()
+    if problems:
+        raise failed if failed else FormatError("; ".join(problems))
     return dst

@@ -63,12 +63,16 @@ def _untie(tensors: list[TensorEntry], config: dict, max_memory: int) -> tuple[l
 def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: str = "keep",
               max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
               strip_wrappers: bool = True, hf_assets: Path | str | None = None, overwrite: bool = False,
-              max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False) -> Report:
+              max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
+              distributed: bool = False) -> Report:
     """Write the model tensors of ``src`` as HF safetensors at ``dst`` (with the index file when sharded).
 
     ``dtype`` is ``keep`` or one of ``bf16``/``fp16``/``fp32``; a cast touches floating tensors only.
     Wrapper prefixes are stripped unless ``strip_wrappers=False``; ``hf_assets`` copies config and
     tokenizer files and applies the config's ``tie_word_embeddings``.
+
+    In a save hook, call it from rank 0 alone, or with ``distributed=True`` from every rank of the default
+    process group: each rank then writes its share of the output files and rank 0 publishes the result.
     """
     cast = parse_cast(dtype)
     manifest = detect(src).read(Path(src))
@@ -91,4 +95,4 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     model = Manifest(manifest.format, manifest.root, tuple(tensors))
     options = WriteOptions(max_shard_size=parse_size(max_shard_size), cast=cast)
     return write(model, Format.HF, dst, options, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
-                 progress=progress, extra_files=assets, notes=tuple(notes))
+                 progress=progress and not distributed, extra_files=assets, notes=tuple(notes), distributed=distributed)

@@ -211,3 +211,20 @@ def test_example_trains_saves_and_resumes_on_another_world_size(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step 4 on 3 ranks" in proc.stdout
     assert (tmp_path / "latest").read_text().strip() == "step-00000006"
+
+
+def _export_from_all_ranks(rank: int, world: int, src: str, dst: str) -> list[str]:
+    report = ckptkit.export_hf(src, dst, max_shard_size=4000, distributed=True)
+    return [n for n in report.notes]
+
+
+def test_export_hf_from_all_ranks_splits_files_and_matches_single_rank(tmp_path):
+    model = _plain_model()
+    torch.save({"model": model.state_dict(), "step": 1}, tmp_path / "src.pt")
+    run_ranks(_export_from_all_ranks, 3, str(tmp_path / "src.pt"), str(tmp_path / "hf3"))
+    ckptkit.export_hf(tmp_path / "src.pt", tmp_path / "hf1", max_shard_size=4000)
+    files = sorted(p.name for p in (tmp_path / "hf3").iterdir())
+    assert "model.safetensors.index.json" in files and len(files) > 3  # several shards, written by 3 ranks
+    assert files == sorted(p.name for p in (tmp_path / "hf1").iterdir())
+    assert ckptkit.verify(tmp_path / "hf1", tmp_path / "hf3").ok
+    assert not list(tmp_path.glob(".hf3*"))  # no staging left behind

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -15,14 +16,19 @@ import torch.multiprocessing as mp
 __all__ = ["run_ranks"]
 
 
-def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tuple, results) -> None:
+def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tuple, results,
+           timeout: float | None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"file://{rdv}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{rdv}", rank=rank, world_size=world,
+                            timeout=None if timeout is None else timedelta(seconds=timeout))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         results.put((rank, fn(rank, world, *args), None))
+        # Ranks leaving at different times make gloo abort in shutdown now and then ("terminate called
+        # without an active exception", 3 ranks on 2 cores): leave together.
+        dist.barrier()
     except BaseException as e:  # report, then let spawn see the failure too
         results.put((rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise
@@ -30,17 +36,20 @@ def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tu
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+              timeout: float | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results by rank.
 
-    ``fn`` must be importable (a module-level function) since ranks are spawned, not forked.
+    ``fn`` must be importable (a module-level function) since ranks are spawned, not forked. ``timeout``
+    (seconds) bounds each collective, so a rank stuck waiting on a peer raises instead of hanging for the
+    backend's default 30 minutes.
     """
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="ckptkit-rdv-") as tmp:
         rdv = os.path.join(tmp, "rendezvous")
         try:
-            mp.spawn(_entry, args=(fn, world_size, rdv, backend, args, results), nprocs=world_size, join=True)
+            mp.spawn(_entry, args=(fn, world_size, rdv, backend, args, results, timeout), nprocs=world_size, join=True)
         except mp.ProcessRaisedException:
             pass  # the rank's own message is in results
         out: dict[int, Any] = {}
