@@ -47,6 +47,31 @@ _memory = click.option("--max-memory", default="1GiB", show_default=True, callba
                        help="Budget for bytes held in memory (dtype casts, verify).")
 _fsync = click.option("--fsync", is_flag=True,
                       help="fsync every written file before the final rename (durable across power loss; slower).")
+_LOCAL = (
+    click.option("--rank-files", metavar="PATTERN",
+                 help="LOCAL: rank file names with {rank} for the rank, e.g. 'shard_{rank}.pt' (default: found by name; "
+                      "output: the source's, or rank{rank}.pt)."),
+    click.option("--model", metavar="PKG.MODULE:FACTORY",
+                 help="LOCAL: builds the FSDP1 model, to derive the flat-parameter layout where no flat_layout.json has it."),
+    click.option("--auto-wrap", default="none", show_default=True, metavar="POLICY",
+                 help="LOCAL: FSDP auto-wrap policy of --model: none, size:<min_num_params> or block:<module.path:Class>."),
+    click.option("--use-orig-params/--no-use-orig-params", default=None,
+                 help="LOCAL: whether FSDP wraps --model with use_orig_params (default: told by the saved sizes; "
+                      "off for output)."),
+)
+
+
+def _local(f):
+    for option in reversed(_LOCAL):
+        f = option(f)
+    return f
+
+
+def _local_options(rank_files, model, auto_wrap, use_orig_params):
+    from .formats import LocalOptions, local_options
+
+    return local_options(LocalOptions(rank_files=rank_files, model=model, auto_wrap=auto_wrap,
+                                      use_orig_params=use_orig_params))
 
 
 def _report(report, quiet: bool) -> None:
@@ -57,46 +82,50 @@ def _report(report, quiet: bool) -> None:
 @cli.command()
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def inspect(path: Path, as_json: bool) -> None:
+@_local
+def inspect(path: Path, as_json: bool, **local) -> None:
     """Show format, world size, tensors with shapes and chunking, and other entries."""
     from .inspect import inspect as _inspect, render, summary
 
-    s = summary(_inspect(path))
+    with _local_options(**local):
+        s = summary(_inspect(path))
     click.echo(json.dumps(s, indent=2) if as_json else render(s))
 
 
 @cli.command()
 @click.argument("src", type=click.Path(exists=True, path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--to", "to", required=True, type=click.Choice(["full", "sharded", "hf"]), help="Target format.")
-@click.option("--world-size", default=1, show_default=True, type=click.IntRange(min=1), help="Ranks (sharded).")
+@click.option("--to", "to", required=True, type=click.Choice(["full", "sharded", "local", "hf"]), help="Target format.")
+@click.option("--world-size", default=1, show_default=True, type=click.IntRange(min=1), help="Ranks (sharded, local).")
 @click.option("--max-shard-size", default=None, help="Largest output file, e.g. 5GB (hf, full).")
+@_local
 @_overwrite
 @_memory
 @_fsync
 @_quiet
-def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, fsync, quiet) -> None:
+def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, fsync, quiet, **local) -> None:
     """Convert SRC (any format) to DST in format --to."""
     from .convert import convert as _convert
 
     _report(_convert(src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, overwrite=overwrite,
-                     max_memory=max_memory, fsync=fsync, progress=not quiet), quiet)
+                     max_memory=max_memory, fsync=fsync, progress=not quiet, **local), quiet)
 
 
 @cli.command()
 @click.argument("src", type=click.Path(exists=True, path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--world-size", required=True, type=click.IntRange(min=1), help="Ranks to lay the checkpoint out for.")
+@_local
 @_overwrite
 @_memory
 @_fsync
 @_quiet
-def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet) -> None:
+def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) -> None:
     """Re-lay-out the sharded checkpoint SRC for --world-size ranks (no GPUs, no process group)."""
     from .convert import reshard as _reshard
 
     _report(_reshard(src, dst, world_size=world_size, overwrite=overwrite, max_memory=max_memory,
-                     fsync=fsync, progress=not quiet), quiet)
+                     fsync=fsync, progress=not quiet, **local), quiet)
 
 
 @cli.command("export-hf")
@@ -112,18 +141,20 @@ def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet) -> None:
               help="Do not strip module., _orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.")
 @click.option("--hf-assets", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="HF model directory to copy config.json and tokenizer files from.")
+@_local
 @_overwrite
 @_memory
 @_fsync
 @_quiet
 def export_hf(src, dst, model_key, dtype, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
-              overwrite, max_memory, fsync, quiet) -> None:
+              overwrite, max_memory, fsync, quiet, **local) -> None:
     """Write the model part of SRC as Hugging Face safetensors in DST."""
     from .export import export_hf as _export
 
-    _report(_export(src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
-                    strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
-                    overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=not quiet), quiet)
+    with _local_options(**local):
+        _report(_export(src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
+                        strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
+                        overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=not quiet), quiet)
 
 
 @cli.command()
@@ -131,13 +162,15 @@ def export_hf(src, dst, model_key, dtype, max_shard_size, strip_prefixes, keep_w
 @click.argument("b", type=click.Path(exists=True, path_type=Path))
 @click.option("--model-only", is_flag=True, help="Compare only the model part, named as export-hf names it.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_local
 @_memory
 @_quiet
-def verify(a, b, model_only, as_json, max_memory, quiet) -> None:
+def verify(a, b, model_only, as_json, max_memory, quiet, **local) -> None:
     """Compare A and B (any formats) key by key and byte by byte; exit 1 if they differ."""
     from .verify import verify as _verify
 
-    r = _verify(a, b, model_only=model_only, max_memory=max_memory, progress=not quiet)
+    with _local_options(**local):
+        r = _verify(a, b, model_only=model_only, max_memory=max_memory, progress=not quiet)
     if as_json:
         click.echo(json.dumps(r.to_json(), indent=2))
     elif not quiet or not r.ok:
@@ -157,6 +190,11 @@ def demo(workdir) -> None:
     from .demo import run_demo
 
     run_demo(workdir)
+
+
+from .harness.cli import harness  # noqa: E402  (torch-free until a cell runs)
+
+cli.add_command(harness)
 
 
 def main() -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from pathlib import Path
+from typing import Iterator
 
 from ..errors import CheckpointError, FormatError, UsageError
 from ..manifest import Format, Manifest
@@ -10,11 +13,26 @@ from .base import FormatIO, WriteOptions
 from .dcp import DcpIO
 from .full import FullIO
 from .hf import HfIO
+from .local import LocalIO, LocalOptions, is_rank_file
 
-__all__ = ["FormatIO", "WriteOptions", "detect", "io_for", "read"]
+__all__ = ["FormatIO", "LocalOptions", "WriteOptions", "detect", "io_for", "local_options", "read"]
 
-# Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides.
-_ALL: tuple[type[FormatIO], ...] = (DcpIO, HfIO, FullIO)
+# Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides. LOCAL
+# comes last: telling its rank files apart from other numbered files means opening them.
+_ALL: tuple[type[FormatIO], ...] = (DcpIO, HfIO, FullIO, LocalIO)
+
+_LOCAL_OPTIONS: ContextVar[LocalOptions | None] = ContextVar("ckptkit_local_options", default=None)
+
+
+@contextlib.contextmanager
+def local_options(options: LocalOptions) -> Iterator[None]:
+    """Read LOCAL checkpoints met inside the block with ``options``: for calls that take no LOCAL options
+    of their own (``inspect``, ``verify``, ``export_hf``)."""
+    token = _LOCAL_OPTIONS.set(options)
+    try:
+        yield
+    finally:
+        _LOCAL_OPTIONS.reset(token)
 
 
 def io_for(fmt: Format | str) -> FormatIO:
@@ -28,17 +46,25 @@ def io_for(fmt: Format | str) -> FormatIO:
     raise CheckpointError(f"no reader/writer for format {fmt.value!r}")
 
 
-def detect(path: Path | str) -> FormatIO:
+def detect(path: Path | str, local: LocalOptions | None = None) -> FormatIO:
+    """The reader for ``path``; ``local`` (else :func:`local_options`) applies if it is a LOCAL checkpoint."""
     path = Path(path)
+    local = local or _LOCAL_OPTIONS.get()
     if not path.exists():
         raise FormatError(f"{path}: no such file or directory")
+    if path.is_file() and is_rank_file(path):
+        raise UsageError(f"{path} is one rank's file of an FSDP1 LOCAL_STATE_DICT checkpoint; pass its directory "
+                         f"{path.parent} (with --rank-files if other files there are numbered too)")
     for cls in _ALL:
         if cls.detect(path):
-            return cls()
+            return LocalIO(local) if cls is LocalIO else cls()
+    if local is not None and local.rank_files is not None and path.is_dir():
+        return LocalIO(local)  # the pattern names the rank files; reading says what is wrong with them
     listing = ", ".join(sorted(p.name for p in path.iterdir())[:8]) if path.is_dir() else "a file of unknown type"
     raise FormatError(
         f"{path}: not a checkpoint ckptkit knows (found: {listing or 'an empty directory'}); expected a DCP "
-        "directory with .metadata, a torch.save file or pytorch_model.bin[.index.json], or model.safetensors[.index.json]")
+        "directory with .metadata, a torch.save file or pytorch_model.bin[.index.json], model.safetensors[.index.json], "
+        "or FSDP1 LOCAL_STATE_DICT rank files (rank0.pt, ...)")
 
 
 def read(path: Path | str) -> Manifest:

@@ -16,6 +16,7 @@ from typing import Any
 from .._pickle import Call
 from ..dtypes import DType
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
+from ..flat_layout import FlatLayout
 from ..manifest import Format, Manifest, ObjectEntry, TensorRef
 from ..planner import Region, WritePlan
 
@@ -33,6 +34,10 @@ class WriteOptions:
     """Floating tensors are cast to this dtype; others keep theirs."""
     single_file: bool = True
     """FULL output is one ``torch.save`` file rather than a directory."""
+    flat_layout: FlatLayout | None = None
+    """LOCAL output: the model's flat-parameter layout, where the manifest (not read from LOCAL) has none."""
+    rank_files: str | None = None
+    """LOCAL output: file names, a pattern with ``{rank}``; None keeps the source's or writes ``rank{rank}.pt``."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -26,14 +26,15 @@ def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tu
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         results.put((rank, fn(rank, world, *args), None))
-        # Ranks leaving at different times make gloo abort in shutdown now and then ("terminate called
-        # without an active exception", 3 ranks on 2 cores): leave together.
         dist.barrier()
     except BaseException as e:  # report, then let spawn see the failure too
         results.put((rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    # gloo's native teardown aborts now and then when several ranks share 2 cores ("terminate called
+    # without an active exception", after the work is done and reported). A rank that succeeded has
+    # nothing left to flush, so it leaves without running destructors.
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",

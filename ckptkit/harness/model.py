@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "TinyConfig", "TinyTransformer", "batch"]
+__all__ = ["Block", "TinyConfig", "TinyTransformer", "batch", "next_token_loss"]
 
 
 @dataclass(frozen=True)
@@ -108,8 +108,17 @@ class TinyTransformer(nn.Module):
         return self.lm_head(self.model(tokens))
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens[:, :-1])
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        return next_token_loss(self, tokens)
+
+
+def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting each next token of ``tokens`` (batch, seq + 1).
+
+    ``model`` may be a wrapper (DDP, FSDP1) around a :class:`TinyTransformer`: this calls the wrapper's
+    forward, whose hooks gather and reduce, where ``wrapper.loss`` would reach past them to the inner module.
+    """
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 def batch(cfg: TinyConfig, step: int, size: int = 4, rank: int = 0) -> torch.Tensor:

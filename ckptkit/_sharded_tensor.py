@@ -1,0 +1,299 @@
+"""torch's legacy ``ShardedTensor`` pickle as data, both ways, without importing torch.
+
+``torch.save`` of a ShardedTensor (what FSDP1 ``LOCAL_STATE_DICT`` puts under each ``_flat_param``) pickles::
+
+    torch._tensor._rebuild_from_type_v2(
+        torch._utils._rebuild_wrapper_subclass, ShardedTensor,
+        (ShardedTensor, dtype, size, stride, 0, layout, device, requires_grad),   # the wrapper's args
+        ([Shard(tensor, ShardMetadata(offsets, sizes, _remote_device(rank)))],     # this rank's shards
+         ShardedTensorMetadata([ShardMetadata per rank...], Size(size), TensorProperties(...)),
+         getattr(ShardedTensor, "ProcessGroupState")(rank, rank, world, world),
+         ChunkShardingSpec(dim=0, placements=[...]),
+         False))                                                                 # init_rrefs
+
+``ShardedTensor.__setstate__`` needs a process group of the saving rank and world size, so torch cannot
+open such a file offline. :func:`sharded_tensor_globals` maps those globals to plain records and rebuilds
+the whole thing as a :class:`ShardedTensorData`. :func:`sharded_tensor` writes the same structure back, and
+:func:`archive` lays out a ``torch.save`` archive whose tensors may sit inside such pickled objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+from ._pickle import Call, Record, dumps, keep_call, make_record, record_class, ref
+from ._torchzip import OBJECT_GLOBALS, _StorageKey, _central, _local_header, _merge_literals, _persistent_id
+from .dtypes import DType
+from .errors import FormatError, UnsafeCheckpointError
+from .manifest import TensorRef, row_major
+from .planner import Literal, Part, Region
+
+__all__ = ["PartsTensor", "ShardBox", "ShardedTensorData", "archive", "sharded_tensor", "sharded_tensor_globals"]
+
+_API = "torch.distributed._shard.sharded_tensor.api"
+_SHARD = "torch.distributed._shard.sharded_tensor.shard"
+_META = "torch.distributed._shard.metadata"
+_ST_META = "torch.distributed._shard.sharded_tensor.metadata"
+_SPEC = "torch.distributed._shard.sharding_spec.chunk_sharding_spec"
+_REMOTE = "torch.distributed.remote_device"
+
+
+@dataclass(frozen=True, slots=True)
+class ShardBox:
+    """One shard's box of the global tensor and the rank that holds it (None when unplaced)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    rank: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedTensorData:
+    """A ShardedTensor as one rank saved it: the global picture and this rank's shard bytes."""
+
+    dtype: DType
+    size: tuple[int, ...]
+    shards: tuple[ShardBox, ...]
+    """Every rank's shard (the global metadata each rank's file repeats)."""
+    local: tuple[tuple[ShardBox, TensorRef], ...]
+    """The shards this rank holds, with their bytes."""
+    rank: int
+    world_size: int
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reading
+
+
+class _Tag:
+    """A torch global the pickle passes as a value and never calls here (the subclass and its rebuild fn)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_WRAPPER, _SHARDED = _Tag("torch._utils._rebuild_wrapper_subclass"), _Tag(f"{_API}.ShardedTensor")
+_TENSOR = _Tag("torch.Tensor")
+_TENSOR_REBUILDS = tuple(OBJECT_GLOBALS[("torch._utils", n)] for n in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"))
+_PG_STATE_NAME = "ProcessGroupState"
+
+
+def _records(module: str, *names: str) -> dict[tuple[str, str], type[Record]]:
+    return {(module, n): record_class(module, n) for n in names}
+
+
+def sharded_tensor_globals(where: str) -> dict[tuple[str, str], Any]:
+    """Extra allow-list entries for :func:`~ckptkit._torchzip.read_archive`: ShardedTensors become
+    :class:`ShardedTensorData`; every other use of these names is refused, naming ``where``."""
+    pg_state = record_class(_API, f"ShardedTensor.{_PG_STATE_NAME}")
+
+    def getattr_(obj: Any, name: str) -> Any:
+        # Protocol 2 cannot name a nested class, so torch pickles getattr(ShardedTensor, "ProcessGroupState").
+        if obj is _SHARDED and name == _PG_STATE_NAME:
+            return pg_state
+        raise UnsafeCheckpointError(f"{where}: the pickle asks for getattr({obj!r}, {name!r}); ckptkit allows "
+                                    f"getattr only for ShardedTensor.{_PG_STATE_NAME}")
+
+    def rebuild(func: Any, new_type: Any, args: Any, state: Any) -> ShardedTensorData | TensorRef:
+        if new_type is _TENSOR and func in _TENSOR_REBUILDS:
+            # A plain tensor carrying Python attributes (FSDP1 marks tensors it gathers "_has_been_cloned").
+            return func(*args)
+        if func is not _WRAPPER or new_type is not _SHARDED:
+            raise FormatError(f"{where}: a tensor subclass rebuilt by {func!r} as {new_type!r}; ckptkit reads "
+                              "only torch's ShardedTensor among tensor subclasses")
+        try:
+            return _sharded_data(args, state)
+        except (TypeError, ValueError, AttributeError, IndexError) as e:
+            raise FormatError(f"{where}: malformed ShardedTensor pickle ({type(e).__name__}: {e})") from e
+
+    return {
+        ("torch._tensor", "_rebuild_from_type_v2"): rebuild,
+        ("torch._utils", "_rebuild_wrapper_subclass"): _WRAPPER,
+        (_API, "ShardedTensor"): _SHARDED,
+        ("torch", "Tensor"): _TENSOR,
+        ("__builtin__", "getattr"): getattr_,
+        ("builtins", "getattr"): getattr_,
+        **_records(_SHARD, "Shard"),
+        **_records(_META, "ShardMetadata"),
+        **_records(_REMOTE, "_remote_device"),
+        **_records(_ST_META, "ShardedTensorMetadata", "TensorProperties"),
+        **_records(_SPEC, "ChunkShardingSpec"),
+        (_ST_META, "MEM_FORMAT_ENCODING"): keep_call(_ST_META, "MEM_FORMAT_ENCODING"),
+    }
+
+
+def _ints(v: Any, what: str) -> tuple[int, ...]:
+    if isinstance(v, Call):  # torch.Size((...))
+        v = v.args[0] if v.args else ()
+    if not isinstance(v, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v):
+        raise ValueError(f"{what} should be a list of non-negative ints, found {v!r}")
+    return tuple(v)
+
+
+def _box(meta: Any) -> ShardBox:
+    offsets, sizes = _ints(meta.shard_offsets, "shard_offsets"), _ints(meta.shard_sizes, "shard_sizes")
+    if len(offsets) != len(sizes):
+        raise ValueError(f"shard_offsets {list(offsets)} and shard_sizes {list(sizes)} differ in rank")
+    rank = getattr(meta.placement, "_rank", None) if meta.placement is not None else None
+    return ShardBox(offsets, sizes, rank if isinstance(rank, int) else None)
+
+
+def _sharded_data(args: tuple, state: tuple) -> ShardedTensorData:
+    dtype, size = args[1], _ints(args[2], "size")  # args[0] repeats the class
+    shards, meta, pg = state[0], state[1], state[2]
+    if not isinstance(dtype, DType):
+        raise ValueError(f"dtype should be a torch dtype, found {dtype!r}")
+    if _ints(meta.size, "metadata size") != size:
+        raise ValueError(f"wrapper size {list(size)} differs from metadata size {list(_ints(meta.size, 'size'))}")
+    local = []
+    for s in shards:
+        box, t = _box(s.metadata), s.tensor
+        if not isinstance(t, TensorRef) or t.dtype != dtype or t.shape != box.sizes:
+            found = f"{t.dtype} {list(t.shape)}" if isinstance(t, TensorRef) else type(t).__name__
+            raise ValueError(f"local shard at {list(box.offsets)} holds {found}, metadata says {dtype} {list(box.sizes)}")
+        if t.strides is None and t.span.length < math.prod(t.shape) * dtype.itemsize:
+            raise ValueError(f"local shard at {list(box.offsets)} needs {math.prod(t.shape) * dtype.itemsize} bytes, "
+                             f"its storage holds {t.span.length}")
+        local.append((box, t))
+    rank, world = pg.local_rank, pg.local_world_size
+    if not all(isinstance(v, int) for v in (rank, world)):
+        raise ValueError(f"process group state has rank {rank!r} and world size {world!r}")
+    return ShardedTensorData(dtype, size, tuple(_box(m) for m in meta.shards_metadata), tuple(local), rank, world)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Writing
+
+
+class _PgState(Record):
+    # A record whose class is pickled as the getattr call torch writes (see getattr_ above).
+    _pickle_name = Call(ref("__builtin__", "getattr"), (ref(_API, "ShardedTensor"), _PG_STATE_NAME))  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupState({self.__dict__})"
+
+
+def _slotted(module: str, name: str, fields: dict) -> Record:
+    """A record of a ``__slots__`` class: torch pickles its state as ``(None, {slot: value})``."""
+    obj = record_class(module, name).__new__(record_class(module, name))
+    obj.__dict__["state"] = (None, fields)  # kept as is: Record.__setstate__ would merge the pair into a dict
+    return obj
+
+
+def _device(kind: str) -> Call:
+    return keep_call("torch", "device")(kind)
+
+
+def _placement(rank: int | None, device: Call) -> Record:
+    return make_record(_REMOTE, "_remote_device", {"_worker_name": None, "_rank": rank, "_device": device})
+
+
+def _shard_meta(box: ShardBox, placement: Record) -> Record:
+    return _slotted(_META, "ShardMetadata", {"shard_offsets": list(box.offsets), "shard_sizes": list(box.sizes),
+                                             "placement": placement})
+
+
+def sharded_tensor(dtype: DType, size: tuple[int, ...], shards: tuple[ShardBox, ...], local: list[tuple[ShardBox, Any]],
+                   *, rank: int, world_size: int, requires_grad: bool) -> Call:
+    """The pickle of a ShardedTensor chunked along dim 0, as rank ``rank`` of ``world_size`` saves it.
+
+    ``local`` pairs this rank's boxes with their tensors (:class:`Region` or :class:`PartsTensor` leaves,
+    for :func:`archive`). As in torch's own files, the local shards carry metadata objects of their own and
+    the sharding spec reuses the global metadata's placements, ordered by offset.
+    """
+    device = _device("cpu")
+    layout = keep_call("torch.serialization", "_get_layout")("torch.strided")
+    placements = {box: _placement(box.rank, device) for box in shards}
+    local_shards = [_slotted(_SHARD, "Shard", {"tensor": t, "metadata": _shard_meta(box, _placement(box.rank, device))})
+                    for box, t in local]
+    props = make_record(_ST_META, "TensorProperties",
+                        (dtype, layout, requires_grad, keep_call(_ST_META, "MEM_FORMAT_ENCODING")(0), False))
+    meta = make_record(_ST_META, "ShardedTensorMetadata", {
+        "shards_metadata": [_shard_meta(box, placements[box]) for box in shards],
+        "size": keep_call("torch", "Size")(tuple(size)), "tensor_properties": props})
+    pg = _PgState()
+    pg.__setstate__({"local_rank": rank, "global_rank": rank, "local_world_size": world_size,
+                     "global_world_size": world_size})
+    by_offset = sorted(shards, key=lambda b: sum(b.offsets))
+    spec = make_record(_SPEC, "ChunkShardingSpec", {"dim": 0, "placements": [placements[b] for b in by_offset]})
+    wrapper_args = (ref(_API, "ShardedTensor"), dtype, tuple(size), row_major(tuple(size)), 0, layout, device,
+                    requires_grad)
+    return Call(ref("torch._tensor", "_rebuild_from_type_v2"), (
+        ref("torch._utils", "_rebuild_wrapper_subclass"), ref(_API, "ShardedTensor"), wrapper_args,
+        (local_shards, meta, pg, spec, False)))
+
+
+@dataclass(frozen=True, slots=True)
+class PartsTensor:
+    """A 1-D tensor whose bytes are ``parts`` in a row: pieces of other tensors and padding."""
+
+    dtype: DType
+    parts: tuple[Part, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // self.dtype.itemsize
+
+
+def _tensorize(tree: Any, records: list[tuple[str, tuple[Part, ...]]]) -> Any:
+    """``tree`` with :class:`Region` / :class:`PartsTensor` leaves turned into ``_rebuild_tensor_v3`` calls on
+    new storage records, looking inside calls and records too (``_torchzip.archive_parts`` stops at them)."""
+    if isinstance(tree, (Region, PartsTensor)):
+        key = str(len(records))
+        shape = tuple(tree.sizes) if isinstance(tree, Region) else (tree.numel,)
+        records.append((f"data/{key}", (tree,) if isinstance(tree, Region) else tree.parts))
+        return Call(ref("torch._utils", "_rebuild_tensor_v3"), (
+            _StorageKey(key, tree.nbytes), 0, shape, row_major(shape), False,
+            Call(ref("collections", "OrderedDict"), ()), tree.dtype))
+    if isinstance(tree, Call):
+        return Call(tree.func, tuple(_tensorize(a, records) for a in tree.args))
+    if isinstance(tree, Record):
+        out = type(tree).__new__(type(tree))
+        out.__dict__.update({k: _tensorize(v, records) for k, v in tree.__dict__.items()})
+        return out
+    if isinstance(tree, dict):
+        return type(tree)((k, _tensorize(v, records)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_tensorize(v, records) for v in tree)
+    return tree
+
+
+def archive(tree: Any, *, name: str = "archive") -> tuple[Part, ...]:
+    """The parts of a ``torch.save`` archive of ``tree``, laid out as ``_torchzip.archive_parts`` lays it out;
+    tensors may also sit inside :class:`Call` and :class:`Record` nodes, and a storage may be a
+    :class:`PartsTensor` made of several parts."""
+    records: list[tuple[str, tuple[Part, ...]]] = []
+    pkl = dumps(_tensorize(tree, records), protocol=2, persistent_id=_persistent_id)
+    sizes = [(n, sum(p.nbytes for p in ps)) for n, ps in records]
+    digest = hashlib.sha1(pkl + repr(sizes).encode()).digest()
+    serial_id = str(int.from_bytes(digest, "big") % 10**40).zfill(40).encode()
+    ordered = [("data.pkl", (Literal(pkl),)), (".format_version", (Literal(b"1"),)),
+               (".storage_alignment", (Literal(b"64"),)), ("byteorder", (Literal(b"little"),)), *records,
+               ("version", (Literal(b"3\n"),)), (".data/serialization_id", (Literal(serial_id),))]
+    parts: list[Part] = []
+    central: list[tuple[bytes, int, int, int]] = []
+    pos = 0
+    for rec_name, payload in ordered:
+        full = f"{name}/{rec_name}".encode()
+        size = sum(p.nbytes for p in payload)
+        only = payload[0] if len(payload) == 1 else None
+        crc = zipfile.crc32(only.data) if isinstance(only, Literal) else 0  # CRC 0 on streamed records, as torch allows
+        header = _local_header(full, size, crc, pos)
+        central.append((full, size, crc, pos))
+        parts += [Literal(header), *payload]
+        pos += len(header) + size
+    parts.append(Literal(_central(central, pos)))
+    return _merge_literals(parts)

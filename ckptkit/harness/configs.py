@@ -1,0 +1,206 @@
+"""What a harness run trains under and how it saves or loads: pure, torch-free descriptions.
+
+A :class:`TrainConfig` is one side of a matrix cell: the wrapper (plain, DDP, FSDP1, FSDP2) with its
+options, the world size, and the :class:`Form` the state is saved in (source side) or loaded from (target
+side). A :class:`Cell` pairs a source with a target. Every combination torch would refuse, or that would
+test nothing, is rejected here with a message that names the field, so a matrix cannot hold a cell that
+fails for a reason other than ckptkit.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["WRAP_MIN_NUM_PARAMS", "AutoWrap", "Cell", "ConfigError", "Form", "Sharding", "TrainConfig", "Wrapper",
+           "ddp", "fsdp1", "fsdp2", "plain"]
+
+
+class ConfigError(ValueError):
+    """A training configuration or cell that cannot run as described."""
+
+
+class Wrapper(str, enum.Enum):
+    PLAIN = "plain"
+    DDP = "ddp"
+    FSDP1 = "fsdp1"
+    FSDP2 = "fsdp2"
+
+
+class Sharding(str, enum.Enum):
+    """FSDP1's ``ShardingStrategy``; each value is the torch member's name (torch keeps ZeRO-2 hybrid private)."""
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    HYBRID_SHARD_ZERO2 = "_HYBRID_SHARD_ZERO2"
+
+    @property
+    def hybrid(self) -> bool:
+        return self in (Sharding.HYBRID_SHARD, Sharding.HYBRID_SHARD_ZERO2)
+
+
+class Form(str, enum.Enum):
+    """How state goes to disk and comes back.
+
+    FULL: rank 0 ``torch.save`` of the full model + optimizer state dict (FSDP1 FULL_STATE_DICT).
+    SHARDED: ``torch.distributed.checkpoint`` of ``get_state_dict`` (FSDP1 SHARDED_STATE_DICT, DTensors).
+    LOCAL: each rank ``torch.save`` of FSDP1's LOCAL_STATE_DICT and its flattened optimizer state.
+    HF: safetensors of the model alone; a target form only (the harness never trains into it).
+    """
+
+    FULL = "full"
+    SHARDED = "sharded"
+    LOCAL = "local"
+    HF = "hf"
+
+
+class AutoWrap(str, enum.Enum):
+    """FSDP1 auto-wrap policy: none (one root unit), by parameter count, or one unit per ``Block``."""
+
+    NONE = "none"
+    SIZE = "size"
+    BLOCK = "block"
+
+
+WRAP_MIN_NUM_PARAMS = 10_000
+"""``size_based_auto_wrap_policy(min_num_params=...)`` for AutoWrap.SIZE: with the tiny model's defaults it
+wraps each attention and MLP (16k and 18k parameters) and leaves norms to their parents."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One side of a cell. FSDP1-only fields are None unless ``wrapper`` is FSDP1, FSDP2-only ones unless
+    it is FSDP2; :func:`plain`, :func:`ddp`, :func:`fsdp1` and :func:`fsdp2` fill in the defaults."""
+
+    wrapper: Wrapper
+    world_size: int = 1
+    """Ranks; hybrid FSDP1 and HSDP FSDP2 lay them out as a 2 x (world_size / 2) mesh."""
+    form: Form = Form.FULL
+    """What the source saves, or what the target loads."""
+    sharding: Sharding | None = None
+    """FSDP1 ShardingStrategy."""
+    auto_wrap: AutoWrap | None = None
+    """FSDP1 auto-wrap policy."""
+    use_orig_params: bool | None = None
+    """FSDP1 ``use_orig_params``."""
+    hsdp: bool | None = None
+    """FSDP2 on a 2-D (replicate, shard) mesh rather than a 1-D one."""
+    bf16: bool | None = None
+    """FSDP2 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``."""
+    cpu_offload: bool | None = None
+    """FSDP2 ``CPUOffloadPolicy``."""
+    reshard_after_forward: bool | None = None
+    """FSDP2 ``reshard_after_forward``."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            problems.append(f"world_size must be an int >= 1, got {self.world_size!r}")
+        for names, owner in ((("sharding", "auto_wrap", "use_orig_params"), Wrapper.FSDP1),
+                             (("hsdp", "bf16", "cpu_offload", "reshard_after_forward"), Wrapper.FSDP2)):
+            for name in names:
+                value = getattr(self, name)
+                if self.wrapper is owner and value is None:
+                    problems.append(f"{owner.value} needs {name} (use {owner.value}(...) for the defaults)")
+                elif self.wrapper is not owner and value is not None:
+                    problems.append(f"{name} is an {owner.value} option, but wrapper is {self.wrapper.value}")
+        if self.wrapper is Wrapper.PLAIN and self.world_size != 1:
+            problems.append(f"a plain model syncs no gradients, so world_size must be 1, got {self.world_size}; "
+                            "use ddp for data parallel")
+        if self.form is Form.LOCAL and self.wrapper is not Wrapper.FSDP1:
+            problems.append(f"form local is FSDP1's LOCAL_STATE_DICT, but wrapper is {self.wrapper.value}")
+        if self.mesh_shape[0] == 2 and self.world_size % 2:
+            problems.append(f"{self.layout} lays ranks out as 2 x k, so world_size must be even, got {self.world_size}")
+        if self.form is Form.LOCAL and self.sharding is not None and self.sharding.hybrid:
+            problems.append("torch refuses LOCAL_STATE_DICT with a DeviceMesh, which hybrid sharding runs on")
+        if problems:  # named without the options: they may be what is wrong
+            raise ConfigError(f"{self.wrapper.value}@{self.world_size}:{self.form.value}: " + "; ".join(problems))
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """(world_size,), or (2, world_size // 2) for hybrid FSDP1 and HSDP FSDP2."""
+        two_d = bool(self.hsdp) or (self.sharding is not None and self.sharding.hybrid)
+        return (2, self.world_size // 2) if two_d else (self.world_size,)
+
+    @property
+    def layout(self) -> str:
+        if self.wrapper is Wrapper.FSDP1:
+            return f"FSDP1 {self.sharding.name}"
+        return "FSDP2 HSDP" if self.hsdp else self.wrapper.value
+
+    @property
+    def name(self) -> str:
+        """A short label, e.g. ``fsdp1(hybrid_shard,wrap=block,orig)@4:sharded`` or ``fsdp2(2d,bf16)@4:full``."""
+        opts: list[str] = []
+        if self.wrapper is Wrapper.FSDP1:
+            opts = [self.sharding.name.lower(), f"wrap={self.auto_wrap.value}"] + (["orig"] if self.use_orig_params else [])
+        elif self.wrapper is Wrapper.FSDP2:
+            opts = (["2d"] if self.hsdp else []) + (["bf16"] if self.bf16 else []) + \
+                   (["offload"] if self.cpu_offload else []) + ([] if self.reshard_after_forward else ["no-reshard"])
+        label = f"({','.join(opts)})" if opts else ""
+        return f"{self.wrapper.value}{label}@{self.world_size}:{self.form.value}"
+
+
+def plain(*, form: Form = Form.FULL) -> TrainConfig:
+    return TrainConfig(wrapper=Wrapper.PLAIN, world_size=1, form=form)
+
+
+def ddp(world_size: int, *, form: Form = Form.FULL) -> TrainConfig:
+    return TrainConfig(wrapper=Wrapper.DDP, world_size=world_size, form=form)
+
+
+def fsdp1(world_size: int, *, form: Form = Form.SHARDED, sharding: Sharding = Sharding.FULL_SHARD,
+          auto_wrap: AutoWrap = AutoWrap.BLOCK, use_orig_params: bool = False) -> TrainConfig:
+    return TrainConfig(wrapper=Wrapper.FSDP1, world_size=world_size, form=form, sharding=sharding,
+                       auto_wrap=auto_wrap, use_orig_params=use_orig_params)
+
+
+def fsdp2(world_size: int, *, form: Form = Form.SHARDED, hsdp: bool = False, bf16: bool = False,
+          cpu_offload: bool = False, reshard_after_forward: bool = True) -> TrainConfig:
+    return TrainConfig(wrapper=Wrapper.FSDP2, world_size=world_size, form=form, hsdp=hsdp, bf16=bf16,
+                       cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """Train and save under ``source``; ckptkit converts the checkpoint to ``target.form`` for
+    ``target.world_size`` ranks; fresh ranks load it under ``target`` and train on."""
+
+    source: TrainConfig
+    target: TrainConfig
+
+    def __post_init__(self) -> None:
+        if self.source.form is Form.HF:
+            raise ConfigError(f"{self.name}: HF is a target form only (it holds no optimizer state to train on from)")
+        if self.target.form is Form.LOCAL:
+            s, t = self.source, self.target
+            if s.form is not Form.LOCAL or (s.auto_wrap, s.use_orig_params) != (t.auto_wrap, t.use_orig_params):
+                raise ConfigError(f"{self.name}: a LOCAL target needs a LOCAL source with the same auto_wrap and "
+                                  "use_orig_params: ckptkit re-lays flat parameters for a new world size, "
+                                  "it does not re-wrap them")
+            if t.sharding is Sharding.NO_SHARD:
+                raise ConfigError(f"{self.name}: ckptkit writes LOCAL as sharded FSDP1 ranks hold it (a slice of "
+                                  "each flat parameter per rank); NO_SHARD ranks hold them whole")
+
+    @property
+    def name(self) -> str:
+        return f"{self.source.name} -> {self.target.name}"
+
+    @property
+    def operation(self) -> str:
+        """The ckptkit call that turns the source checkpoint into the target's: ``reshard`` (sharded to
+        sharded, LOCAL to LOCAL), ``export_hf``, or ``convert``."""
+        s, t = self.source.form, self.target.form
+        if t is Form.HF:
+            return "export_hf"
+        return "reshard" if s is t and s in (Form.SHARDED, Form.LOCAL) else "convert"
+
+    @property
+    def needs_local(self) -> bool:
+        return Form.LOCAL in (self.source.form, self.target.form)
+
+    @property
+    def bf16(self) -> bool:
+        return bool(self.source.bf16 or self.target.bf16)

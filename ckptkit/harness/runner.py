@@ -1,0 +1,295 @@
+"""Run matrix cells on real ranks, in three phases that share work between cells.
+
+1. Sources: each distinct source configuration trains ``STEPS`` steps, writes the reference (its full
+   state, by rank 0) and its checkpoint, then trains ``RESUME_STEPS`` more: the uninterrupted run.
+2. Conversions: ckptkit turns each cell's source checkpoint into the target's form and world size, in
+   this process (offline, no process group), and ``verify`` compares the two.
+3. Targets: fresh ranks load each converted checkpoint under the target configuration, capture the full
+   state they loaded (rank 0 writes it), and train ``RESUME_STEPS`` steps.
+
+Jobs of one world size share a spawned group, one after another; each job writes ``outcome.json`` when it
+ends. If a group dies, the first job without an outcome is the one that was running: it gets the error,
+and the jobs after it run again in a new group.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..convert import convert, reshard
+from ..errors import CheckpointError
+from ..export import export_hf
+from ..formats import io_for
+from ..manifest import Format
+from ..verify import verify
+from .checks import compare_losses, compare_states, loss_rtol
+from .configs import Cell, Form, TrainConfig
+from .launch import run_ranks
+from .states import checkpoint_path, full_state, load, save, write_flat_layout
+from .training import MODEL, build, train
+
+__all__ = ["COLLECTIVE_TIMEOUT", "RESUME_STEPS", "STEPS", "CellResult", "Status", "check_device", "local_support",
+           "run_cells"]
+
+STEPS = 2
+"""Steps before saving: AdamW's moments and step count are real and differ from their initial values."""
+RESUME_STEPS = 3
+"""Steps after resuming, compared with the uninterrupted run."""
+COLLECTIVE_TIMEOUT = 300.0
+"""Seconds a rank waits on a peer before the group fails instead of hanging (CI machines are slow)."""
+REFERENCE, LOADED, OUTCOME = "reference.pt", "loaded.pt", "outcome.json"
+
+
+class Status(str, enum.Enum):
+    PASS = "pass"
+    FAIL = "FAIL"
+    SKIP = "skip"
+
+
+@dataclass(frozen=True)
+class CellResult:
+    cell: Cell
+    status: Status
+    reason: str
+    detail: str = ""
+    """Everything behind ``reason``: the whole error with its traceback, or every state difference."""
+
+    def to_json(self) -> dict:
+        return {"cell": self.cell.name, "source": self.cell.source.name, "target": self.cell.target.name,
+                "operation": self.cell.operation, "status": self.status.value, "reason": self.reason,
+                "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One configuration run on one group: ``checkpoint`` is written (source) or read (target)."""
+
+    config: TrainConfig
+    directory: str
+
+    @property
+    def checkpoint(self) -> Path:
+        return checkpoint_path(self.directory, self.config.form)
+
+
+def local_support() -> str | None:
+    """None when ckptkit has a reader for LOCAL checkpoints, else why LOCAL cells are skipped."""
+    try:
+        io_for(Format.LOCAL)
+    except CheckpointError as e:
+        return f"needs LOCAL: {e} yet (ckptkit/formats/local.py)"
+    return None
+
+
+def check_device(device: str) -> None:
+    """Raise ValueError unless the harness can run ranks on ``device`` here."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device 'cuda': torch {torch.__version__} sees no CUDA device here; use --device cpu")
+
+
+def _backend(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def _start_rank(device: str) -> torch.device:
+    """Set this rank up for a run of jobs; the device it computes on."""
+    # torch's notices about its own internals (deprecations, "NO_SHARD returns a full state dict" when FSDP1
+    # runs on one rank), repeated by every rank for every job, would bury the report: none is the user's to act on.
+    for category in (UserWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"torch\.")
+    # The matrix runs NO_SHARD on purpose; torch's deprecation of it is attributed to the wrapping call.
+    warnings.filterwarnings("ignore", message="The `NO_SHARD` sharding strategy is deprecated", category=FutureWarning)
+    # launch.run_ranks has set this rank's GPU as the current one.
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
+def _finish(job: _Job, outcome: dict) -> None:
+    dist.barrier()  # every rank is past the job before it counts as done
+    if dist.get_rank() == 0:
+        (Path(job.directory) / OUTCOME).write_text(json.dumps(outcome))
+
+
+def _source_rank(rank: int, world: int, jobs: tuple[_Job, ...], device: str) -> None:
+    dev = _start_rank(device)
+    for job in jobs:
+        model, optimizer = build(job.config, dev)
+        train(model, optimizer, start=0, steps=STEPS, device=dev)
+        reference = full_state(model, optimizer, STEPS, dev)  # before save: FSDP1 takes no full state after a sharded one
+        if rank == 0:
+            torch.save(reference, Path(job.directory) / REFERENCE)
+        save(job.config.form, model, optimizer, STEPS, job.checkpoint, dev)
+        _finish(job, {"losses": train(model, optimizer, start=STEPS, steps=RESUME_STEPS, device=dev)})
+
+
+def _target_rank(rank: int, world: int, jobs: tuple[_Job, ...], device: str) -> None:
+    dev = _start_rank(device)
+    for job in jobs:
+        model, optimizer = build(job.config, dev)
+        step = load(job.config.form, model, optimizer, job.checkpoint)
+        loaded = full_state(model, None if job.config.form is Form.HF else optimizer, step, dev)
+        if rank == 0:
+            torch.save(loaded, Path(job.directory) / LOADED)
+        _finish(job, {"step": step, "losses": train(model, optimizer, start=STEPS, steps=RESUME_STEPS, device=dev)})
+
+
+def _message(error: BaseException) -> str:
+    """The error's message on one line, without the traceback run_ranks appends to a rank's failure."""
+    text = str(error).split("Traceback (most recent call last)")[0]
+    return " ".join(text.split()) or type(error).__name__
+
+
+def _run_jobs(fn: Callable, jobs: list[_Job], device: str, say: Callable[[str], None]) -> dict[_Job, dict | BaseException]:
+    """Each job's outcome, or the error it died of."""
+    results: dict[_Job, dict | BaseException] = {}
+    for world in sorted({j.config.world_size for j in jobs}):
+        pending = [j for j in jobs if j.config.world_size == world]
+        while pending:
+            start, error = time.perf_counter(), None
+            try:
+                run_ranks(fn, world, tuple(pending), device, backend=_backend(device), timeout=COLLECTIVE_TIMEOUT)
+            except Exception as e:  # a rank's exception, a crash (signal) or a timeout: attributed below
+                error = e
+            say(f"  {len(pending)} job(s) on {world} rank(s): {time.perf_counter() - start:.1f} s")
+            for j in pending:
+                if (Path(j.directory) / OUTCOME).is_file():
+                    results[j] = json.loads((Path(j.directory) / OUTCOME).read_text())
+            pending = [j for j in pending if j not in results]
+            if pending:
+                # Jobs run in order, so the first without an outcome is the one the group died in.
+                results[pending.pop(0)] = error or RuntimeError("the group ended without writing an outcome")
+    return results
+
+
+def _convert(cell: Cell, src: Path, dst: Path, assets: Path) -> str | None:
+    """Run the cell's ckptkit operation; a verify finding, or None."""
+    if cell.operation == "export_hf":
+        export_hf(src, dst, hf_assets=assets)
+        return None  # verify would report the lm_head.weight the export leaves out; the load check covers it
+    if cell.operation == "reshard":
+        reshard(src, dst, world_size=cell.target.world_size)
+    else:
+        convert(src, dst, to=cell.target.form.value, world_size=cell.target.world_size)
+    report = verify(src, dst)
+    if report.ok:
+        return None
+    first = report.differences[0]
+    return f"ckptkit verify: {len(report.differences)} differences, first {first.key}: {first.what}"
+
+
+def _judge(cell: Cell, source: dict, target: dict, reference: Path, loaded: Path) -> CellResult:
+    hf = cell.target.form is Form.HF
+    state = compare_states(torch.load(reference, weights_only=True), torch.load(loaded, weights_only=True),
+                           model_only=hf)
+    if not state.ok:
+        return CellResult(cell, Status.FAIL, state.summary, "\n".join(state.problems))
+    if not hf and target["step"] != STEPS:
+        return CellResult(cell, Status.FAIL, f"loaded step {target['step']!r}, saved {STEPS}")
+    # HF carries the weights alone: the first resumed step's loss (a forward pass on the loaded weights)
+    # must match; after it a fresh AdamW takes over, so later losses are not expected to.
+    count = 1 if hf else RESUME_STEPS
+    losses = compare_losses(source["losses"][:count], target["losses"][:count], loss_rtol(cell), first_step=STEPS)
+    return CellResult(cell, Status.PASS if losses.ok else Status.FAIL, f"{state.summary}; {losses.summary}")
+
+
+def _skip_reason(cell: Cell, local: str | None, gpus: int | None) -> str | None:
+    if cell.needs_local and local:
+        return local
+    need = max(cell.source.world_size, cell.target.world_size)
+    if gpus is not None and need > gpus:
+        return f"needs {need} GPUs, found {gpus}"
+    return None
+
+
+def run_cells(cells: tuple[Cell, ...], *, device: str = "cpu", workdir: Path | None = None,
+              say: Callable[[str], None] = lambda line: None) -> list[CellResult]:
+    """Run ``cells`` and judge each; results in the order of ``cells``. ``say`` receives progress lines.
+
+    ``workdir`` keeps every checkpoint, reference and outcome (default: a temporary directory, removed).
+    """
+    check_device(device)
+    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ckptkit-harness-"))
+    try:
+        return _run(cells, device, root, say)
+    finally:
+        if workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _fail(cell: Cell, what: str, error: BaseException) -> CellResult:
+    return CellResult(cell, Status.FAIL, f"{what}: {_message(error)}", str(error))
+
+
+def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], None]) -> list[CellResult]:
+    results: dict[int, CellResult] = {}
+    local = local_support() if any(c.needs_local for c in cells) else None
+    gpus = torch.cuda.device_count() if device == "cuda" else None
+    runnable = []
+    for i, cell in enumerate(cells):
+        reason = _skip_reason(cell, local, gpus)
+        if reason:
+            results[i] = CellResult(cell, Status.SKIP, reason)
+        else:
+            runnable.append(i)
+
+    sources: dict[TrainConfig, _Job] = {}
+    for i in runnable:
+        if cells[i].source not in sources:
+            sources[cells[i].source] = _Job(cells[i].source, str(_fresh(root / "sources" / f"s{len(sources):03d}")))
+    say(f"[1/3] {len(sources)} source runs: train {STEPS} steps, save, train {RESUME_STEPS} more")
+    source_out = _run_jobs(_source_rank, list(sources.values()), device, say)
+    for job in sources.values():
+        if job.config.form is Form.LOCAL and not isinstance(source_out[job], BaseException):
+            try:
+                write_flat_layout(job.config, job.checkpoint)
+            except Exception as e:  # a ckptkit bug in deriving the layout fails this source's cells
+                source_out[job] = e
+
+    say(f"[2/3] ckptkit converts {len(runnable)} checkpoints")
+    assets = _fresh(root / "hf-assets")
+    (assets / "config.json").write_text(json.dumps(MODEL.hf_config(), indent=2))
+    targets: dict[int, _Job] = {}
+    for i in runnable:
+        cell, source = cells[i], sources[cells[i].source]
+        if isinstance(source_out[source], BaseException):
+            results[i] = _fail(cell, "source run failed", source_out[source])
+            continue
+        job = _Job(cell.target, str(_fresh(root / "cells" / f"c{i:03d}")))
+        try:
+            finding = _convert(cell, source.checkpoint, job.checkpoint, assets)
+        except Exception as e:  # a ckptkit bug is a cell's failure, not the harness's
+            results[i] = _fail(cell, f"ckptkit {cell.operation}", e)
+            continue
+        if finding:
+            results[i] = CellResult(cell, Status.FAIL, finding)
+        else:
+            targets[i] = job
+
+    say(f"[3/3] {len(targets)} target runs: load, capture, train {RESUME_STEPS} steps")
+    target_out = _run_jobs(_target_rank, list(targets.values()), device, say)
+    for i, job in targets.items():
+        cell, source = cells[i], sources[cells[i].source]
+        if isinstance(target_out[job], BaseException):
+            results[i] = _fail(cell, "target run failed", target_out[job])
+        else:
+            results[i] = _judge(cell, source_out[source], target_out[job], Path(source.directory) / REFERENCE,
+                                Path(job.directory) / LOADED)
+    return [results[i] for i in range(len(cells))]
+
+
+def _fresh(directory: Path) -> Path:
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    return directory

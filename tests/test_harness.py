@@ -1,0 +1,266 @@
+"""The FSDP harness: configuration rules, the matrices, the checks, the command, and the quick matrix run on
+real gloo ranks (what CI runs; about a minute on 2 cores)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptkit.harness import runner
+from ckptkit.harness.checks import BF16_RTOL, FP32_RTOL, compare_losses, compare_states, loss_rtol
+from ckptkit.harness.cli import harness
+from ckptkit.harness.configs import (AutoWrap, Cell, ConfigError, Form, Sharding, TrainConfig, Wrapper, ddp, fsdp1,
+                                     fsdp2, plain)
+from ckptkit.harness.matrix import QUICK, full, select
+
+# --------------------------------------------------------------------------------------------------------
+# Configurations and cells
+
+
+@pytest.mark.parametrize("make, message", [
+    # a plain model at 2 ranks would train two diverging copies
+    (lambda: TrainConfig(wrapper=Wrapper.PLAIN, world_size=2), r"world_size must be 1, got 2; use ddp"),
+    (lambda: TrainConfig(wrapper=Wrapper.DDP, world_size=0), r"world_size must be an int >= 1, got 0"),
+    # FSDP1 options must be given for FSDP1 ...
+    (lambda: TrainConfig(wrapper=Wrapper.FSDP1, world_size=2), r"fsdp1 needs sharding \(use fsdp1\(\.\.\.\)"),
+    # ... and only for it
+    (lambda: TrainConfig(wrapper=Wrapper.DDP, world_size=2, sharding=Sharding.FULL_SHARD),
+     r"sharding is an fsdp1 option, but wrapper is ddp"),
+    (lambda: TrainConfig(wrapper=Wrapper.FSDP1, world_size=2, sharding=Sharding.FULL_SHARD, auto_wrap=AutoWrap.NONE,
+                         use_orig_params=False, bf16=True), r"bf16 is an fsdp2 option, but wrapper is fsdp1"),
+    (lambda: ddp(2, form=Form.LOCAL), r"form local is FSDP1's LOCAL_STATE_DICT, but wrapper is ddp"),
+    (lambda: fsdp2(2, form=Form.LOCAL), r"form local is FSDP1's LOCAL_STATE_DICT, but wrapper is fsdp2"),
+    # hybrid layouts are 2 x k
+    (lambda: fsdp1(3, sharding=Sharding.HYBRID_SHARD), r"FSDP1 HYBRID_SHARD lays ranks out as 2 x k, so world_size must be even, got 3"),
+    (lambda: fsdp2(5, hsdp=True), r"FSDP2 HSDP lays ranks out as 2 x k, so world_size must be even, got 5"),
+    (lambda: fsdp1(4, sharding=Sharding.HYBRID_SHARD_ZERO2, form=Form.LOCAL), r"refuses LOCAL_STATE_DICT with a DeviceMesh"),
+])
+def test_train_config_rejects(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+def test_train_config_names_and_meshes():
+    assert plain().name == "plain@1:full"
+    assert ddp(3, form=Form.SHARDED).name == "ddp@3:sharded"
+    hybrid = fsdp1(4, sharding=Sharding.HYBRID_SHARD, use_orig_params=True)
+    assert hybrid.name == "fsdp1(hybrid_shard,wrap=block,orig)@4:sharded"
+    assert hybrid.mesh_shape == (2, 2)
+    hsdp = fsdp2(6, form=Form.FULL, hsdp=True, bf16=True, cpu_offload=True, reshard_after_forward=False)
+    assert hsdp.name == "fsdp2(2d,bf16,offload,no-reshard)@6:full"
+    assert hsdp.mesh_shape == (2, 3)
+    assert fsdp2(3).mesh_shape == (3,)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Cell(plain(form=Form.HF), fsdp2(2)), r"HF is a target form only"),
+    # LOCAL output is re-laid from a LOCAL input with the same flat parameters
+    (lambda: Cell(fsdp2(2), fsdp1(3, form=Form.LOCAL)), r"a LOCAL target needs a LOCAL source"),
+    (lambda: Cell(fsdp1(2, form=Form.LOCAL), fsdp1(3, form=Form.LOCAL, auto_wrap=AutoWrap.SIZE)),
+     r"same auto_wrap and use_orig_params"),
+    (lambda: Cell(fsdp1(2, form=Form.LOCAL, sharding=Sharding.NO_SHARD),
+                  fsdp1(3, form=Form.LOCAL, sharding=Sharding.NO_SHARD)), r"NO_SHARD ranks hold them whole"),
+])
+def test_cell_rejects(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+@pytest.mark.parametrize("cell, operation", [
+    (Cell(fsdp2(2), fsdp2(3)), "reshard"),                                            # DCP to DCP
+    (Cell(fsdp1(2, form=Form.LOCAL), fsdp1(3, form=Form.LOCAL)), "reshard"),          # LOCAL to LOCAL
+    (Cell(fsdp1(2, form=Form.LOCAL), fsdp2(3)), "convert"),                           # LOCAL to DCP
+    (Cell(fsdp2(2), ddp(3, form=Form.FULL)), "convert"),                              # DCP to torch.save
+    (Cell(ddp(2), plain(form=Form.FULL)), "convert"),                                 # torch.save to torch.save
+    (Cell(fsdp2(2), plain(form=Form.HF)), "export_hf"),
+])
+def test_cell_operation(cell, operation):
+    assert cell.operation == operation
+
+
+# --------------------------------------------------------------------------------------------------------
+# Matrices
+
+
+def test_full_matrix_covers_every_option_as_source_and_as_target():
+    cells = full()
+    assert len({c.name for c in cells}) == len(cells)
+    sources, targets = {c.source for c in cells}, {c.target for c in cells}
+    fsdp1_options = {(c.sharding, c.auto_wrap, c.use_orig_params, c.form) for c in sources if c.wrapper is Wrapper.FSDP1}
+    # 5 strategies x 3 wraps x 2 x 3 forms, less hybrid x LOCAL (torch refuses it)
+    assert len(fsdp1_options) == 5 * 3 * 2 * 3 - 2 * 3 * 2
+    fsdp2_options = {(c.hsdp, c.bf16, c.cpu_offload, c.reshard_after_forward, c.form) for c in sources
+                     if c.wrapper is Wrapper.FSDP2}
+    assert len(fsdp2_options) == 2 ** 4 * 2
+    fsdp1_targets = {(c.sharding, c.auto_wrap, c.use_orig_params, c.form) for c in targets if c.wrapper is Wrapper.FSDP1}
+    # as targets HF joins the forms; LOCAL targets leave out hybrid and NO_SHARD
+    assert len(fsdp1_targets) == 5 * 3 * 2 * 4 - 2 * 3 * 2 - 3 * 2
+    fsdp2_targets = {(c.hsdp, c.bf16, c.cpu_offload, c.reshard_after_forward, c.form) for c in targets
+                     if c.wrapper is Wrapper.FSDP2}
+    assert len(fsdp2_targets) == 2 ** 4 * 3
+    assert {(c.wrapper, c.form) for c in sources | targets} >= {(w, f) for w in (Wrapper.PLAIN, Wrapper.DDP)
+                                                                 for f in (Form.FULL, Form.SHARDED)}
+
+
+def test_matrices_change_world_size_where_they_can():
+    for cell in (*QUICK, *full()):
+        one_rank = cell.source.world_size == cell.target.world_size == 1
+        if not one_rank and cell.target.wrapper is not Wrapper.PLAIN:
+            assert cell.source.world_size != cell.target.world_size, cell.name
+
+
+def test_select_matches_anywhere_in_the_name():
+    assert [c.name for c in select(QUICK, "fsdp1(hybrid*")] == [
+        "fsdp1(hybrid_shard,wrap=block)@4:sharded -> fsdp2@3:sharded"]
+    assert all(c.target.form is Form.HF for c in select(QUICK, ":hf"))
+    assert select(QUICK, None) == QUICK
+    assert select(QUICK, "no such cell") == ()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checks
+
+
+def _state(**changes) -> dict:
+    state = {"model": {"w": torch.tensor([1.0, -0.0, float("nan")]), "b": torch.arange(3)},
+             "optim": {"state": {"w": {"step": torch.tensor(2.0), "exp_avg": torch.ones(3)}},
+                       "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "params": ["w", "b"]}]},
+             "step": 2}
+    for path, value in changes.items():
+        node = state
+        *parents, last = path.split("__")
+        for p in parents:
+            node = node[int(p) if p.isdigit() else p]
+        node[last] = value
+    return state
+
+
+def test_compare_states_identical_counts_tensors():
+    check = compare_states(_state(), _state())
+    assert check.ok and check.tensors == 4
+    assert check.summary == "4 tensors bit-exact"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model__w": torch.tensor([1.0, 0.0, float("nan")])}, r"model\.w: bits differ"),              # -0.0 became 0.0
+    ({"model__w": torch.tensor([1.0, -0.0, float("nan")], dtype=torch.float64)}, r"model\.w: dtype torch\.float32 vs torch\.float64"),
+    ({"model__b": torch.arange(4)}, r"model\.b: shape \[3\] vs \[4\]"),
+    ({"optim__param_groups__0__lr": 0.02}, r"optim\.param_groups\.0\.lr: 0\.01 vs 0\.02"),
+    ({"step": 3}, r"step: 2 vs 3"),
+    ({"optim__state__w__exp_avg": torch.full((3,), 1.5)}, r"exp_avg: bits differ \(max abs difference 0\.5\)"),
+])
+def test_compare_states_finds(change, message):
+    check = compare_states(_state(), _state(**change))
+    assert not check.ok
+    assert any(re.search(message, p) for p in check.problems), check.problems
+
+
+def test_compare_states_missing_and_extra_keys():
+    actual = _state()
+    actual["model"]["extra"] = actual["model"].pop("b")
+    assert set(compare_states(_state(), actual).problems) == {"model.b: missing after load",
+                                                            "model.extra: not in the saved state"}
+
+
+def test_compare_states_tolerates_what_torch_loaders_change():
+    # each wrapper orders a group's parameters its own way; torch's full-state loader makes tuples lists
+    actual = _state(optim__param_groups__0__params=["b", "w"], optim__param_groups__0__betas=[0.9, 0.999])
+    assert compare_states(_state(), actual).ok
+
+
+def test_compare_states_model_only_ignores_optimizer_and_step():
+    assert compare_states(_state(), _state(step=None, optim=None), model_only=True).ok
+
+
+def test_compare_losses():
+    assert compare_losses([3.0, 2.5], [3.0, 2.5], FP32_RTOL, first_step=2).summary == "2 losses bit-identical"
+    close = compare_losses([3.0, 2.5], [3.0, 2.5 * (1 + 1e-7)], FP32_RTOL, first_step=2)
+    assert close.ok and "within rtol 1e-05" in close.summary
+    far = compare_losses([3.0, 2.5], [3.0, 2.6], FP32_RTOL, first_step=2)
+    assert not far.ok and far.summary.startswith("loss at step 3: 2.600000, uninterrupted run 2.500000")
+    assert not compare_losses([3.0], [math.nan], BF16_RTOL, first_step=2).ok
+    assert not compare_losses([3.0, 2.0], [3.0], FP32_RTOL, first_step=2).ok
+
+
+def test_loss_rtol_follows_precision():
+    assert loss_rtol(Cell(fsdp2(2), fsdp2(3))) == FP32_RTOL
+    assert loss_rtol(Cell(fsdp2(2, bf16=True), fsdp2(3))) == BF16_RTOL
+
+
+# --------------------------------------------------------------------------------------------------------
+# The command
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(harness, list(args))
+
+
+def test_cli_lists_cells():
+    result = _cli("--matrix", "quick", "--list", "--cells", ":hf")
+    assert result.exit_code == 0
+    assert result.output == "fsdp2@2:sharded -> plain@1:hf  [export_hf]\n"
+
+
+def test_cli_no_matching_cell_is_a_usage_error():
+    result = _cli("--cells", "nothing like this")
+    assert result.exit_code == 2
+    assert "no quick cell matches --cells 'nothing like this'" in result.output
+
+
+def test_cli_exits_1_when_a_cell_fails(monkeypatch):
+    def fake_run_cells(cells, **options):  # the HF cell passes, the other fails
+        return [runner.CellResult(c, runner.Status.PASS, "22 tensors bit-exact") if c.operation == "export_hf" else
+                runner.CellResult(c, runner.Status.FAIL, "ckptkit reshard: boom", "boom\ntraceback") for c in cells]
+
+    monkeypatch.setattr(runner, "run_cells", fake_run_cells)
+    pattern = "fsdp2@2:sharded -> [pf]*[3h]"  # fsdp2@3:sharded and plain@1:hf
+    result = _cli("--cells", pattern)
+    assert result.exit_code == 1
+    assert re.search(r"\n2  fsdp2@2:sharded -> plain@1:hf +export_hf +pass +22 tensors bit-exact\n", result.output)
+    assert re.search(r"\n1  fsdp2@2:sharded -> fsdp2@3:sharded +reshard +FAIL +ckptkit reshard: boom\n", result.output)
+    assert "1 passed, 1 failed, 0 skipped" in result.output
+    as_json = json.loads(_cli("--cells", pattern, "--json").stdout)
+    assert as_json["counts"] == {"pass": 1, "FAIL": 1, "skip": 0}
+    assert as_json["cells"][0] == {"cell": "fsdp2@2:sharded -> fsdp2@3:sharded", "source": "fsdp2@2:sharded",
+                                   "target": "fsdp2@3:sharded", "operation": "reshard", "status": "FAIL",
+                                   "reason": "ckptkit reshard: boom", "detail": "boom\ntraceback"}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Runs on real ranks
+
+
+def _rank_failing_on_bad_jobs(rank: int, world: int, jobs, device: str) -> None:
+    for job in jobs:
+        if job.directory.endswith("bad"):
+            raise ValueError("this job fails on purpose")
+        runner._finish(job, {"losses": [float(len(job.directory))]})
+
+
+def test_run_jobs_pins_a_failure_on_its_job_and_runs_the_rest(tmp_path):
+    jobs = []
+    for name in ("first", "bad", "last"):
+        (tmp_path / name).mkdir()
+        jobs.append(runner._Job(plain(), str(tmp_path / name)))
+    results = runner._run_jobs(_rank_failing_on_bad_jobs, jobs, "cpu", say=lambda line: None)
+    assert results[jobs[0]] == {"losses": [float(len(jobs[0].directory))]}
+    assert "ValueError: this job fails on purpose" in str(results[jobs[1]])
+    assert results[jobs[2]] == {"losses": [float(len(jobs[2].directory))]}
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory):
+    return {r.cell.name: r for r in runner.run_cells(QUICK, workdir=tmp_path_factory.mktemp("harness"))}
+
+
+@pytest.mark.parametrize("cell", QUICK, ids=[c.name for c in QUICK])
+def test_quick_matrix_cell_passes(quick_results, cell):
+    result = quick_results[cell.name]
+    if result.status is runner.Status.SKIP:
+        pytest.skip(result.reason)
+    assert result.status is runner.Status.PASS, f"{result.reason}\n{result.detail}"
