@@ -19,20 +19,17 @@ the whole thing as a :class:`ShardedTensorData`. :func:`sharded_tensor` writes t
 
 from __future__ import annotations
 
-import hashlib
 import math
-import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-from ._pickle import Call, Record, dumps, keep_call, make_record, record_class, ref
-from ._torchzip import OBJECT_GLOBALS, _StorageKey, _central, _local_header, _merge_literals, _persistent_id
+from ._pickle import Call, Record, keep_call, make_record, record_class, ref
+from ._torchzip import OBJECT_GLOBALS, TENSOR, Tag
 from .dtypes import DType
 from .errors import FormatError, UnsafeCheckpointError
 from .manifest import TensorRef, row_major
-from .planner import Literal, Part, Region
 
-__all__ = ["PartsTensor", "ShardBox", "ShardedTensorData", "archive", "sharded_tensor", "sharded_tensor_globals"]
+__all__ = ["ShardBox", "ShardedTensorData", "sharded_tensor", "sharded_tensor_globals"]
 
 _API = "torch.distributed._shard.sharded_tensor.api"
 _SHARD = "torch.distributed._shard.sharded_tensor.shard"
@@ -69,21 +66,7 @@ class ShardedTensorData:
 # Reading
 
 
-class _Tag:
-    """A torch global the pickle passes as a value and never calls here (the subclass and its rebuild fn)."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-_WRAPPER, _SHARDED = _Tag("torch._utils._rebuild_wrapper_subclass"), _Tag(f"{_API}.ShardedTensor")
-_TENSOR = _Tag("torch.Tensor")
-_TENSOR_REBUILDS = tuple(OBJECT_GLOBALS[("torch._utils", n)] for n in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"))
+_WRAPPER, _SHARDED = Tag("torch._utils._rebuild_wrapper_subclass"), Tag(f"{_API}.ShardedTensor")
 _PG_STATE_NAME = "ProcessGroupState"
 
 
@@ -104,9 +87,8 @@ def sharded_tensor_globals(where: str) -> dict[tuple[str, str], Any]:
                                     f"getattr only for ShardedTensor.{_PG_STATE_NAME}")
 
     def rebuild(func: Any, new_type: Any, args: Any, state: Any) -> ShardedTensorData | TensorRef:
-        if new_type is _TENSOR and func in _TENSOR_REBUILDS:
-            # A plain tensor carrying Python attributes (FSDP1 marks tensors it gathers "_has_been_cloned").
-            return func(*args)
+        if new_type is TENSOR:
+            return OBJECT_GLOBALS[("torch._tensor", "_rebuild_from_type_v2")](func, new_type, args, state)
         if func is not _WRAPPER or new_type is not _SHARDED:
             raise FormatError(f"{where}: a tensor subclass rebuilt by {func!r} as {new_type!r}; ckptkit reads "
                               "only torch's ShardedTensor among tensor subclasses")
@@ -119,7 +101,6 @@ def sharded_tensor_globals(where: str) -> dict[tuple[str, str], Any]:
         ("torch._tensor", "_rebuild_from_type_v2"): rebuild,
         ("torch._utils", "_rebuild_wrapper_subclass"): _WRAPPER,
         (_API, "ShardedTensor"): _SHARDED,
-        ("torch", "Tensor"): _TENSOR,
         ("__builtin__", "getattr"): getattr_,
         ("builtins", "getattr"): getattr_,
         **_records(_SHARD, "Shard"),
@@ -230,70 +211,3 @@ def sharded_tensor(dtype: DType, size: tuple[int, ...], shards: tuple[ShardBox, 
     return Call(ref("torch._tensor", "_rebuild_from_type_v2"), (
         ref("torch._utils", "_rebuild_wrapper_subclass"), ref(_API, "ShardedTensor"), wrapper_args,
         (local_shards, meta, pg, spec, False)))
-
-
-@dataclass(frozen=True, slots=True)
-class PartsTensor:
-    """A 1-D tensor whose bytes are ``parts`` in a row: pieces of other tensors and padding."""
-
-    dtype: DType
-    parts: tuple[Part, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
-    @property
-    def numel(self) -> int:
-        return self.nbytes // self.dtype.itemsize
-
-
-def _tensorize(tree: Any, records: list[tuple[str, tuple[Part, ...]]]) -> Any:
-    """``tree`` with :class:`Region` / :class:`PartsTensor` leaves turned into ``_rebuild_tensor_v3`` calls on
-    new storage records, looking inside calls and records too (``_torchzip.archive_parts`` stops at them)."""
-    if isinstance(tree, (Region, PartsTensor)):
-        key = str(len(records))
-        shape = tuple(tree.sizes) if isinstance(tree, Region) else (tree.numel,)
-        records.append((f"data/{key}", (tree,) if isinstance(tree, Region) else tree.parts))
-        return Call(ref("torch._utils", "_rebuild_tensor_v3"), (
-            _StorageKey(key, tree.nbytes), 0, shape, row_major(shape), False,
-            Call(ref("collections", "OrderedDict"), ()), tree.dtype))
-    if isinstance(tree, Call):
-        return Call(tree.func, tuple(_tensorize(a, records) for a in tree.args))
-    if isinstance(tree, Record):
-        out = type(tree).__new__(type(tree))
-        out.__dict__.update({k: _tensorize(v, records) for k, v in tree.__dict__.items()})
-        return out
-    if isinstance(tree, dict):
-        return type(tree)((k, _tensorize(v, records)) for k, v in tree.items())
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_tensorize(v, records) for v in tree)
-    return tree
-
-
-def archive(tree: Any, *, name: str = "archive") -> tuple[Part, ...]:
-    """The parts of a ``torch.save`` archive of ``tree``, laid out as ``_torchzip.archive_parts`` lays it out;
-    tensors may also sit inside :class:`Call` and :class:`Record` nodes, and a storage may be a
-    :class:`PartsTensor` made of several parts."""
-    records: list[tuple[str, tuple[Part, ...]]] = []
-    pkl = dumps(_tensorize(tree, records), protocol=2, persistent_id=_persistent_id)
-    sizes = [(n, sum(p.nbytes for p in ps)) for n, ps in records]
-    digest = hashlib.sha1(pkl + repr(sizes).encode()).digest()
-    serial_id = str(int.from_bytes(digest, "big") % 10**40).zfill(40).encode()
-    ordered = [("data.pkl", (Literal(pkl),)), (".format_version", (Literal(b"1"),)),
-               (".storage_alignment", (Literal(b"64"),)), ("byteorder", (Literal(b"little"),)), *records,
-               ("version", (Literal(b"3\n"),)), (".data/serialization_id", (Literal(serial_id),))]
-    parts: list[Part] = []
-    central: list[tuple[bytes, int, int, int]] = []
-    pos = 0
-    for rec_name, payload in ordered:
-        full = f"{name}/{rec_name}".encode()
-        size = sum(p.nbytes for p in payload)
-        only = payload[0] if len(payload) == 1 else None
-        crc = zipfile.crc32(only.data) if isinstance(only, Literal) else 0  # CRC 0 on streamed records, as torch allows
-        header = _local_header(full, size, crc, pos)
-        central.append((full, size, crc, pos))
-        parts += [Literal(header), *payload]
-        pos += len(header) + size
-    parts.append(Literal(_central(central, pos)))
-    return _merge_literals(parts)

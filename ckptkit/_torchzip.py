@@ -17,16 +17,17 @@ import io
 import os
 import struct
 import zipfile
+from dataclasses import dataclass
 from typing import Any
 
 from . import dtypes
-from ._pickle import Call, SafeUnpickler, dumps, keep_call, ref
+from ._pickle import Call, Record, SafeUnpickler, dumps, keep_call, ref
 from .dtypes import DType
 from .errors import FormatError
 from .manifest import Span, TensorEntry, Chunk, TensorRef, row_major
 from .planner import Literal, Part, Region
 
-__all__ = ["ARCHIVE_MAGIC", "archive_parts", "is_archive", "load_blob", "raw_entry", "read_archive"]
+__all__ = ["ARCHIVE_MAGIC", "TENSOR", "PartsTensor", "Tag", "archive_parts", "is_archive", "load_blob", "raw_entry", "read_archive"]
 
 _ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -118,12 +119,39 @@ def _storage_class(dtype: DType | None) -> _StorageTag:
     return _StorageTag(dtype)
 
 
+class Tag:
+    """A torch global that a pickle passes as a value and ckptkit never calls (``torch.Tensor`` as the type
+    in ``_rebuild_from_type_v2``, a tensor subclass)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+TENSOR = Tag("torch.Tensor")
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
+    # A plain tensor carrying Python attributes (FSDP1 marks the tensors of its state dicts, e.g.
+    # "_has_been_cloned"): the attributes go, the tensor stays. Tensor subclasses are refused.
+    if new_type is not TENSOR or func not in (_rebuild_v2, _rebuild_v3):
+        raise FormatError(f"a tensor subclass {new_type!r} rebuilt by {getattr(func, '__name__', func)!r}; "
+                          "ckptkit reads plain tensors (and, in LOCAL checkpoints, ShardedTensor)")
+    return func(*args)
+
+
 # Globals a tensor-bearing pickle may name. Everything maps to data; nothing runs code of the checkpoint's.
 OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
     ("torch._utils", "_rebuild_parameter"): lambda data, requires_grad=False, hooks=None: data,
     ("torch._utils", "_rebuild_parameter_with_state"): lambda data, requires_grad, hooks, state: data,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+    ("torch", "Tensor"): TENSOR,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
@@ -219,17 +247,42 @@ class _StorageKey:
         self.key, self.nbytes = key, nbytes
 
 
-def _tensorize(tree: Any, records: list[tuple[str, Part]]) -> Any:
-    """Replace :class:`Region` leaves by ``_rebuild_tensor_v3`` calls on new storage records."""
-    if isinstance(tree, Region):
+@dataclass(frozen=True, slots=True)
+class PartsTensor:
+    """A 1-D tensor whose storage is ``parts`` in a row: pieces of other tensors and padding (an FSDP1 flat
+    parameter rebuilt from the original parameters)."""
+
+    dtype: DType
+    parts: tuple[Part, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // self.dtype.itemsize
+
+
+def _tensorize(tree: Any, records: list[tuple[str, tuple[Part, ...]]]) -> Any:
+    """``tree`` with :class:`Region` / :class:`PartsTensor` leaves turned into ``_rebuild_tensor_v3`` calls on
+    new storage records, looking inside :class:`Call` and :class:`Record` nodes too."""
+    if isinstance(tree, (Region, PartsTensor)):
         key = str(len(records))
-        records.append((f"data/{key}", tree))
+        shape = tuple(tree.sizes) if isinstance(tree, Region) else (tree.numel,)
+        records.append((f"data/{key}", (tree,) if isinstance(tree, Region) else tree.parts))
         return Call(ref("torch._utils", "_rebuild_tensor_v3"), (
-            _StorageKey(key, tree.nbytes), 0, tuple(tree.sizes), tuple(row_major(tree.sizes)),
-            False, Call(ref("collections", "OrderedDict"), ()), tree.dtype))
+            _StorageKey(key, tree.nbytes), 0, shape, row_major(shape), False,
+            Call(ref("collections", "OrderedDict"), ()), tree.dtype))
+    if isinstance(tree, Call):
+        return Call(tree.func, tuple(_tensorize(a, records) for a in tree.args))
+    if isinstance(tree, Record):
+        out = type(tree).__new__(type(tree))
+        out.__dict__.update({k: _tensorize(v, records) for k, v in tree.__dict__.items()})
+        return out
     if isinstance(tree, dict):
         return type(tree)((k, _tensorize(v, records)) for k, v in tree.items())
-    if isinstance(tree, (list, tuple)) and not isinstance(tree, Call):
+    if isinstance(tree, (list, tuple)):
         return type(tree)(_tensorize(v, records) for v in tree)
     return tree
 
@@ -272,24 +325,28 @@ def _central(entries: list[tuple[bytes, int, int, int]], cd_offset: int) -> byte
 
 
 def archive_parts(tree: Any, *, name: str = "archive") -> tuple[Part, ...]:
-    """The parts of a ``torch.save`` archive of ``tree``, whose :class:`Region` leaves become tensors."""
-    records: list[tuple[str, Part]] = []
+    """The parts of a ``torch.save`` archive of ``tree``, whose :class:`Region` and :class:`PartsTensor`
+    leaves become tensors (also inside :class:`Call` and :class:`Record` nodes)."""
+    records: list[tuple[str, tuple[Part, ...]]] = []
     pkl = dumps(_tensorize(tree, records), protocol=2, persistent_id=_persistent_id)
-    digest = hashlib.sha1(pkl + repr([(n, p.nbytes) for n, p in records]).encode()).digest()
+    sizes = [(n, sum(p.nbytes for p in ps)) for n, ps in records]
+    digest = hashlib.sha1(pkl + repr(sizes).encode()).digest()
     serial_id = str(int.from_bytes(digest, "big") % 10**40).zfill(40).encode()
-    ordered = [("data.pkl", Literal(pkl)), (".format_version", Literal(b"1")),
-               (".storage_alignment", Literal(b"64")), ("byteorder", Literal(b"little")), *records,
-               ("version", Literal(b"3\n")), (".data/serialization_id", Literal(serial_id))]
+    ordered = [("data.pkl", (Literal(pkl),)), (".format_version", (Literal(b"1"),)),
+               (".storage_alignment", (Literal(b"64"),)), ("byteorder", (Literal(b"little"),)), *records,
+               ("version", (Literal(b"3\n"),)), (".data/serialization_id", (Literal(serial_id),))]
     parts: list[Part] = []
     central: list[tuple[bytes, int, int, int]] = []
     pos = 0
     for rec_name, payload in ordered:
         full = f"{name}/{rec_name}".encode()
-        crc = zipfile.crc32(payload.data) if isinstance(payload, Literal) else 0
-        header = _local_header(full, payload.nbytes, crc, pos)
-        central.append((full, payload.nbytes, crc, pos))
-        parts += [Literal(header), payload]
-        pos += len(header) + payload.nbytes
+        size = sum(p.nbytes for p in payload)
+        only = payload[0] if len(payload) == 1 else None
+        crc = zipfile.crc32(only.data) if isinstance(only, Literal) else 0  # CRC 0 on streamed records, as torch allows
+        header = _local_header(full, size, crc, pos)
+        central.append((full, size, crc, pos))
+        parts += [Literal(header), *payload]
+        pos += len(header) + size
     parts.append(Literal(_central(central, pos)))
     return _merge_literals(parts)
 

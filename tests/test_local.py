@@ -273,3 +273,28 @@ def test_plan_copies_joins_a_parameter_split_mid_row_across_ranks():
         Copy(Span("r0", 116, 8), 0),    # r0[116:124] -> dst[0:8]    row 1 columns 0-1
         Copy(Span("r1", 0, 8), 8),      # r1[0:8]     -> dst[8:16]   row 1 columns 2-3
     )
+
+
+def _save_no_shard(rank: int, world: int, d: str) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, StateDictType
+
+    from ckptkit.harness.model import TinyTransformer
+
+    torch.manual_seed(0)
+    model = FSDP(TinyTransformer(), sharding_strategy=ShardingStrategy.NO_SHARD, device_id=torch.device("cpu"))
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        torch.save(model.state_dict(), f"{d}/rank{rank}.pt")
+
+
+def test_convert_no_shard_local_reads_the_replicated_weights(tmp_path):
+    from ckptkit.harness.launch import run_ranks
+
+    (tmp_path / "ns").mkdir()
+    run_ranks(_save_no_shard, 2, str(tmp_path / "ns"))
+    report = convert(tmp_path / "ns", tmp_path / "full.pt", to="full")
+    assert report.source_format.value == "local"
+    saved = torch.load(tmp_path / "ns" / "rank1.pt", weights_only=False)  # torch's own reader, FSDP's tensors
+    got = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert saved.keys() == got.keys()
+    for k, v in saved.items():
+        assert torch.equal(got[k], v), k

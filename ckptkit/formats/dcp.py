@@ -21,7 +21,7 @@ from .._torchzip import ARCHIVE_MAGIC, archive_parts, raw_entry, read_archive
 from ..dtypes import DType
 from ..errors import FormatError, IncompleteCheckpointError, UnsafeCheckpointError
 from ..executor import Files
-from ..manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, key_of
+from ..manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef
 from ..planner import FilePlan, Literal, Part, Region, WritePlan
 from .. import dtypes
 from .._tree import dcp_path, from_dcp_path

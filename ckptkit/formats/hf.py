@@ -9,7 +9,6 @@ bytes and imports no torch; ``safetensors.safe_open`` reads what is written here
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 

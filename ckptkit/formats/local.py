@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .._sharded_tensor import PartsTensor, ShardBox, ShardedTensorData, archive, sharded_tensor, sharded_tensor_globals
-from .._torchzip import is_archive, read_archive
+from .._sharded_tensor import ShardBox, ShardedTensorData, sharded_tensor, sharded_tensor_globals
+from .._torchzip import PartsTensor, archive_parts, is_archive, read_archive
 from .._tree import flatten, unflatten
 from ..dtypes import DType
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
@@ -91,16 +91,18 @@ def _pattern(pattern: str) -> re.Pattern:
 
 
 def is_rank_file(path: Path) -> bool:
-    """Whether ``path`` is a ``torch.save`` file whose pickle names ShardedTensor: one rank of a LOCAL checkpoint."""
-    return is_archive(str(path)) and _holds_sharded_tensor(path)
+    """Whether ``path`` is one rank's file of a LOCAL checkpoint: a ``torch.save`` file whose pickle names
+    ShardedTensor (flat parameters), or, under NO_SHARD, whose state dict metadata names FSDP1's wrapper."""
+    return is_archive(str(path)) and _pickle_names(path, (b"ShardedTensor", b"_fsdp_wrapped_module"))
 
 
-def _holds_sharded_tensor(path: Path) -> bool:
-    """Whether the archive's pickle names ShardedTensor (read as bytes; nothing is unpickled)."""
+def _pickle_names(path: Path, words: tuple[bytes, ...]) -> bool:
+    """Whether the archive's pickle contains any of ``words`` (read as bytes; nothing is unpickled)."""
     try:
         with zipfile.ZipFile(path) as z:
             pkl = next((n for n in z.namelist() if n.endswith("data.pkl") and n.count("/") <= 1), None)
-            return pkl is not None and b"ShardedTensor" in z.read(pkl)
+            data = z.read(pkl) if pkl is not None else b""
+            return any(w in data for w in words)
     except (OSError, zipfile.BadZipFile):
         return False
 
@@ -159,7 +161,7 @@ class LocalIO(FormatIO):
         flats = [p for p, v in ranks[0].items() if _is_flat(p, v)]
         parents = {p[:-1] for p in flats}
         if not flats:
-            raise FormatError(f"{files[0]}: no '{FLAT_PARAM}' ShardedTensor; not an FSDP1 LOCAL_STATE_DICT file")
+            return self._read_replicated(root, template, files, ranks)
         if len(parents) != 1:
             raise FormatError(f"{files[0]}: flat parameters sit under several keys {sorted(map(key_of, parents))}; "
                               "ckptkit reads one FSDP model per checkpoint")
@@ -174,6 +176,24 @@ class LocalIO(FormatIO):
             details += (("not read", ", ".join(others)),)
         return LocalManifest(Format.LOCAL, str(root), tuple(reader.tensors), tuple(reader.objects), world, details,
                              layout=layout, rank_files=template)
+
+    def _read_replicated(self, root: Path, template: str, files: list[Path], ranks: list[dict]) -> Manifest:
+        """NO_SHARD: FSDP1 keeps no flat parameter, and every rank saves every parameter whole."""
+        if any(isinstance(v, ShardedTensorData) for v in ranks[0].values()):
+            raise FormatError(f"{files[0]}: ShardedTensors but no '{FLAT_PARAM}'; not an FSDP1 LOCAL_STATE_DICT file")
+        shape = lambda leaves: {p: (v.dtype, v.shape) if isinstance(v, TensorRef) else None for p, v in leaves.items()}  # noqa: E731
+        for f, leaves in zip(files[1:], ranks[1:]):
+            if shape(leaves) != shape(ranks[0]):
+                raise FormatError(f"{f}: holds other entries than {files[0].name}; NO_SHARD ranks hold the same state")
+        tensors = [TensorEntry(key_of(p), p, v.dtype, v.shape, v.as_entry(key_of(p)).chunks)
+                   for p, v in ranks[0].items() if isinstance(v, TensorRef)]
+        objects = [ObjectEntry(key_of(p), p, v) for p, v in ranks[0].items() if not isinstance(v, TensorRef)]
+        details = (("rank files", template), ("sharding", "NO_SHARD: every rank holds every parameter whole; "
+                                                          f"{files[0].name} is read"),
+                   ("optimizer state", "carried as saved: NO_SHARD keeps it per flat parameter, and ckptkit does "
+                                       "not unflatten it yet"))
+        return LocalManifest(Format.LOCAL, str(root), tuple(tensors), tuple(objects), len(files), details,
+                             rank_files=template)
 
     def _layout(self, root: Path, shards: dict[str, list[ShardedTensorData]], world: int) -> tuple[FlatLayout, str]:
         sidecar = root / LAYOUT_FILE
@@ -203,7 +223,7 @@ class LocalIO(FormatIO):
         files = []
         for rank in range(options.world_size):
             name = pattern.replace(_RANK, str(rank))
-            files.append(FilePlan(name, archive(writer.rank_tree(rank), name=os.path.splitext(name)[0])))
+            files.append(FilePlan(name, archive_parts(writer.rank_tree(rank), name=os.path.splitext(name)[0])))
         files.append(FilePlan(LAYOUT_FILE, (Literal(layout.to_json()),)))
         return WritePlan(tuple(files))
 
