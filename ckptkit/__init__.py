@@ -10,12 +10,13 @@ from .convert import Report, convert, reshard
 from .errors import (CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError,
                      UsageError)
 from .export import export_hf
+from .formats import LocalOptions
 from .inspect import inspect
 from .manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry
 from .verify import VerifyReport, verify
 
 __all__ = [
-    "load", "save", "CheckpointError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError", "Manifest", "ObjectEntry",
+    "load", "save", "CheckpointError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError", "LocalOptions", "Manifest", "ObjectEntry",
     "Report", "Span", "TensorEntry", "UnsafeCheckpointError", "UsageError", "VerifyReport", "convert",
     "export_hf", "inspect", "reshard", "verify",
 ]

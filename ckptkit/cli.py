@@ -68,10 +68,9 @@ def _local(f):
 
 
 def _local_options(rank_files, model, auto_wrap, use_orig_params):
-    from .formats import LocalOptions, local_options
+    from .formats import LocalOptions
 
-    return local_options(LocalOptions(rank_files=rank_files, model=model, auto_wrap=auto_wrap,
-                                      use_orig_params=use_orig_params))
+    return LocalOptions(rank_files=rank_files, model=model, auto_wrap=auto_wrap, use_orig_params=use_orig_params)
 
 
 def _report(report, quiet: bool) -> None:
@@ -87,8 +86,7 @@ def inspect(path: Path, as_json: bool, **local) -> None:
     """Show format, world size, tensors with shapes and chunking, and other entries."""
     from .inspect import inspect as _inspect, render, summary
 
-    with _local_options(**local):
-        s = summary(_inspect(path))
+    s = summary(_inspect(path, local=_local_options(**local)))
     click.echo(json.dumps(s, indent=2) if as_json else render(s))
 
 
@@ -108,7 +106,7 @@ def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, fsy
     from .convert import convert as _convert
 
     _report(_convert(src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, overwrite=overwrite,
-                     max_memory=max_memory, fsync=fsync, progress=not quiet, **local), quiet)
+                     max_memory=max_memory, fsync=fsync, progress=not quiet, local=_local_options(**local)), quiet)
 
 
 @cli.command()
@@ -125,7 +123,7 @@ def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) 
     from .convert import reshard as _reshard
 
     _report(_reshard(src, dst, world_size=world_size, overwrite=overwrite, max_memory=max_memory,
-                     fsync=fsync, progress=not quiet, **local), quiet)
+                     fsync=fsync, progress=not quiet, local=_local_options(**local)), quiet)
 
 
 @cli.command("export-hf")
@@ -151,10 +149,10 @@ def export_hf(src, dst, model_key, dtype, max_shard_size, strip_prefixes, keep_w
     """Write the model part of SRC as Hugging Face safetensors in DST."""
     from .export import export_hf as _export
 
-    with _local_options(**local):
-        _report(_export(src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
-                        strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
-                        overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=not quiet), quiet)
+    _report(_export(src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
+                    strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
+                    overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=not quiet,
+                    local=_local_options(**local)), quiet)
 
 
 @cli.command()
@@ -169,8 +167,8 @@ def verify(a, b, model_only, as_json, max_memory, quiet, **local) -> None:
     """Compare A and B (any formats) key by key and byte by byte; exit 1 if they differ."""
     from .verify import verify as _verify
 
-    with _local_options(**local):
-        r = _verify(a, b, model_only=model_only, max_memory=max_memory, progress=not quiet)
+    r = _verify(a, b, model_only=model_only, max_memory=max_memory, progress=not quiet,
+                local=_local_options(**local))
     if as_json:
         click.echo(json.dumps(r.to_json(), indent=2))
     elif not quiet or not r.ok:

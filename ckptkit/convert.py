@@ -97,39 +97,36 @@ def _left_out(manifest: Manifest, fmt: Format) -> tuple[str, ...]:
 def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: int = 1,
             max_shard_size: int | str | None = None, overwrite: bool = False,
             max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
-            rank_files: str | None = None, model: str | None = None, auto_wrap: str = "none",
-            use_orig_params: bool | None = None) -> Report:
+            local: LocalOptions | None = None) -> Report:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``, streaming tensor by tensor.
 
     FULL output is one ``torch.save`` file when ``dst`` ends in .pt/.pth/.bin/.ckpt and no shard size is
     given, else a directory (``pytorch_model.bin`` or HF-style ``pytorch_model-*.bin`` shards).
 
-    LOCAL (FSDP1 ``LOCAL_STATE_DICT``) options, for a LOCAL source or output: ``rank_files`` names the rank
+    ``local`` (:class:`LocalOptions`) applies to a LOCAL source or output: ``rank_files`` names the rank
     files (``"shard_{rank}.pt"``); ``model`` (``"package.module:factory"``), ``auto_wrap`` and
     ``use_orig_params`` say how FSDP wraps the model, from which the flat-parameter layout is derived where
     no ``flat_layout.json`` has it.
     """
     fmt = io_for(to).format
-    local = LocalOptions(rank_files=rank_files, model=model, auto_wrap=auto_wrap, use_orig_params=use_orig_params)
+    local = local or LocalOptions()
     manifest = detect(src, local).read(Path(src))
     single = fmt is Format.FULL and max_shard_size is None and Path(dst).suffix in FULL_FILE_SUFFIXES
     to_local = fmt is Format.LOCAL
     options = WriteOptions(world_size=world_size, max_shard_size=parse_size(max_shard_size), single_file=single,
                            flat_layout=output_layout(manifest, local, world_size) if to_local else None,
-                           rank_files=rank_files if to_local else None)
+                           rank_files=local.rank_files if to_local else None)
     return write(manifest, fmt, dst, options, overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=progress)
 
 
 def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: bool = False,
             max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
-            rank_files: str | None = None, model: str | None = None, auto_wrap: str = "none",
-            use_orig_params: bool | None = None) -> Report:
+            local: LocalOptions | None = None) -> Report:
     """Re-lay-out a sharded checkpoint for ``world_size`` ranks, in its own format; no GPU or process group.
 
-    The LOCAL options are those of :func:`convert`; the output keeps the source's rank file names and layout.
+    ``local`` is as for :func:`convert`; the output keeps the source's rank file names and layout.
     """
-    reader = detect(src, LocalOptions(rank_files=rank_files, model=model, auto_wrap=auto_wrap,
-                                      use_orig_params=use_orig_params))
+    reader = detect(src, local)
     if reader.format not in (Format.SHARDED, Format.LOCAL):
         raise UsageError(f"{src}: is a {reader.format.value} checkpoint, not a sharded one; "
                          f"use 'ckptkit convert {src} DST --to sharded --world-size {world_size}'")

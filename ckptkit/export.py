@@ -9,7 +9,7 @@ from .convert import Report, parse_size, write
 from .dtypes import parse_cast
 from .errors import FormatError, UsageError
 from .executor import DEFAULT_MAX_MEMORY, Files
-from .formats import WriteOptions, detect
+from .formats import LocalOptions, WriteOptions, detect
 from .manifest import Format, Manifest, TensorEntry
 from .names import select_model
 from .planner import FilePlan, Literal
@@ -64,7 +64,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
               max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
               strip_wrappers: bool = True, hf_assets: Path | str | None = None, overwrite: bool = False,
               max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
-              distributed: bool = False) -> Report:
+              distributed: bool = False, local: LocalOptions | None = None) -> Report:
     """Write the model tensors of ``src`` as HF safetensors at ``dst`` (with the index file when sharded).
 
     ``dtype`` is ``keep`` or one of ``bf16``/``fp16``/``fp32``; a cast touches floating tensors only.
@@ -75,7 +75,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     process group: each rank then writes its share of the output files and rank 0 publishes the result.
     """
     cast = parse_cast(dtype)
-    manifest = detect(src).read(Path(src))
+    manifest = detect(src, local).read(Path(src))
     sel = select_model(manifest, model_key, tuple(strip_prefixes), strip_wrappers)
     if not sel.tensors:
         raise UsageError(f"{src}: no model tensors found (model key {model_key!r})")

@@ -6,15 +6,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .formats import detect
+from .formats import LocalOptions, detect
 from .manifest import Manifest
 
 __all__ = ["inspect", "render", "summary"]
 
 
-def inspect(path: Path | str) -> Manifest:
-    """The manifest of the checkpoint at ``path``: format, tensors with their chunks, other entries."""
-    return detect(path).read(Path(path))
+def inspect(path: Path | str, *, local: LocalOptions | None = None) -> Manifest:
+    """The manifest of the checkpoint at ``path``: format, tensors with their chunks, other entries.
+    ``local`` says how to read a LOCAL checkpoint (see :func:`ckptkit.convert`)."""
+    return detect(path, local).read(Path(path))
 
 
 def summary(m: Manifest) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .executor import DEFAULT_MAX_MEMORY, Files, read_region
-from .formats import detect
+from .formats import LocalOptions, detect
 from .manifest import Format, Manifest, TensorEntry, TensorRef
 from .names import select_model
 from .planner import Region, row_blocks
@@ -88,13 +88,13 @@ def _entries(manifest: Manifest, model_only: bool) -> tuple[dict[str, TensorEntr
 
 
 def verify(a: Path | str, b: Path | str, *, model_only: bool = False, max_memory: int = DEFAULT_MAX_MEMORY,
-           progress: bool = False) -> VerifyReport:
+           progress: bool = False, local: LocalOptions | None = None) -> VerifyReport:
     """Compare every key, dtype, shape and byte of ``a`` and ``b``.
 
     ``model_only`` compares just the model part of each, named as ``export_hf`` names it, so that a training
-    checkpoint can be checked against its Hugging Face export.
+    checkpoint can be checked against its Hugging Face export. ``local`` applies to a LOCAL side.
     """
-    ma, mb = detect(a).read(Path(a)), detect(b).read(Path(b))
+    ma, mb = detect(a, local).read(Path(a)), detect(b, local).read(Path(b))
     ta, oa = _entries(ma, model_only)
     tb, ob = _entries(mb, model_only)
     diffs = [Difference(k, f"only in {a}") for k in {**ta, **oa} if k not in tb and k not in ob]

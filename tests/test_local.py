@@ -24,7 +24,7 @@ from ckptkit.convert import convert, reshard
 from ckptkit.dtypes import by_name
 from ckptkit.errors import FormatError, IncompleteCheckpointError, UsageError
 from ckptkit.flat_layout import LAYOUT_FILE, range_boxes
-from ckptkit.formats import LocalOptions, local_options
+from ckptkit.formats import LocalOptions
 from ckptkit.harness.launch import run_ranks
 from ckptkit.inspect import inspect
 from ckptkit.manifest import Chunk, Format, Span, TensorEntry
@@ -33,6 +33,11 @@ from ckptkit.verify import verify
 from fixtures_models import tiny
 
 LOCAL = {"model": MODEL, "auto_wrap": AUTO_WRAP}
+
+
+def local(**kw) -> dict:
+    """convert()'s ``local=`` argument: the test model's wrapping plus ``kw``."""
+    return {"local": LocalOptions(**{**LOCAL, **kw})}
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +85,9 @@ def expected_optim(d: Path, use_orig_params: bool) -> dict:
 
 def test_local_reads_fsdp1_files_as_the_full_state_dict(saved, uop, tmp_path):
     src = saved[uop] / "model"
-    convert(src, tmp_path / "out.pt", to="full", **LOCAL)
+    convert(src, tmp_path / "out.pt", to="full", **local())
     assert_same_tree(load_full(tmp_path / "out.pt"), load_full(saved[uop] / "full.pt"))
-    with local_options(LocalOptions(**LOCAL)):
-        m = inspect(src)
+    m = inspect(src, **local())
     assert (m.format, m.world_size, dict(m.details)["use_orig_params"]) == (Format.LOCAL, 2, str(uop).lower())
     # layers.0.up.weight (11x7) straddles the ranks mid-row: partial rows and whole rows from both files.
     up = m["layers.0.up.weight"]
@@ -95,14 +99,14 @@ def test_local_reads_fsdp1_files_as_the_full_state_dict(saved, uop, tmp_path):
 
 def test_local_converts_to_hf_and_to_sharded_at_3_ranks(saved, uop, tmp_path):
     full = load_full(saved[uop] / "full.pt")
-    convert(saved[uop] / "model", tmp_path / "hf", to="hf", **LOCAL)
+    convert(saved[uop] / "model", tmp_path / "hf", to="hf", **local())
     assert_same_tree(load_hf(tmp_path / "hf"), full)
-    convert(saved[uop] / "model", tmp_path / "dcp3", to="sharded", world_size=3, **LOCAL)
+    convert(saved[uop] / "model", tmp_path / "dcp3", to="sharded", world_size=3, **local())
     assert_same_tree(load_dcp(tmp_path / "dcp3", tmp_path / "scratch" / "dcp3.pt"), full)
 
 
 def test_local_training_checkpoint_unflattens_the_optimizer(saved, uop, tmp_path):
-    convert(saved[uop] / "train", tmp_path / "out.pt", to="full", **LOCAL)
+    convert(saved[uop] / "train", tmp_path / "out.pt", to="full", **local())
     got = load_full(tmp_path / "out.pt")
     assert_same_tree(got["model"], load_full(saved[uop] / "full.pt"), "model")
     assert_same_tree(got["optim"], expected_optim(saved[uop], uop), "optim")
@@ -117,8 +121,8 @@ def test_local_written_by_ckptkit_loads_into_fsdp1_at_3_ranks(saved, tmp_path):
     for use_orig_params in (False, True):
         src = saved[use_orig_params]
         train3, full3 = tmp_path / f"train3-{int(use_orig_params)}", tmp_path / f"full3-{int(use_orig_params)}"
-        reshard(src / "train", train3, world_size=3, **LOCAL)
-        convert(src / "full_plain.pt", full3, to="local", world_size=3, use_orig_params=use_orig_params, **LOCAL)
+        reshard(src / "train", train3, world_size=3, **local())
+        convert(src / "full_plain.pt", full3, to="local", world_size=3, **local(use_orig_params=use_orig_params))
         jobs += [(str(train3), "model_rank_{rank}.pt", use_orig_params, True, str(tmp_path / f"{train3.name}.pt")),
                  (str(full3), "rank{rank}.pt", use_orig_params, False, str(tmp_path / f"{full3.name}.pt"))]
     run_ranks(load_and_gather, 3, jobs)
@@ -134,11 +138,10 @@ def test_local_written_by_ckptkit_loads_into_fsdp1_at_3_ranks(saved, tmp_path):
 
 def test_local_reshard_n_to_m_is_bit_exact(saved, uop, tmp_path):
     src = saved[uop] / "train"
-    reshard(src, tmp_path / "l3", world_size=3, **LOCAL)
+    reshard(src, tmp_path / "l3", world_size=3, **local())
     reshard(tmp_path / "l3", tmp_path / "l1", world_size=1)  # the sidecar carries the layout from here on
     assert sorted(p.name for p in (tmp_path / "l3").iterdir()) == [LAYOUT_FILE] + [f"model_rank_{r}.pt" for r in range(3)]
-    with local_options(LocalOptions(**LOCAL)):
-        assert verify(src, tmp_path / "l3").ok
+    assert verify(src, tmp_path / "l3", **local()).ok
     assert verify(tmp_path / "l3", tmp_path / "l1").ok
     convert(tmp_path / "l1", tmp_path / "out.pt", to="full")
     got = load_full(tmp_path / "out.pt")
@@ -147,8 +150,8 @@ def test_local_reshard_n_to_m_is_bit_exact(saved, uop, tmp_path):
 
 
 def test_full_to_local_and_back_is_bit_exact(saved, uop, tmp_path):
-    convert(saved[uop] / "full_plain.pt", tmp_path / "l4", to="local", world_size=4, rank_files="shard_{rank}.pt",
-            use_orig_params=uop, **LOCAL)
+    convert(saved[uop] / "full_plain.pt", tmp_path / "l4", to="local", world_size=4,
+            **local(rank_files="shard_{rank}.pt", use_orig_params=uop))
     assert (tmp_path / "l4" / "shard_3.pt").is_file()
     convert(tmp_path / "l4", tmp_path / "out.pt", to="full")
     assert_same_tree(load_full(tmp_path / "out.pt"), load_full(saved[uop] / "full.pt"))
@@ -157,7 +160,7 @@ def test_full_to_local_and_back_is_bit_exact(saved, uop, tmp_path):
 def test_local_rank_files_pickle_the_sharded_tensor_as_torch_does(saved, uop, tmp_path):
     """Same world size, same model: the same globals in the same order, plain tensors aside (ckptkit writes
     untyped storages and ``_rebuild_tensor_v3`` with a dtype global, which torch reads alike)."""
-    reshard(saved[uop] / "model", tmp_path / "l2", world_size=2, **LOCAL)
+    reshard(saved[uop] / "model", tmp_path / "l2", world_size=2, **local())
     plain = {"collections.OrderedDict", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
              "torch.storage.UntypedStorage", "torch.FloatStorage", "torch.LongStorage", "torch.float32", "torch.int64"}
 
@@ -185,13 +188,13 @@ def test_local_single_rank_file_points_to_its_directory(saved, tmp_path):
     rank0 = saved[False] / "model" / "rank0.pt"
     with pytest.raises(UsageError, match=rf"{rank0} is one rank's file of an FSDP1 LOCAL_STATE_DICT checkpoint; "
                                          rf"pass its directory {rank0.parent}"):
-        convert(rank0, tmp_path / "out.pt", to="full", **LOCAL)
+        convert(rank0, tmp_path / "out.pt", to="full", **local())
 
 
 def test_local_with_the_wrong_wrap_policy_lists_the_differences(saved, tmp_path):
     with pytest.raises(FormatError, match=r"the flat layout does not match the checkpoint: .*'layers\.0\._flat_param' "
                                           r"is in the rank files but not in the layout"):
-        convert(saved[False] / "model", tmp_path / "out.pt", to="full", model=MODEL, auto_wrap="none")
+        convert(saved[False] / "model", tmp_path / "out.pt", to="full", local=LocalOptions(model=MODEL, auto_wrap="none"))
 
 
 def test_local_rank_files_by_name_and_by_pattern(saved, tmp_path):
@@ -200,21 +203,21 @@ def test_local_rank_files_by_name_and_by_pattern(saved, tmp_path):
     for r in range(2):
         shutil.copy(saved[False] / "model" / f"rank{r}.pt", src / f"shard_{r}.pt")
     (src / "notes_1.txt").write_text("not a rank file")
-    convert(src, tmp_path / "a.pt", to="full", **LOCAL)  # found by name
+    convert(src, tmp_path / "a.pt", to="full", **local())  # found by name
     for r in range(2):  # a second group of rank files makes the names ambiguous
         shutil.copy(src / f"shard_{r}.pt", src / f"backup_{r}.pt")
     with pytest.raises(FormatError, match=r"cannot tell which files are the LOCAL rank files \(found backup_\{rank\}\.pt, "
                                           r"shard_\{rank\}\.pt\); name them with --rank-files"):
-        convert(src, tmp_path / "b.pt", to="full", **LOCAL)
-    convert(src, tmp_path / "c.pt", to="full", rank_files="shard_{rank}.pt", **LOCAL)
+        convert(src, tmp_path / "b.pt", to="full", **local())
+    convert(src, tmp_path / "c.pt", to="full", **local(rank_files="shard_{rank}.pt"))
     assert_same_tree(load_full(tmp_path / "c.pt"), load_full(saved[False] / "full.pt"))
     (src / "shard_1.pt").rename(src / "shard_2.pt")
     with pytest.raises(IncompleteCheckpointError, match=r"shard_\{rank\}\.pt' of ranks \[1\] are missing"):
-        convert(src, tmp_path / "d.pt", to="full", rank_files="shard_{rank}.pt", **LOCAL)
+        convert(src, tmp_path / "d.pt", to="full", **local(rank_files="shard_{rank}.pt"))
     (src / "shard_0.pt").rename(src / "shard_1.pt")  # rank 0's file under rank 1's name
     (src / "shard_2.pt").rename(src / "shard_0.pt")  # and the other way round
     with pytest.raises(FormatError, match=r"shard_0\.pt: '_flat_param' was saved by rank 1 of 2, but the file is rank 0"):
-        convert(src, tmp_path / "e.pt", to="full", rank_files="shard_{rank}.pt", **LOCAL)
+        convert(src, tmp_path / "e.pt", to="full", **local(rank_files="shard_{rank}.pt"))
 
 
 def test_local_output_needs_a_layout(saved, tmp_path):

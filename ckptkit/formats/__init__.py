@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from contextvars import ContextVar
 from pathlib import Path
-from typing import Iterator
 
 from ..errors import CheckpointError, FormatError, UsageError
 from ..manifest import Format, Manifest
@@ -15,25 +12,11 @@ from .full import FullIO
 from .hf import HfIO
 from .local import LocalIO, LocalOptions, is_rank_file
 
-__all__ = ["FormatIO", "LocalOptions", "WriteOptions", "detect", "io_for", "local_options", "read"]
+__all__ = ["FormatIO", "LocalOptions", "WriteOptions", "detect", "io_for", "read"]
 
 # Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides. LOCAL
 # comes last: telling its rank files apart from other numbered files means opening them.
 _ALL: tuple[type[FormatIO], ...] = (DcpIO, HfIO, FullIO, LocalIO)
-
-_LOCAL_OPTIONS: ContextVar[LocalOptions | None] = ContextVar("ckptkit_local_options", default=None)
-
-
-@contextlib.contextmanager
-def local_options(options: LocalOptions) -> Iterator[None]:
-    """Read LOCAL checkpoints met inside the block with ``options``: for calls that take no LOCAL options
-    of their own (``inspect``, ``verify``, ``export_hf``)."""
-    token = _LOCAL_OPTIONS.set(options)
-    try:
-        yield
-    finally:
-        _LOCAL_OPTIONS.reset(token)
-
 
 def io_for(fmt: Format | str) -> FormatIO:
     try:
@@ -47,9 +30,8 @@ def io_for(fmt: Format | str) -> FormatIO:
 
 
 def detect(path: Path | str, local: LocalOptions | None = None) -> FormatIO:
-    """The reader for ``path``; ``local`` (else :func:`local_options`) applies if it is a LOCAL checkpoint."""
+    """The reader for ``path``; ``local`` applies if it is a LOCAL checkpoint."""
     path = Path(path)
-    local = local or _LOCAL_OPTIONS.get()
     if not path.exists():
         raise FormatError(f"{path}: no such file or directory")
     if path.is_file() and is_rank_file(path):

@@ -91,8 +91,14 @@ def _pattern(pattern: str) -> re.Pattern:
 
 
 def is_rank_file(path: Path) -> bool:
-    """Whether ``path`` is one rank's file of a LOCAL checkpoint: a ``torch.save`` file whose pickle names
-    ShardedTensor (flat parameters), or, under NO_SHARD, whose state dict metadata names FSDP1's wrapper."""
+    """Whether ``path`` is a ``torch.save`` file whose pickle names ShardedTensor: one rank's slice of a LOCAL
+    checkpoint, unreadable on its own."""
+    return is_archive(str(path)) and _pickle_names(path, (b"ShardedTensor",))
+
+
+def _starts_local_group(path: Path) -> bool:
+    """Whether ``path`` can be rank 0 of a LOCAL checkpoint: a ShardedTensor slice or, under NO_SHARD, a
+    whole state dict whose metadata names FSDP1's wrapper (on its own, such a file is plain FULL)."""
     return is_archive(str(path)) and _pickle_names(path, (b"ShardedTensor", b"_fsdp_wrapped_module"))
 
 
@@ -120,7 +126,8 @@ def _groups(root: Path) -> dict[str, list[Path]]:
 
 
 def _local_groups(root: Path) -> dict[str, list[Path]]:
-    return {t: fs for t, fs in _groups(root).items() if is_rank_file(fs[0])}
+    return {t: fs for t, fs in _groups(root).items()
+            if (len(fs) > 1 and _starts_local_group(fs[0])) or is_rank_file(fs[0])}
 
 
 def _rank_files(root: Path, pattern: str | None) -> tuple[str, list[Path]]:

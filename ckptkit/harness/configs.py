@@ -198,9 +198,5 @@ class Cell:
         return "reshard" if s is t and s in (Form.SHARDED, Form.LOCAL) else "convert"
 
     @property
-    def needs_local(self) -> bool:
-        return Form.LOCAL in (self.source.form, self.target.form)
-
-    @property
     def bf16(self) -> bool:
         return bool(self.source.bf16 or self.target.bf16)

@@ -28,10 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..convert import convert, reshard
-from ..errors import CheckpointError
 from ..export import export_hf
-from ..formats import io_for
-from ..manifest import Format
 from ..verify import verify
 from .checks import compare_losses, compare_states, loss_rtol
 from .configs import Cell, Form, TrainConfig
@@ -39,7 +36,7 @@ from .launch import run_ranks
 from .states import checkpoint_path, full_state, load, save, write_flat_layout
 from .training import MODEL, build, train
 
-__all__ = ["COLLECTIVE_TIMEOUT", "RESUME_STEPS", "STEPS", "CellResult", "Status", "check_device", "local_support",
+__all__ = ["COLLECTIVE_TIMEOUT", "RESUME_STEPS", "STEPS", "CellResult", "Status", "check_device",
            "run_cells"]
 
 STEPS = 2
@@ -81,15 +78,6 @@ class _Job:
     @property
     def checkpoint(self) -> Path:
         return checkpoint_path(self.directory, self.config.form)
-
-
-def local_support() -> str | None:
-    """None when ckptkit has a reader for LOCAL checkpoints, else why LOCAL cells are skipped."""
-    try:
-        io_for(Format.LOCAL)
-    except CheckpointError as e:
-        return f"needs LOCAL: {e} yet (ckptkit/formats/local.py)"
-    return None
 
 
 def check_device(device: str) -> None:
@@ -204,9 +192,7 @@ def _judge(cell: Cell, source: dict, target: dict, reference: Path, loaded: Path
     return CellResult(cell, Status.PASS if losses.ok else Status.FAIL, f"{state.summary}; {losses.summary}")
 
 
-def _skip_reason(cell: Cell, local: str | None, gpus: int | None) -> str | None:
-    if cell.needs_local and local:
-        return local
+def _skip_reason(cell: Cell, gpus: int | None) -> str | None:
     need = max(cell.source.world_size, cell.target.world_size)
     if gpus is not None and need > gpus:
         return f"needs {need} GPUs, found {gpus}"
@@ -234,11 +220,10 @@ def _fail(cell: Cell, what: str, error: BaseException) -> CellResult:
 
 def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], None]) -> list[CellResult]:
     results: dict[int, CellResult] = {}
-    local = local_support() if any(c.needs_local for c in cells) else None
     gpus = torch.cuda.device_count() if device == "cuda" else None
     runnable = []
     for i, cell in enumerate(cells):
-        reason = _skip_reason(cell, local, gpus)
+        reason = _skip_reason(cell, gpus)
         if reason:
             results[i] = CellResult(cell, Status.SKIP, reason)
         else:
