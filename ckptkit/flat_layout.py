@@ -237,13 +237,25 @@ def derive_layout(model: str, auto_wrap: str = "none", *, world_size: int, use_o
             order = tuple(name for name, _ in module.named_parameters())
             wrapped = FSDP(module, auto_wrap_policy=policy, use_orig_params=use_orig_params,
                            device_id=torch.device("cpu"))
-        units = []
-        for name, sub in wrapped.named_modules():
-            if isinstance(sub, FSDP) and sub._handle is not None:
-                units.append(_unit(_clean(name), sub._handle.flat_param))
+        units = _units(wrapped)
     finally:
         dist.destroy_process_group()
-    return FlatLayout(tuple(units), use_orig_params, order)
+    return FlatLayout(units, use_orig_params, order)
+
+
+def layout_of(wrapped: Any) -> FlatLayout:
+    """The layout of a live FSDP1 model, as ``ckptkit.save(form="local")`` records it beside the rank files."""
+    use_orig = bool(getattr(wrapped, "_use_orig_params", False))
+    # With use_orig_params the optimizer holds the original parameters, in the wrapped model's order.
+    order = tuple(_clean(name) for name, _ in wrapped.named_parameters()) if use_orig else ()
+    return FlatLayout(_units(wrapped), use_orig, order)
+
+
+def _units(wrapped: Any) -> tuple[FlatUnit, ...]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return tuple(_unit(_clean(name), sub._handle.flat_param) for name, sub in wrapped.named_modules()
+                 if isinstance(sub, FSDP) and sub._handle is not None)
 
 
 def _clean(name: str) -> str:

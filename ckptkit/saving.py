@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from . import rotation
 from ._tree import flatten, unflatten
 from .errors import UsageError
-from .executor import Files, read_region
+from .executor import Files, read_region, replace_with
 from .formats import detect
 from .manifest import Format, TensorEntry, TensorRef
 from .planner import Region, row_blocks
@@ -108,6 +108,10 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
          hf_assets: str | os.PathLike | None = None) -> SaveHandle:
     """Save model (+ optimizer, scheduler, extra state) in ``form``; call on every rank.
 
+    ``form`` is ``sharded`` (DCP), ``full`` (one ``torch.save`` file from rank 0), ``hf`` (safetensors
+    weights, plus config and tokenizer from ``hf_assets``) or ``local`` (FSDP1 only: each rank's
+    LOCAL_STATE_DICT and the flat layout that lets ckptkit read it at any world size).
+
     With ``step``, ``path`` is a root: the checkpoint goes to ``path/step-NNNNNNNN``, ``latest`` moves to it
     once it is complete, and ``keep_last`` / ``max_total_gb`` then remove older steps (never the new one).
     Without ``step``, ``path`` is the checkpoint directory itself. ``async_save=True`` returns once the state
@@ -116,8 +120,6 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     """
     if form not in _FORMS:
         raise UsageError(f"form must be one of {', '.join(_FORMS)}, got {form!r}")
-    if form == "local":
-        raise UsageError("form='local' is not available from ckptkit.save yet; use 'sharded' or 'full'")
     rank, world = _rank_world()
     root = Path(path)
     final = rotation.step_dir(root, step) if step is not None else root
@@ -127,35 +129,26 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
         stage.mkdir(parents=True)
     _barrier()
 
+    def finish() -> None:
+        _finish(root, final, stage, form, world, step, keep_last, max_total_gb)
+
+    def done() -> SaveHandle:
+        handle = SaveHandle(final, finish)
+        handle.wait()
+        return handle
+
+    side = {k: v for k, v in (("scheduler", scheduler.state_dict() if scheduler is not None else None),
+                              ("extra", extra_state), ("step", step)) if v is not None}
+    if form == "local":
+        # ShardedTensors cannot be staged by copying (see the sharded form): the files are written now.
+        _write_local(model, optimizer, side, stage, rank)
+        return done()
     full = form in ("full", "hf")
     # Offload only from an accelerator: FSDP1's CPU offload of CPU parameters crashes (torch 2.13, SIGSEGV).
     on_device = any(p.device.type != "cpu" for p in model.parameters())
     options = StateDictOptions(full_state_dict=full, cpu_offload=full and on_device)
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
-    state: dict[str, Any] = {"model": msd}
-    if optimizer is not None:
-        state["optim"] = osd
-    if scheduler is not None:
-        state["scheduler"] = scheduler.state_dict()
-    if extra_state is not None:
-        state["extra"] = extra_state
-    if step is not None:
-        state["step"] = step
-
-    def finish() -> None:
-        _barrier()
-        if rank == 0:
-            _write_manifest(stage, form, world, step)
-            if step is None and final.exists():
-                shutil.rmtree(final)
-            if step is None:
-                (stage / rotation.COMPLETE).write_text("complete\n")
-                os.rename(stage, final)
-            else:
-                rotation.publish(stage, final)
-                max_bytes = int(max_total_gb * 1e9) if max_total_gb is not None else None
-                rotation.rotate(root, keep_last=keep_last, max_total_bytes=max_bytes)
-        _barrier()
+    state: dict[str, Any] = {"model": msd, **({"optim": osd} if optimizer is not None else {}), **side}
 
     if form == "sharded":
         # torch's async stager cannot copy FSDP1's ShardedTensors (torch 2.13): those save synchronously.
@@ -165,9 +158,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
             future = dcp.async_save(state, checkpoint_id=str(stage), process_group=group)
             return SaveHandle(final, finish, _future=future)
         dcp.save(state, checkpoint_id=str(stage))
-        handle = SaveHandle(final, finish)
-        handle.wait()
-        return handle
+        return done()
 
     def write(snapshot: dict[str, Any]) -> None:
         if rank != 0:
@@ -183,9 +174,42 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
         thread.start()
         return SaveHandle(final, finish, _thread=thread)
     write(snapshot)
-    handle = SaveHandle(final, finish)
-    handle.wait()
-    return handle
+    return done()
+
+
+def _finish(root: Path, final: Path, stage: Path, form: str, world: int, step: int | None,
+            keep_last: int | None, max_total_gb: float | None) -> None:
+    """After every rank has written: rank 0 adds ckptkit.json, publishes, then rotates."""
+    rank, _ = _rank_world()
+    _barrier()
+    if rank == 0:
+        _write_manifest(stage, form, world, step)
+        if step is None:
+            (stage / rotation.COMPLETE).write_text("complete\n")
+            replace_with(final, stage)
+        else:
+            rotation.publish(stage, final)
+            max_bytes = int(max_total_gb * 1e9) if max_total_gb is not None else None
+            rotation.rotate(root, keep_last=keep_last, max_total_bytes=max_bytes)
+    _barrier()
+
+
+def _write_local(model: torch.nn.Module, optimizer: Any, side: dict[str, Any], stage: Path, rank: int) -> None:
+    """FSDP1 LOCAL_STATE_DICT: every rank writes its own file; rank 0 puts the flat layout beside them."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+    from .flat_layout import LAYOUT_FILE, layout_of
+
+    if not isinstance(model, FSDP):
+        raise UsageError(f"form='local' is FSDP1's LOCAL_STATE_DICT, but the model is a {type(model).__name__}; "
+                         "use 'sharded' for FSDP2, DDP and plain modules")
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        state: dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        state["optim"] = optimizer.state_dict()
+    torch.save({**state, **side}, stage / f"rank{rank}.pt")
+    if rank == 0:
+        (stage / LAYOUT_FILE).write_bytes(layout_of(model).to_json())
 
 
 def _capture(fn):

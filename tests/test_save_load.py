@@ -60,7 +60,7 @@ def _save_all_forms(rank: int, world: int, root: str, kind: str) -> None:
     model, opt = _build(kind)
     _train(model, opt, rank)
     ref = _full_state(model, opt)
-    for form in FORMS:
+    for form in (*FORMS, "local") if kind == "fsdp1" else FORMS:
         ckptkit.save(f"{root}/{form}", model, optimizer=opt, form=form, step=2, extra_state={"seed": 7})
     ckptkit.save(f"{root}/async", model, optimizer=opt, step=2, async_save=True).wait()
     if rank == 0:
@@ -70,7 +70,9 @@ def _save_all_forms(rank: int, world: int, root: str, kind: str) -> None:
 def _load_all_forms(rank: int, world: int, root: str, kind: str) -> list:
     ref = torch.load(f"{root}/ref.pt", weights_only=False)
     out = []
-    for form in (*FORMS, "async"):
+    import pathlib
+
+    for form in sorted(p.name for p in pathlib.Path(root).iterdir() if p.is_dir()):
         model, opt = _build(kind)
         result = ckptkit.load(f"{root}/{form}", model, optimizer=None if form == "hf" else opt)
         got = _full_state(model, opt)
@@ -86,7 +88,7 @@ def _load_all_forms(rank: int, world: int, root: str, kind: str) -> list:
 @pytest.mark.parametrize("saved_by, save_ws, loads", [
     # FSDP2 at 2 ranks, loaded by FSDP2 at 3, DDP at 2 and a plain model at 1
     ("fsdp2", 2, [("fsdp2", 3), ("ddp", 2), ("plain", 1)]),
-    # FSDP1 FULL_SHARD at 2 ranks, loaded by FSDP1 at 3 and FSDP2 at 1
+    # FSDP1 FULL_SHARD at 2 ranks (every form, LOCAL too), loaded by FSDP1 at 3 and FSDP2 at 1
     ("fsdp1", 2, [("fsdp1", 3), ("fsdp2", 1)]),
 ])
 def test_save_load_any_form_any_wrapper_any_world_size(tmp_path, saved_by, save_ws, loads):
