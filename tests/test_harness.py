@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from ckptkit.harness import runner
 from ckptkit.harness.checks import BF16_RTOL, FP32_RTOL, compare_losses, compare_states, loss_rtol
 from ckptkit.harness.cli import harness
-from ckptkit.harness.configs import (AutoWrap, Cell, ConfigError, Form, Sharding, TrainConfig, Wrapper, ddp, fsdp1,
+from ckptkit.harness.configs import (AutoWrap, Cell, ConfigError, Format, Sharding, TrainConfig, Wrapper, ddp, fsdp1,
                                      fsdp2, plain)
 from ckptkit.harness.matrix import QUICK, full, select
 
@@ -33,12 +33,12 @@ from ckptkit.harness.matrix import QUICK, full, select
      r"sharding is an fsdp1 option, but wrapper is ddp"),
     (lambda: TrainConfig(wrapper=Wrapper.FSDP1, world_size=2, sharding=Sharding.FULL_SHARD, auto_wrap=AutoWrap.NONE,
                          use_orig_params=False, bf16=True), r"bf16 is an fsdp2 option, but wrapper is fsdp1"),
-    (lambda: ddp(2, form=Form.LOCAL), r"form local is FSDP1's LOCAL_STATE_DICT, but wrapper is ddp"),
-    (lambda: fsdp2(2, form=Form.LOCAL), r"form local is FSDP1's LOCAL_STATE_DICT, but wrapper is fsdp2"),
+    (lambda: ddp(2, form=Format.LOCAL), r"form local is FSDP1's LOCAL_STATE_DICT, but wrapper is ddp"),
+    (lambda: fsdp2(2, form=Format.LOCAL), r"form local is FSDP1's LOCAL_STATE_DICT, but wrapper is fsdp2"),
     # hybrid layouts are 2 x k
     (lambda: fsdp1(3, sharding=Sharding.HYBRID_SHARD), r"FSDP1 HYBRID_SHARD lays ranks out as 2 x k, so world_size must be even, got 3"),
     (lambda: fsdp2(5, hsdp=True), r"FSDP2 HSDP lays ranks out as 2 x k, so world_size must be even, got 5"),
-    (lambda: fsdp1(4, sharding=Sharding.HYBRID_SHARD_ZERO2, form=Form.LOCAL), r"refuses LOCAL_STATE_DICT with a DeviceMesh"),
+    (lambda: fsdp1(4, sharding=Sharding.HYBRID_SHARD_ZERO2, form=Format.LOCAL), r"refuses LOCAL_STATE_DICT with a DeviceMesh"),
 ])
 def test_train_config_rejects(make, message):
     with pytest.raises(ConfigError, match=message):
@@ -47,24 +47,24 @@ def test_train_config_rejects(make, message):
 
 def test_train_config_names_and_meshes():
     assert plain().name == "plain@1:full"
-    assert ddp(3, form=Form.SHARDED).name == "ddp@3:sharded"
+    assert ddp(3, form=Format.SHARDED).name == "ddp@3:sharded"
     hybrid = fsdp1(4, sharding=Sharding.HYBRID_SHARD, use_orig_params=True)
     assert hybrid.name == "fsdp1(hybrid_shard,wrap=block,orig)@4:sharded"
     assert hybrid.mesh_shape == (2, 2)
-    hsdp = fsdp2(6, form=Form.FULL, hsdp=True, bf16=True, cpu_offload=True, reshard_after_forward=False)
+    hsdp = fsdp2(6, form=Format.FULL, hsdp=True, bf16=True, cpu_offload=True, reshard_after_forward=False)
     assert hsdp.name == "fsdp2(2d,bf16,offload,no-reshard)@6:full"
     assert hsdp.mesh_shape == (2, 3)
     assert fsdp2(3).mesh_shape == (3,)
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: Cell(plain(form=Form.HF), fsdp2(2)), r"HF is a target form only"),
+    (lambda: Cell(plain(form=Format.HF), fsdp2(2)), r"HF is a target form only"),
     # LOCAL output is re-laid from a LOCAL input with the same flat parameters
-    (lambda: Cell(fsdp2(2), fsdp1(3, form=Form.LOCAL)), r"a LOCAL target needs a LOCAL source"),
-    (lambda: Cell(fsdp1(2, form=Form.LOCAL), fsdp1(3, form=Form.LOCAL, auto_wrap=AutoWrap.SIZE)),
+    (lambda: Cell(fsdp2(2), fsdp1(3, form=Format.LOCAL)), r"a LOCAL target needs a LOCAL source"),
+    (lambda: Cell(fsdp1(2, form=Format.LOCAL), fsdp1(3, form=Format.LOCAL, auto_wrap=AutoWrap.SIZE)),
      r"same auto_wrap and use_orig_params"),
-    (lambda: Cell(fsdp1(2, form=Form.LOCAL, sharding=Sharding.NO_SHARD),
-                  fsdp1(3, form=Form.LOCAL, sharding=Sharding.NO_SHARD)), r"NO_SHARD ranks hold them whole"),
+    (lambda: Cell(fsdp1(2, form=Format.LOCAL, sharding=Sharding.NO_SHARD),
+                  fsdp1(3, form=Format.LOCAL, sharding=Sharding.NO_SHARD)), r"NO_SHARD ranks hold them whole"),
 ])
 def test_cell_rejects(make, message):
     with pytest.raises(ConfigError, match=message):
@@ -73,11 +73,11 @@ def test_cell_rejects(make, message):
 
 @pytest.mark.parametrize("cell, operation", [
     (Cell(fsdp2(2), fsdp2(3)), "reshard"),                                            # DCP to DCP
-    (Cell(fsdp1(2, form=Form.LOCAL), fsdp1(3, form=Form.LOCAL)), "reshard"),          # LOCAL to LOCAL
-    (Cell(fsdp1(2, form=Form.LOCAL), fsdp2(3)), "convert"),                           # LOCAL to DCP
-    (Cell(fsdp2(2), ddp(3, form=Form.FULL)), "convert"),                              # DCP to torch.save
-    (Cell(ddp(2), plain(form=Form.FULL)), "convert"),                                 # torch.save to torch.save
-    (Cell(fsdp2(2), plain(form=Form.HF)), "export_hf"),
+    (Cell(fsdp1(2, form=Format.LOCAL), fsdp1(3, form=Format.LOCAL)), "reshard"),          # LOCAL to LOCAL
+    (Cell(fsdp1(2, form=Format.LOCAL), fsdp2(3)), "convert"),                           # LOCAL to DCP
+    (Cell(fsdp2(2), ddp(3, form=Format.FULL)), "convert"),                              # DCP to torch.save
+    (Cell(ddp(2), plain(form=Format.FULL)), "convert"),                                 # torch.save to torch.save
+    (Cell(fsdp2(2), plain(form=Format.HF)), "export_hf"),
 ])
 def test_cell_operation(cell, operation):
     assert cell.operation == operation
@@ -104,7 +104,7 @@ def test_full_matrix_covers_every_option_as_source_and_as_target():
                      if c.wrapper is Wrapper.FSDP2}
     assert len(fsdp2_targets) == 2 ** 4 * 3
     assert {(c.wrapper, c.form) for c in sources | targets} >= {(w, f) for w in (Wrapper.PLAIN, Wrapper.DDP)
-                                                                 for f in (Form.FULL, Form.SHARDED)}
+                                                                 for f in (Format.FULL, Format.SHARDED)}
 
 
 def test_matrices_change_world_size_where_they_can():
@@ -117,7 +117,7 @@ def test_matrices_change_world_size_where_they_can():
 def test_select_matches_anywhere_in_the_name():
     assert [c.name for c in select(QUICK, "fsdp1(hybrid*")] == [
         "fsdp1(hybrid_shard,wrap=block)@4:sharded -> fsdp2@3:sharded"]
-    assert all(c.target.form is Form.HF for c in select(QUICK, ":hf"))
+    assert all(c.target.form is Format.HF for c in select(QUICK, ":hf"))
     assert select(QUICK, None) == QUICK
     assert select(QUICK, "no such cell") == ()
 

@@ -1,7 +1,7 @@
 """What a harness run trains under and how it saves or loads: pure, torch-free descriptions.
 
 A :class:`TrainConfig` is one side of a matrix cell: the wrapper (plain, DDP, FSDP1, FSDP2) with its
-options, the world size, and the :class:`Form` the state is saved in (source side) or loaded from (target
+options, the world size, and the :class:`Format` the state is saved in (source side) or loaded from (target
 side). A :class:`Cell` pairs a source with a target. Every combination torch would refuse, or that would
 test nothing, is rejected here with a message that names the field, so a matrix cannot hold a cell that
 fails for a reason other than ckptkit.
@@ -12,7 +12,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["WRAP_MIN_NUM_PARAMS", "AutoWrap", "Cell", "ConfigError", "Form", "Sharding", "TrainConfig", "Wrapper",
+from ..manifest import Format
+
+__all__ = ["WRAP_MIN_NUM_PARAMS", "AutoWrap", "Cell", "ConfigError", "Format", "Sharding", "TrainConfig", "Wrapper",
            "ddp", "fsdp1", "fsdp2", "plain"]
 
 
@@ -41,21 +43,6 @@ class Sharding(str, enum.Enum):
         return self in (Sharding.HYBRID_SHARD, Sharding.HYBRID_SHARD_ZERO2)
 
 
-class Form(str, enum.Enum):
-    """How state goes to disk and comes back.
-
-    FULL: rank 0 ``torch.save`` of the full model + optimizer state dict (FSDP1 FULL_STATE_DICT).
-    SHARDED: ``torch.distributed.checkpoint`` of ``get_state_dict`` (FSDP1 SHARDED_STATE_DICT, DTensors).
-    LOCAL: each rank ``torch.save`` of FSDP1's LOCAL_STATE_DICT and its flattened optimizer state.
-    HF: safetensors of the model alone; a target form only (the harness never trains into it).
-    """
-
-    FULL = "full"
-    SHARDED = "sharded"
-    LOCAL = "local"
-    HF = "hf"
-
-
 class AutoWrap(str, enum.Enum):
     """FSDP1 auto-wrap policy: none (one root unit), by parameter count, or one unit per ``Block``."""
 
@@ -77,7 +64,7 @@ class TrainConfig:
     wrapper: Wrapper
     world_size: int = 1
     """Ranks; hybrid FSDP1 and HSDP FSDP2 lay them out as a 2 x (world_size / 2) mesh."""
-    form: Form = Form.FULL
+    form: Format = Format.FULL
     """What the source saves, or what the target loads."""
     sharding: Sharding | None = None
     """FSDP1 ShardingStrategy."""
@@ -109,11 +96,11 @@ class TrainConfig:
         if self.wrapper is Wrapper.PLAIN and self.world_size != 1:
             problems.append(f"a plain model syncs no gradients, so world_size must be 1, got {self.world_size}; "
                             "use ddp for data parallel")
-        if self.form is Form.LOCAL and self.wrapper is not Wrapper.FSDP1:
+        if self.form is Format.LOCAL and self.wrapper is not Wrapper.FSDP1:
             problems.append(f"form local is FSDP1's LOCAL_STATE_DICT, but wrapper is {self.wrapper.value}")
         if self.mesh_shape[0] == 2 and self.world_size % 2:
             problems.append(f"{self.layout} lays ranks out as 2 x k, so world_size must be even, got {self.world_size}")
-        if self.form is Form.LOCAL and self.sharding is not None and self.sharding.hybrid:
+        if self.form is Format.LOCAL and self.sharding is not None and self.sharding.hybrid:
             problems.append("torch refuses LOCAL_STATE_DICT with a DeviceMesh, which hybrid sharding runs on")
         if problems:  # named without the options: they may be what is wrong
             raise ConfigError(f"{self.wrapper.value}@{self.world_size}:{self.form.value}: " + "; ".join(problems))
@@ -143,21 +130,21 @@ class TrainConfig:
         return f"{self.wrapper.value}{label}@{self.world_size}:{self.form.value}"
 
 
-def plain(*, form: Form = Form.FULL) -> TrainConfig:
+def plain(*, form: Format = Format.FULL) -> TrainConfig:
     return TrainConfig(wrapper=Wrapper.PLAIN, world_size=1, form=form)
 
 
-def ddp(world_size: int, *, form: Form = Form.FULL) -> TrainConfig:
+def ddp(world_size: int, *, form: Format = Format.FULL) -> TrainConfig:
     return TrainConfig(wrapper=Wrapper.DDP, world_size=world_size, form=form)
 
 
-def fsdp1(world_size: int, *, form: Form = Form.SHARDED, sharding: Sharding = Sharding.FULL_SHARD,
+def fsdp1(world_size: int, *, form: Format = Format.SHARDED, sharding: Sharding = Sharding.FULL_SHARD,
           auto_wrap: AutoWrap = AutoWrap.BLOCK, use_orig_params: bool = False) -> TrainConfig:
     return TrainConfig(wrapper=Wrapper.FSDP1, world_size=world_size, form=form, sharding=sharding,
                        auto_wrap=auto_wrap, use_orig_params=use_orig_params)
 
 
-def fsdp2(world_size: int, *, form: Form = Form.SHARDED, hsdp: bool = False, bf16: bool = False,
+def fsdp2(world_size: int, *, form: Format = Format.SHARDED, hsdp: bool = False, bf16: bool = False,
           cpu_offload: bool = False, reshard_after_forward: bool = True) -> TrainConfig:
     return TrainConfig(wrapper=Wrapper.FSDP2, world_size=world_size, form=form, hsdp=hsdp, bf16=bf16,
                        cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward)
@@ -172,11 +159,11 @@ class Cell:
     target: TrainConfig
 
     def __post_init__(self) -> None:
-        if self.source.form is Form.HF:
+        if self.source.form is Format.HF:
             raise ConfigError(f"{self.name}: HF is a target form only (it holds no optimizer state to train on from)")
-        if self.target.form is Form.LOCAL:
+        if self.target.form is Format.LOCAL:
             s, t = self.source, self.target
-            if s.form is not Form.LOCAL or (s.auto_wrap, s.use_orig_params) != (t.auto_wrap, t.use_orig_params):
+            if s.form is not Format.LOCAL or (s.auto_wrap, s.use_orig_params) != (t.auto_wrap, t.use_orig_params):
                 raise ConfigError(f"{self.name}: a LOCAL target needs a LOCAL source with the same auto_wrap and "
                                   "use_orig_params: ckptkit re-lays flat parameters for a new world size, "
                                   "it does not re-wrap them")
@@ -193,9 +180,9 @@ class Cell:
         """The ckptkit call that turns the source checkpoint into the target's: ``reshard`` (sharded to
         sharded, LOCAL to LOCAL), ``export_hf``, or ``convert``."""
         s, t = self.source.form, self.target.form
-        if t is Form.HF:
+        if t is Format.HF:
             return "export_hf"
-        return "reshard" if s is t and s in (Form.SHARDED, Form.LOCAL) else "convert"
+        return "reshard" if s is t and s in (Format.SHARDED, Format.LOCAL) else "convert"
 
     @property
     def bf16(self) -> bool:

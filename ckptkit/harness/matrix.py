@@ -7,7 +7,7 @@ from fnmatch import fnmatchcase
 from itertools import product
 from typing import Callable
 
-from .configs import AutoWrap, Cell, ConfigError, Form, Sharding, TrainConfig, ddp, fsdp1, fsdp2, plain
+from .configs import AutoWrap, Cell, ConfigError, Format, Sharding, TrainConfig, ddp, fsdp1, fsdp2, plain
 
 __all__ = ["MATRICES", "QUICK", "full", "select"]
 
@@ -15,24 +15,24 @@ QUICK: tuple[Cell, ...] = (
     # The demo's story, checked: FSDP2 saves with DCP at 2, ckptkit reshards to 3, FSDP2 resumes at 3.
     Cell(fsdp2(2), fsdp2(3)),
     # The same checkpoint as one torch.save file (FULL_STATE_DICT), resumed by DDP at 3.
-    Cell(fsdp2(2), ddp(3, form=Form.FULL)),
+    Cell(fsdp2(2), ddp(3, form=Format.FULL)),
     # The same checkpoint exported as HF safetensors (lm_head left out, tied) into a plain model.
-    Cell(fsdp2(2), plain(form=Form.HF)),
+    Cell(fsdp2(2), plain(form=Format.HF)),
     # FSDP1 FULL_SHARD SHARDED_STATE_DICT, per-block units, loaded by FSDP2 on one rank.
     Cell(fsdp1(2), fsdp2(1)),
     # DDP's torch.save resumed by FSDP1 FULL_STATE_DICT with size-based units and use_orig_params.
-    Cell(ddp(2), fsdp1(3, form=Form.FULL, auto_wrap=AutoWrap.SIZE, use_orig_params=True)),
+    Cell(ddp(2), fsdp1(3, form=Format.FULL, auto_wrap=AutoWrap.SIZE, use_orig_params=True)),
     # FSDP1 HYBRID_SHARD on a 2 x 2 mesh to FSDP2 on a 1-D mesh of 3.
     Cell(fsdp1(4, sharding=Sharding.HYBRID_SHARD), fsdp2(3)),
     # FSDP2 HSDP (2 x 2) with bf16 compute to FSDP2 1-D at 2, bf16 too.
     Cell(fsdp2(4, hsdp=True, bf16=True), fsdp2(2, bf16=True)),
     # FSDP1 LOCAL_STATE_DICT at 2 to DCP for FSDP2 at 3, and re-laid as LOCAL for FSDP1 at 3.
-    Cell(fsdp1(2, form=Form.LOCAL), fsdp2(3)),
-    Cell(fsdp1(2, form=Form.LOCAL), fsdp1(3, form=Form.LOCAL)),
+    Cell(fsdp1(2, form=Format.LOCAL), fsdp2(3)),
+    Cell(fsdp1(2, form=Format.LOCAL), fsdp1(3, form=Format.LOCAL)),
     # One rank on each side (what a one-GPU machine runs with --device cuda): FSDP2 with CPUOffloadPolicy
     # saves a torch.save file, FSDP1 resumes from it as DCP; FSDP2 bf16 without resharding after forward.
-    Cell(fsdp2(1, form=Form.FULL, cpu_offload=True), fsdp1(1)),
-    Cell(fsdp2(1, bf16=True, reshard_after_forward=False), fsdp2(1, form=Form.FULL, bf16=True)),
+    Cell(fsdp2(1, form=Format.FULL, cpu_offload=True), fsdp1(1)),
+    Cell(fsdp2(1, bf16=True, reshard_after_forward=False), fsdp2(1, form=Format.FULL, bf16=True)),
 )
 
 
@@ -44,7 +44,7 @@ def _valid(make: Callable[..., TrainConfig | Cell], *args, **kwargs) -> TrainCon
         return None
 
 
-def _configs(forms: tuple[Form, ...], one_d: int, two_d: int) -> list[TrainConfig]:
+def _configs(forms: tuple[Format, ...], one_d: int, two_d: int) -> list[TrainConfig]:
     """Every wrapper with every option, 1-D layouts at ``one_d`` ranks and 2 x k ones at ``two_d``."""
     both = (False, True)
     candidates: list[TrainConfig | None] = []
@@ -64,12 +64,12 @@ def full() -> tuple[Cell, ...]:
     plain model from torch.save; and every configuration as a target (at 3 ranks, or 2 x 2) of an FSDP2
     DCP checkpoint saved at 2, or for LOCAL targets of an FSDP1 LOCAL checkpoint sharded and wrapped the
     same way."""
-    cells = [Cell(source, target) for source in _configs((Form.FULL, Form.SHARDED, Form.LOCAL), one_d=2, two_d=4)
-             for target in (fsdp2(3), plain(form=Form.FULL))]
-    for target in _configs((Form.FULL, Form.SHARDED, Form.LOCAL, Form.HF), one_d=3, two_d=4):
+    cells = [Cell(source, target) for source in _configs((Format.FULL, Format.SHARDED, Format.LOCAL), one_d=2, two_d=4)
+             for target in (fsdp2(3), plain(form=Format.FULL))]
+    for target in _configs((Format.FULL, Format.SHARDED, Format.LOCAL, Format.HF), one_d=3, two_d=4):
         source = fsdp2(2)
-        if target.form is Form.LOCAL:
-            source = fsdp1(2, form=Form.LOCAL, sharding=target.sharding, auto_wrap=target.auto_wrap,
+        if target.form is Format.LOCAL:
+            source = fsdp1(2, form=Format.LOCAL, sharding=target.sharding, auto_wrap=target.auto_wrap,
                            use_orig_params=target.use_orig_params)
         cells.append(_valid(Cell, source, target))
     return tuple({c.name: c for c in cells if c is not None}.values())

@@ -31,7 +31,7 @@ from ..convert import convert, reshard
 from ..export import export_hf
 from ..verify import verify
 from .checks import compare_losses, compare_states, loss_rtol
-from .configs import Cell, Form, TrainConfig
+from .configs import Cell, Format, TrainConfig
 from .launch import run_ranks
 from .states import checkpoint_path, full_state, load, save, write_flat_layout
 from .training import MODEL, build, train
@@ -127,7 +127,7 @@ def _target_rank(rank: int, world: int, jobs: tuple[_Job, ...], device: str) -> 
     for job in jobs:
         model, optimizer = build(job.config, dev)
         step = load(job.config.form, model, optimizer, job.checkpoint)
-        loaded = full_state(model, None if job.config.form is Form.HF else optimizer, step, dev)
+        loaded = full_state(model, None if job.config.form is Format.HF else optimizer, step, dev)
         if rank == 0:
             torch.save(loaded, Path(job.directory) / LOADED)
         _finish(job, {"step": step, "losses": train(model, optimizer, start=STEPS, steps=RESUME_STEPS, device=dev)})
@@ -178,7 +178,7 @@ def _convert(cell: Cell, src: Path, dst: Path, assets: Path) -> str | None:
 
 
 def _judge(cell: Cell, source: dict, target: dict, reference: Path, loaded: Path) -> CellResult:
-    hf = cell.target.form is Form.HF
+    hf = cell.target.form is Format.HF
     state = compare_states(torch.load(reference, weights_only=True), torch.load(loaded, weights_only=True),
                            model_only=hf)
     if not state.ok:
@@ -236,7 +236,7 @@ def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], 
     say(f"[1/3] {len(sources)} source runs: train {STEPS} steps, save, train {RESUME_STEPS} more")
     source_out = _run_jobs(_source_rank, list(sources.values()), device, say)
     for job in sources.values():
-        if job.config.form is Form.LOCAL and not isinstance(source_out[job], BaseException):
+        if job.config.form is Format.LOCAL and not isinstance(source_out[job], BaseException):
             try:
                 write_flat_layout(job.config, job.checkpoint)
             except Exception as e:  # a ckptkit bug in deriving the layout fails this source's cells

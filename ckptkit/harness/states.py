@@ -1,4 +1,4 @@
-"""A rank's model + optimizer state: saved in a :class:`Form`, loaded back from one, and captured whole.
+"""A rank's model + optimizer state: saved in a :class:`Format`, loaded back from one, and captured whole.
 
 Call order on a source: ``full_state`` first (FSDP1 cannot take a full state dict after a sharded one in
 the same process), then ``save``, then (outside the ranks, for LOCAL) ``write_flat_layout``. On a target:
@@ -22,18 +22,18 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
 from ..flat_layout import FLAT_PARAM, LAYOUT_FILE, derive_layout
-from .configs import WRAP_MIN_NUM_PARAMS, AutoWrap, Form, TrainConfig
+from .configs import WRAP_MIN_NUM_PARAMS, AutoWrap, Format, TrainConfig
 from .model import Block, TinyTransformer
 
 __all__ = ["CHECKPOINT_NAMES", "TIED_KEYS", "checkpoint_path", "full_state", "load", "save", "write_flat_layout"]
 
-CHECKPOINT_NAMES = {Form.FULL: "full.pt", Form.SHARDED: "sharded", Form.LOCAL: "local", Form.HF: "hf"}
+CHECKPOINT_NAMES = {Format.FULL: "full.pt", Format.SHARDED: "sharded", Format.LOCAL: "local", Format.HF: "hf"}
 """What a checkpoint of each form is called inside a run's directory (FULL is one file, the others directories)."""
 TIED_KEYS = frozenset({"lm_head.weight"})
 """Model keys an HF export may leave out because the config ties them to the input embedding."""
 
 
-def checkpoint_path(directory: Path | str, form: Form) -> Path:
+def checkpoint_path(directory: Path | str, form: Format) -> Path:
     return Path(directory) / CHECKPOINT_NAMES[form]
 
 
@@ -56,17 +56,17 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: 
     return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), state)
 
 
-def save(form: Form, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, path: Path,
+def save(form: Format, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, path: Path,
          device: torch.device) -> None:
     """Write this rank's part of a ``form`` checkpoint at ``path`` (a file for FULL, else a directory)."""
-    if form is Form.FULL:
+    if form is Format.FULL:
         state = full_state(model, optimizer, step, device)
         if dist.get_rank() == 0:
             torch.save(state, path)
-    elif form is Form.SHARDED:
+    elif form is Format.SHARDED:
         msd, osd = get_state_dict(model, optimizer)
         dcp.save({"model": msd, "optim": osd, "step": step}, checkpoint_id=str(path))
-    elif form is Form.LOCAL:
+    elif form is Format.LOCAL:
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
             msd = model.state_dict()
         path.mkdir(parents=True, exist_ok=True)
@@ -77,21 +77,21 @@ def save(form: Form, model: nn.Module, optimizer: torch.optim.Optimizer, step: i
     dist.barrier()  # the checkpoint is complete once every rank has written its part
 
 
-def load(form: Form, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> int | None:
+def load(form: Format, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> int | None:
     """Load a ``form`` checkpoint at ``path`` into this rank's model and optimizer; the saved step (None for
     HF, which holds the model alone and leaves the optimizer fresh)."""
-    if form is Form.FULL:
+    if form is Format.FULL:
         state = torch.load(path, map_location="cpu", weights_only=True)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(full_state_dict=True))
         return state["step"]
-    if form is Form.SHARDED:
+    if form is Format.SHARDED:
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optim": osd, "step": -1}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return state["step"]
-    if form is Form.LOCAL:
+    if form is Format.LOCAL:
         # Not weights_only: LOCAL files pickle ShardedTensors, which only a process group can rebuild.
         state = torch.load(_rank_file(path, dist.get_rank()), map_location="cpu", weights_only=False)
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
@@ -104,7 +104,7 @@ def load(form: Form, model: nn.Module, optimizer: torch.optim.Optimizer, path: P
                            f"unexpected {sorted(unexpected)}")
         optimizer.load_state_dict(state["optim"])
         return state["step"]
-    if form is Form.HF:
+    if form is Format.HF:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{path}: no *.safetensors files; expected an HF export")
