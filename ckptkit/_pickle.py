@@ -9,6 +9,7 @@ ones torch itself would have written.
 
 from __future__ import annotations
 
+import _compat_pickle
 import functools
 import io
 import pickle
@@ -18,7 +19,8 @@ from typing import Any, Callable, Mapping
 from .dtypes import DType
 from .errors import FormatError, UnsafeCheckpointError
 
-__all__ = ["Call", "Record", "Ref", "RefPickler", "SafeUnpickler", "dumps", "keep_call", "make_record", "record_class", "ref"]
+__all__ = ["MEMORY_FORMATS", "Call", "EnumStandIn", "Record", "Ref", "RefPickler", "SafeUnpickler", "dumps", "keep_call",
+           "make_record", "record_class", "ref", "safe_getattr"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,33 @@ def record_class(module: str, name: str) -> type[Record]:
     return type(name, (Record,), {"_pickle_name": ref(module, name)})
 
 
+# The members of torch's memory-format enums (DCP's _MEM_FORMAT_ENCODING, ShardedTensor's MEM_FORMAT_ENCODING).
+MEMORY_FORMATS = {"TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2}
+
+
+class EnumStandIn:
+    """An allowed enum. A pickle names a member by value (``Enum(0)``) or, from Python builds that pickle
+    enums by name (Debian's 3.11, 3.12+), as ``getattr(Enum, "NAME")``: both give ``make(value)``."""
+
+    def __init__(self, members: Mapping[str, int], make: Callable[[int], Any] = lambda value: value) -> None:
+        self.members, self.make = dict(members), make
+
+    def __call__(self, value: int) -> Any:
+        return self.make(value)
+
+
+def safe_getattr(attrs: Mapping[tuple[int, str], Any] | None = None) -> Callable[[Any, str], Any]:
+    """The ``getattr`` a pickle may call: members of an :class:`EnumStandIn`, and ``attrs`` keyed by
+    ``(id(obj), name)``; anything else is refused."""
+    def getattr_(obj: Any, name: str) -> Any:
+        if isinstance(obj, EnumStandIn) and name in obj.members:
+            return obj(obj.members[name])
+        if attrs and (id(obj), name) in attrs:
+            return attrs[(id(obj), name)]
+        raise UnsafeCheckpointError(f"the pickle asks for getattr({obj!r}, {name!r}), which is not allowed")
+    return getattr_
+
+
 class SafeUnpickler(pickle.Unpickler):
     """Resolves globals through ``allowed`` only; any other global is refused, naming it and the file."""
 
@@ -74,6 +103,10 @@ class SafeUnpickler(pickle.Unpickler):
         self._allowed, self._where, self._persistent = allowed, where, persistent_load
 
     def find_class(self, module: str, name: str) -> Any:
+        # Protocol 2 pickles name Python 2 modules (__builtin__); the stock find_class maps them, and so must
+        # this override.
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         try:
             return self._allowed[(module, name)]
         except KeyError:
@@ -90,7 +123,11 @@ class SafeUnpickler(pickle.Unpickler):
     def load_checked(self) -> Any:
         try:
             return self.load()
-        except (UnsafeCheckpointError, FormatError):
+        except UnsafeCheckpointError as e:
+            if str(e).startswith(self._where):
+                raise
+            raise UnsafeCheckpointError(f"{self._where}: {e}") from None
+        except FormatError:
             raise
         except Exception as e:  # a truncated or corrupt pickle raises a zoo of types
             raise FormatError(f"{self._where}: cannot read pickle ({type(e).__name__}: {e})") from e

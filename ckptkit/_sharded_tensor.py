@@ -23,10 +23,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ._pickle import Call, Record, keep_call, make_record, record_class, ref
+from ._pickle import MEMORY_FORMATS, Call, EnumStandIn, Record, keep_call, make_record, record_class, ref, safe_getattr
 from ._torchzip import OBJECT_GLOBALS, TENSOR, Tag
 from .dtypes import DType
-from .errors import FormatError, UnsafeCheckpointError
+from .errors import FormatError
 from .manifest import TensorRef, row_major
 
 __all__ = ["ShardBox", "ShardedTensorData", "sharded_tensor", "sharded_tensor_globals"]
@@ -79,13 +79,6 @@ def sharded_tensor_globals(where: str) -> dict[tuple[str, str], Any]:
     :class:`ShardedTensorData`; every other use of these names is refused, naming ``where``."""
     pg_state = record_class(_API, f"ShardedTensor.{_PG_STATE_NAME}")
 
-    def getattr_(obj: Any, name: str) -> Any:
-        # Protocol 2 cannot name a nested class, so torch pickles getattr(ShardedTensor, "ProcessGroupState").
-        if obj is _SHARDED and name == _PG_STATE_NAME:
-            return pg_state
-        raise UnsafeCheckpointError(f"{where}: the pickle asks for getattr({obj!r}, {name!r}); ckptkit allows "
-                                    f"getattr only for ShardedTensor.{_PG_STATE_NAME}")
-
     def rebuild(func: Any, new_type: Any, args: Any, state: Any) -> ShardedTensorData | TensorRef:
         if new_type is TENSOR:
             return OBJECT_GLOBALS[("torch._tensor", "_rebuild_from_type_v2")](func, new_type, args, state)
@@ -101,14 +94,14 @@ def sharded_tensor_globals(where: str) -> dict[tuple[str, str], Any]:
         ("torch._tensor", "_rebuild_from_type_v2"): rebuild,
         ("torch._utils", "_rebuild_wrapper_subclass"): _WRAPPER,
         (_API, "ShardedTensor"): _SHARDED,
-        ("__builtin__", "getattr"): getattr_,
-        ("builtins", "getattr"): getattr_,
+        # Protocol 2 cannot name a nested class, so torch pickles getattr(ShardedTensor, "ProcessGroupState").
+        ("builtins", "getattr"): safe_getattr({(id(_SHARDED), _PG_STATE_NAME): pg_state}),
         **_records(_SHARD, "Shard"),
         **_records(_META, "ShardMetadata"),
         **_records(_REMOTE, "_remote_device"),
         **_records(_ST_META, "ShardedTensorMetadata", "TensorProperties"),
         **_records(_SPEC, "ChunkShardingSpec"),
-        (_ST_META, "MEM_FORMAT_ENCODING"): keep_call(_ST_META, "MEM_FORMAT_ENCODING"),
+        (_ST_META, "MEM_FORMAT_ENCODING"): EnumStandIn(MEMORY_FORMATS, keep_call(_ST_META, "MEM_FORMAT_ENCODING")),
     }
 
 

@@ -168,7 +168,10 @@ def test_local_rank_files_pickle_the_sharded_tensor_as_torch_does(saved, uop, tm
         with zipfile.ZipFile(path) as z:
             pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
         names = [arg.replace(" ", ".") for op, arg, _ in pickletools.genops(pkl) if op.name == "GLOBAL"]
-        return [n for n in names if n not in plain]
+        # Python builds differ in how they pickle an enum member: ENUM(value), or getattr(ENUM, "NAME") where
+        # enums pickle by name (Debian's 3.11, 3.12+), which moves the first (memoised) getattr. ckptkit reads
+        # both and writes the first; getattr is left out of the comparison.
+        return [n for n in names if n not in plain and n != "__builtin__.getattr"]
 
     for r in range(2):
         assert globals_of(tmp_path / "l2" / f"rank{r}.pt") == globals_of(saved[uop] / "model" / f"rank{r}.pt")

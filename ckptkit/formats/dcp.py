@@ -16,10 +16,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .._pickle import Record, SafeUnpickler, dumps, keep_call, make_record, record_class
+from .._pickle import MEMORY_FORMATS, EnumStandIn, Record, SafeUnpickler, dumps, keep_call, make_record, record_class, safe_getattr
 from .._torchzip import ARCHIVE_MAGIC, archive_parts, raw_entry, read_archive
 from ..dtypes import DType
-from ..errors import FormatError, IncompleteCheckpointError, UnsafeCheckpointError
+from ..errors import FormatError, IncompleteCheckpointError
 from ..executor import Files
 from ..manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef
 from ..planner import FilePlan, Literal, Part, Region, WritePlan
@@ -39,32 +39,12 @@ def _records(module: str, *names: str) -> dict[tuple[str, str], type[Record]]:
     return {(module, n): record_class(module, n) for n in names}
 
 
-class _MemFormatEncoding:
-    """Stand-in for DCP's ``_MEM_FORMAT_ENCODING`` enum, which pickles either as a call with the member's value
-    or as ``getattr(enum, member_name)``, depending on how torch was imported."""
-
-    MEMBERS = {"TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2}
-
-    def __call__(self, value: int) -> int:
-        return value
-
-
-_MEM_FORMAT = _MemFormatEncoding()
-
-
-def _enum_member(obj: Any, name: str) -> int:
-    # getattr is allowed for this one enum's member names and nothing else.
-    if obj is _MEM_FORMAT and name in _MemFormatEncoding.MEMBERS:
-        return _MemFormatEncoding.MEMBERS[name]
-    raise UnsafeCheckpointError(f".metadata asks for getattr({type(obj).__name__}, {name!r}), which is not allowed")
-
-
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **_records(_META, "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                "TensorProperties", "MetadataIndex", "StorageMeta"),
     **_records(_FS, "_StorageInfo"),
-    (_META, "_MEM_FORMAT_ENCODING"): _MEM_FORMAT,
-    ("builtins", "getattr"): _enum_member,
+    (_META, "_MEM_FORMAT_ENCODING"): EnumStandIn(MEMORY_FORMATS),
+    ("builtins", "getattr"): safe_getattr(),
     ("torch", "Size"): lambda v=(): tuple(v),
     ("torch.serialization", "_get_layout"): lambda name: name,
     ("pathlib", "PosixPath"): lambda *parts: "/".join(parts),
