@@ -185,22 +185,48 @@ class LocalIO(FormatIO):
                              layout=layout, rank_files=template)
 
     def _read_replicated(self, root: Path, template: str, files: list[Path], ranks: list[dict]) -> Manifest:
-        """NO_SHARD: FSDP1 keeps no flat parameter, and every rank saves every parameter whole."""
-        if any(isinstance(v, ShardedTensorData) for v in ranks[0].values()):
+        """NO_SHARD: FSDP1 keeps no flat parameter in the state dict, and every rank saves it whole."""
+        leaves = ranks[0]
+        if any(isinstance(v, ShardedTensorData) for v in leaves.values()):
             raise FormatError(f"{files[0]}: ShardedTensors but no '{FLAT_PARAM}'; not an FSDP1 LOCAL_STATE_DICT file")
         shape = lambda leaves: {p: (v.dtype, v.shape) if isinstance(v, TensorRef) else None for p, v in leaves.items()}  # noqa: E731
-        for f, leaves in zip(files[1:], ranks[1:]):
-            if shape(leaves) != shape(ranks[0]):
+        for f, other in zip(files[1:], ranks[1:]):
+            if shape(other) != shape(leaves):
                 raise FormatError(f"{f}: holds other entries than {files[0].name}; NO_SHARD ranks hold the same state")
-        tensors = [TensorEntry(key_of(p), p, v.dtype, v.shape, v.as_entry(key_of(p)).chunks)
-                   for p, v in ranks[0].items() if isinstance(v, TensorRef)]
-        objects = [ObjectEntry(key_of(p), p, v) for p, v in ranks[0].items() if not isinstance(v, TensorRef)]
-        details = (("rank files", template), ("sharding", "NO_SHARD: every rank holds every parameter whole; "
-                                                          f"{files[0].name} is read"),
-                   ("optimizer state", "carried as saved: NO_SHARD keeps it per flat parameter, and ckptkit does "
-                                       "not unflatten it yet"))
-        return LocalManifest(Format.LOCAL, str(root), tuple(tensors), tuple(objects), len(files), details,
+        details = [("rank files", template),
+                   ("sharding", f"NO_SHARD: every rank holds every parameter whole; {files[0].name} is read")]
+        optims = {p[:1] for p in leaves if _is_flat_optim(leaves, p[:1])}
+        tensors, objects = [], []
+        if optims:
+            layout, source = self._replicated_layout(root, leaves, optims)
+            if layout is None:
+                details.append(("optimizer state", f"carried as saved, per {source}"))
+            else:
+                details.append(("flat layout", source))
+                for top in optims:
+                    _unflatten_replicated_optim(top, leaves, layout, files[0], tensors, objects)
+                leaves = {p: v for p, v in leaves.items() if p[:1] not in optims}
+        tensors += [TensorEntry(key_of(p), p, v.dtype, v.shape, v.as_entry(key_of(p)).chunks)
+                    for p, v in leaves.items() if isinstance(v, TensorRef)]
+        objects += [ObjectEntry(key_of(p), p, v) for p, v in leaves.items() if not isinstance(v, TensorRef)]
+        return LocalManifest(Format.LOCAL, str(root), tuple(tensors), tuple(objects), len(files), tuple(details),
                              rank_files=template)
+
+    def _replicated_layout(self, root: Path, leaves: dict, optims: set) -> tuple[FlatLayout | None, str]:
+        """The layout that names a NO_SHARD optimizer's parameter indices, or None and why there is none."""
+        sidecar = root / LAYOUT_FILE
+        if sidecar.is_file():
+            return FlatLayout.from_json(sidecar.read_bytes(), where=str(sidecar)), LAYOUT_FILE
+        o = self.options
+        if o.model is None:
+            return None, f"parameter index (no {LAYOUT_FILE} and no --model to name the indices)"
+        top = next(iter(optims))
+        for uop in [o.use_orig_params] if o.use_orig_params is not None else [False, True]:
+            layout = derive_layout(o.model, o.auto_wrap, world_size=1, use_orig_params=uop)
+            if _fits(layout, _below(leaves, (*top, "state"))):
+                return layout, f"derived from {o.model} (auto-wrap {o.auto_wrap})"
+        raise FormatError(f"{root}: the optimizer state fits neither use_orig_params layout of {o.model} "
+                          f"(auto-wrap {o.auto_wrap}); check --model and --auto-wrap")
 
     def _layout(self, root: Path, shards: dict[str, list[ShardedTensorData]], world: int) -> tuple[FlatLayout, str]:
         sidecar = root / LAYOUT_FILE
@@ -332,6 +358,62 @@ def _is_flat_optim(leaves: dict, top: Path_) -> bool:
     return (bool(groups) and all(isinstance(k, int) for k in _below(leaves, (*top, "state")))
             and all(isinstance(g.get(("params",)), list) and all(isinstance(i, int) for i in g[("params",)])
                     for g in groups.values()))
+
+
+def _fits(layout: FlatLayout, state: dict[Any, dict[Path_, Any]]) -> bool:
+    """Whether NO_SHARD optimizer ``state`` ({index: {name: leaf}}) has the shapes ``layout`` gives its indices."""
+    slots = layout.param_order if layout.use_orig_params else tuple(u.key for u in layout.units)
+    for i, per in state.items():
+        if not 0 <= i < len(slots):
+            return False
+        want = (next(p.shape for u in layout.units for p in u.params if p.fqn == slots[i]) if layout.use_orig_params
+                else (layout.unit(slots[i]).params[-1].end,))
+        if any(isinstance(v, TensorRef) and v.shape and v.shape != want for v in per.values()):
+            return False
+    return True
+
+
+def _unflatten_replicated_optim(top: Path_, leaves: dict, layout: FlatLayout, file: Path,
+                                tensors: list[TensorEntry], objects: list[ObjectEntry]) -> None:
+    """A NO_SHARD ``optimizer.state_dict()`` as state per original parameter, keyed by its name.
+
+    With use_orig_params the state is already per original parameter, by index; without, each flat
+    parameter's state is one vector over the whole (unsharded, unpadded) flat parameter, cut here at each
+    parameter's offset.
+    """
+    uop = layout.use_orig_params
+    slots = layout.param_order if uop else tuple(u.key for u in layout.units)
+    if not _fits(layout, _below(leaves, (*top, "state"))):
+        raise FormatError(f"{file}: optimizer state {key_of(top)!r} does not fit the flat layout "
+                          f"({len(slots)} {'parameters' if uop else 'flat parameters'})")
+    at = {p.fqn: p for u in layout.units for p in u.params}
+    for i, per in _below(leaves, (*top, "state")).items():
+        params = [slots[i]] if uop else [p.fqn for p in layout.unit(slots[i]).params]
+        for fqn in params:
+            for name, v in per.items():
+                path = (*top, "state", fqn, *name)
+                if not isinstance(v, TensorRef):
+                    objects.append(ObjectEntry(key_of(path), path, v))
+                elif uop or not v.shape:  # whole tensors: per-parameter state, or a step counter
+                    tensors.append(dataclasses.replace(v.as_entry(key_of(path)), path=path))
+                else:
+                    p = at[fqn]
+                    span = Span(v.span.file, v.span.offset + p.offset * v.dtype.itemsize, p.numel * v.dtype.itemsize)
+                    tensors.append(TensorEntry(key_of(path), path, v.dtype, p.shape,
+                                               (Chunk((0,) * len(p.shape), p.shape, span),)))
+    for gi, group in _below(leaves, (*top, "param_groups")).items():
+        for sub, value in group.items():
+            if sub == ("params",):
+                value = [slots[i] for i in value] if uop else [p.fqn for i in value for p in layout.unit(slots[i]).params]
+            path = (*top, "param_groups", gi, *sub)
+            objects.append(ObjectEntry(key_of(path), path, value))
+    for path, leaf in leaves.items():
+        if path[:1] != top or path[1:2] in (("state",), ("param_groups",)):
+            continue
+        if isinstance(leaf, TensorRef):
+            tensors.append(dataclasses.replace(leaf.as_entry(key_of(path)), path=path))
+        else:
+            objects.append(ObjectEntry(key_of(path), path, leaf))
 
 
 class _Reader:
