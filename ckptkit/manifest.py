@@ -11,12 +11,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .dtypes import DType
 from .errors import IncompleteCheckpointError
 
-__all__ = ["Chunk", "Format", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of", "row_major"]
+__all__ = ["Chunk", "Format", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of", "map_tensor_refs", "row_major"]
 
 Path_ = tuple  # a state-dict path: str keys and int list indices, e.g. ("optim", "param_groups", 0, "lr")
 
@@ -127,6 +127,17 @@ class TensorRef:
     def as_entry(self, key: str) -> TensorEntry:
         chunk = Chunk((0,) * len(self.shape), self.shape, self.span, self.strides)
         return TensorEntry(key, (key,), self.dtype, self.shape, (chunk,))
+
+
+def map_tensor_refs(value: Any, fn: Callable[[TensorRef], Any]) -> Any:
+    """``value`` with every :class:`TensorRef` leaf replaced by ``fn(leaf)``; containers keep their type."""
+    if isinstance(value, TensorRef):
+        return fn(value)
+    if isinstance(value, dict):
+        return type(value)((k, map_tensor_refs(v, fn)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensor_refs(v, fn) for v in value)
+    return value
 
 
 @dataclass(frozen=True, slots=True)

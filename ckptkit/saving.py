@@ -28,7 +28,7 @@ from ._tree import flatten, unflatten
 from .errors import UsageError
 from .executor import Files, read_region, replace_with
 from .formats import detect
-from .manifest import Format, TensorEntry, TensorRef
+from .manifest import Format, TensorEntry, map_tensor_refs
 from .planner import Region, row_blocks
 
 __all__ = ["LoadResult", "SaveHandle", "load", "save"]
@@ -256,13 +256,7 @@ def _tensor(entry: TensorEntry, files: Files) -> torch.Tensor:
 
 def _to_torch(value: Any, files: Files) -> Any:
     """A value read by ckptkit with its tensor leaves (byte spans) turned into torch tensors."""
-    if isinstance(value, TensorRef):
-        return _tensor(value.as_entry("<tensor inside an object>"), files)
-    if isinstance(value, dict):
-        return {k: _to_torch(v, files) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_torch(v, files) for v in value)
-    return value
+    return map_tensor_refs(value, lambda ref: _tensor(ref.as_entry("<tensor inside an object>"), files))
 
 
 def _read_all(ckpt: Path, tops: tuple[str, ...] | None) -> dict[str, Any]:

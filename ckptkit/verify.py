@@ -8,7 +8,7 @@ from typing import Any
 
 from .executor import DEFAULT_MAX_MEMORY, Files, read_region
 from .formats import LocalOptions, detect
-from .manifest import Format, Manifest, TensorEntry, TensorRef
+from .manifest import Format, Manifest, TensorEntry, map_tensor_refs
 from .names import select_model
 from .planner import Region, row_blocks
 from .progress import progress_bar
@@ -72,13 +72,8 @@ def _first_mismatch(x: memoryview, y: memoryview) -> int:
 
 def _plain(value: Any, files: Files) -> Any:
     """An object with its tensor leaves read into (dtype, shape, bytes), so == compares bits."""
-    if isinstance(value, TensorRef):
-        return (value.dtype.name, value.shape, bytes(read_region(Region.whole(value.as_entry("t")), files)))
-    if isinstance(value, dict):
-        return {k: _plain(v, files) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v, files) for v in value)
-    return value
+    return map_tensor_refs(value, lambda ref: (ref.dtype.name, ref.shape,
+                                               bytes(read_region(Region.whole(ref.as_entry("t")), files))))
 
 
 def _entries(manifest: Manifest, model_only: bool) -> tuple[dict[str, TensorEntry], dict[str, Any]]:

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._pickle import Call
 from ..dtypes import DType
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
 from ..flat_layout import FlatLayout
-from ..manifest import Format, Manifest, ObjectEntry, TensorRef
+from ..manifest import Format, Manifest, ObjectEntry, TensorRef, map_tensor_refs
 from ..planner import Region, WritePlan
 
 __all__ = ["FormatIO", "WriteOptions", "cast_for", "index_json", "is_empty_container", "read_index", "regions_in",
@@ -73,14 +72,10 @@ def is_empty_container(entry: ObjectEntry) -> bool:
 
 def regions_in(value: Any, cast: DType | None = None) -> Any:
     """``value`` with its :class:`TensorRef` leaves turned into whole-tensor regions, ready to write."""
-    if isinstance(value, TensorRef):
-        entry = value.as_entry("<tensor inside an object>")
+    def region(ref: TensorRef) -> Region:
+        entry = ref.as_entry("<tensor inside an object>")
         return Region.whole(entry, cast_for(entry.dtype, cast))
-    if isinstance(value, dict):
-        return type(value)((k, regions_in(v, cast)) for k, v in value.items())
-    if isinstance(value, (list, tuple)) and not isinstance(value, Call):
-        return type(value)(regions_in(v, cast) for v in value)
-    return value
+    return map_tensor_refs(value, region)
 
 
 def split_files(regions: dict[str, Region], pattern: str, max_shard_size: int | None) -> dict[str, list[str]]:
