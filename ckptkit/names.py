@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .errors import UsageError
 from .manifest import Manifest, TensorEntry
 
-__all__ = ["MODEL_KEYS", "WRAPPER_NAMES", "ModelSelection", "select_model"]
+__all__ = ["MODEL_KEYS", "WRAPPER_NAMES", "ModelSelection", "select_model", "strip_wrapper_names"]
 
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
 """Top-level keys tried, in order, when ``model_key="auto"``."""
@@ -34,16 +34,23 @@ class ModelSelection:
     """Entries outside the model part (optimizer state, step counters)."""
 
 
+def strip_wrapper_names(key: str, counts: Counter | None = None) -> str:
+    """``key`` without leading ``module.`` segments and without :data:`WRAPPER_NAMES` segments; ``counts``
+    tallies what was stripped."""
+    counts = Counter() if counts is None else counts
+    parts = key.split(".")
+    while len(parts) > 1 and parts[0] == "module":
+        parts.pop(0)
+        counts["module."] += 1
+    for p in parts:
+        if p in WRAPPER_NAMES:
+            counts[p + "."] += 1
+    return ".".join(p for p in parts if p not in WRAPPER_NAMES)
+
+
 def _strip(key: str, prefixes: tuple[str, ...], wrappers: bool, counts: Counter) -> str:
     if wrappers:
-        parts = key.split(".")
-        while len(parts) > 1 and parts[0] == "module":
-            parts.pop(0)
-            counts["module."] += 1
-        for p in parts:
-            if p in WRAPPER_NAMES:
-                counts[p + "."] += 1
-        key = ".".join(p for p in parts if p not in WRAPPER_NAMES)
+        key = strip_wrapper_names(key, counts)
     for prefix in prefixes:
         if key.startswith(prefix):
             key = key[len(prefix):]

@@ -28,7 +28,8 @@ from ._tree import flatten, unflatten
 from .errors import UsageError
 from .executor import Files, read_region, replace_with
 from .formats import detect
-from .manifest import Format, TensorEntry, map_tensor_refs
+from .manifest import Format, Manifest, TensorEntry, map_tensor_refs
+from .names import strip_wrapper_names
 from .planner import Region, row_blocks
 
 __all__ = ["LoadResult", "SaveHandle", "load", "save"]
@@ -259,9 +260,8 @@ def _to_torch(value: Any, files: Files) -> Any:
     return map_tensor_refs(value, lambda ref: _tensor(ref.as_entry("<tensor inside an object>"), files))
 
 
-def _read_all(ckpt: Path, tops: tuple[str, ...] | None) -> dict[str, Any]:
-    """The entries of any format under top-level keys ``tops`` (all when None) as torch objects."""
-    manifest = detect(ckpt).read(ckpt)
+def _read_all(manifest: Manifest, tops: tuple[str, ...] | None) -> dict[str, Any]:
+    """The entries of a manifest under top-level keys ``tops`` (all when None) as torch objects."""
     items = []
     with Files() as files:
         for t in manifest.tensors:
@@ -282,21 +282,22 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     ``extra_state`` that were saved. Call on every rank.
     """
     ckpt = rotation.resolve(Path(path))
-    fmt = detect(ckpt).format
+    manifest = detect(ckpt).read(ckpt)  # once: for DCP this reads every chunk's header
+    fmt = manifest.format
     optimizer = optimizer if load_optimizer else None
-    side = _read_all(ckpt, _SIDE) if fmt is not Format.HF else {}
+    side = _read_all(manifest, _SIDE) if fmt is not Format.HF else {}
     if fmt is Format.SHARDED:
         msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
         target: dict[str, Any] = {"model": msd}
         if optimizer is not None:
             target["optim"] = osd
-        _check_keys(ckpt, target, strict)
+        _check_keys(manifest, target, strict)
         dcp.load(target, checkpoint_id=str(ckpt))
         options = StateDictOptions(strict=strict)
         set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=target["model"],
                        optim_state_dict=target.get("optim", {}), options=options)
     else:
-        state = _read_all(ckpt, ("model", "optim")) if fmt is not Format.HF else {"model": _read_all(ckpt, None)}
+        state = _read_all(manifest, ("model", "optim")) if fmt is not Format.HF else {"model": _read_all(manifest, None)}
         model_sd = _with_tied_aliases(model, state.get("model", {}))
         options = StateDictOptions(full_state_dict=True, strict=strict)
         set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=model_sd,
@@ -311,7 +312,7 @@ def _with_tied_aliases(model: torch.nn.Module, model_sd: dict[str, Any]) -> dict
     named = list(model.named_parameters(remove_duplicate=False))
     by_param: dict[int, list[str]] = {}
     for name, p in named:
-        by_param.setdefault(id(p), []).append(_clean(name))
+        by_param.setdefault(id(p), []).append(strip_wrapper_names(name))
     out = dict(model_sd)
     for names in by_param.values():
         present = [n for n in names if n in out]
@@ -321,23 +322,14 @@ def _with_tied_aliases(model: torch.nn.Module, model_sd: dict[str, Any]) -> dict
     return out
 
 
-def _clean(name: str) -> str:
-    from .names import WRAPPER_NAMES
-
-    parts = name.split(".")
-    while len(parts) > 1 and parts[0] == "module":
-        parts.pop(0)
-    return ".".join(p for p in parts if p not in WRAPPER_NAMES)
-
-
-def _check_keys(ckpt: Path, target: dict[str, Any], strict: bool) -> None:
+def _check_keys(manifest: Manifest, target: dict[str, Any], strict: bool) -> None:
     """DCP raises on the first missing key; list them all (strict), or drop them from the target (not)."""
-    have = set(detect(ckpt).read(ckpt).keys)
+    have = set(manifest.keys)
     missing = [p for p, _ in flatten(target, lambda v: isinstance(v, torch.Tensor))
                if ".".join(map(str, p)) not in have and not any(k.startswith(".".join(map(str, p)) + ".") for k in have)]
     if missing and strict:
         names = [".".join(map(str, p)) for p in missing]
-        raise UsageError(f"{ckpt}: checkpoint lacks {len(names)} keys the model/optimizer needs: "
+        raise UsageError(f"{manifest.root}: checkpoint lacks {len(names)} keys the model/optimizer needs: "
                          f"{', '.join(names[:10])}{' ...' if len(names) > 10 else ''} (pass strict=False to skip them)")
     for path in missing:
         node = target
