@@ -11,13 +11,13 @@ from .executor import DEFAULT_MAX_MEMORY, execute, execute_distributed
 from .formats import LocalOptions, WriteOptions, detect, io_for
 from .formats.local import output_layout
 from .formats.base import is_empty_container
+from .formats.full import SUFFIXES
 from .manifest import Format, Manifest
 from .planner import FilePlan, WritePlan
 from .progress import progress_bar
 
 __all__ = ["Report", "convert", "parse_size", "reshard", "write"]
 
-FULL_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: i
     fmt = io_for(to).format
     local = local or LocalOptions()
     manifest = detect(src, local).read(Path(src))
-    single = fmt is Format.FULL and max_shard_size is None and Path(dst).suffix in FULL_FILE_SUFFIXES
+    single = fmt is Format.FULL and max_shard_size is None and Path(dst).suffix in SUFFIXES
     to_local = fmt is Format.LOCAL
     options = WriteOptions(world_size=world_size, max_shard_size=parse_size(max_shard_size), single_file=single,
                            flat_layout=output_layout(manifest, local, world_size) if to_local else None,

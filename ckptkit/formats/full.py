@@ -21,6 +21,7 @@ __all__ = ["FullIO"]
 INDEX = "pytorch_model.bin.index.json"
 SINGLE_NAMES = ("pytorch_model.bin", "model.pt", "model.pth", "checkpoint.pt", "state_dict.pt")
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+"""File name endings of ``torch.save`` files, as found in checkpoint directories."""
 
 
 def _is_tensor(v: object) -> bool:

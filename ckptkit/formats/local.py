@@ -40,12 +40,12 @@ from ..flat_layout import FLAT_PARAM, LAYOUT_FILE, FlatLayout, FlatParam, FlatUn
 from ..manifest import Chunk, Format, Manifest, ObjectEntry, Path_, Span, TensorEntry, TensorRef, key_of
 from ..planner import FilePlan, Literal, Part, Region, WritePlan
 from .base import FormatIO, WriteOptions, cast_for, regions_in
+from .full import SUFFIXES
 
 __all__ = ["DEFAULT_RANK_FILES", "LocalIO", "LocalManifest", "LocalOptions", "is_rank_file", "output_layout"]
 
 DEFAULT_RANK_FILES = "rank{rank}.pt"
 _RANK = "{rank}"
-_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,7 +117,7 @@ def _groups(root: Path) -> dict[str, list[Path]]:
     """Name templates (``rank{rank}.pt``) whose files count ranks 0..N-1, each with its files in rank order."""
     by_template: dict[str, dict[int, Path]] = {}
     for f in sorted(root.iterdir()):
-        if f.is_file() and f.name.endswith(_SUFFIXES):
+        if f.is_file() and f.name.endswith(SUFFIXES):
             for m in re.finditer(r"\d+", f.name):
                 template = f.name[:m.start()] + _RANK + f.name[m.end():]
                 by_template.setdefault(template, {}).setdefault(int(m.group()), f)
