@@ -124,9 +124,9 @@ class TensorRef:
     span: Span
     strides: tuple[int, ...] | None = None
 
-    def as_entry(self, key: str) -> TensorEntry:
+    def as_entry(self, path: Path_) -> TensorEntry:
         chunk = Chunk((0,) * len(self.shape), self.shape, self.span, self.strides)
-        return TensorEntry(key, (key,), self.dtype, self.shape, (chunk,))
+        return TensorEntry(key_of(path), path, self.dtype, self.shape, (chunk,))
 
 
 def map_tensor_refs(value: Any, fn: Callable[[TensorRef], Any]) -> Any:

@@ -257,7 +257,7 @@ def _tensor(entry: TensorEntry, files: Files) -> torch.Tensor:
 
 def _to_torch(value: Any, files: Files) -> Any:
     """A value read by ckptkit with its tensor leaves (byte spans) turned into torch tensors."""
-    return map_tensor_refs(value, lambda ref: _tensor(ref.as_entry("<tensor inside an object>"), files))
+    return map_tensor_refs(value, lambda ref: _tensor(ref.as_entry(("<tensor inside an object>",)), files))
 
 
 def _read_all(manifest: Manifest, tops: tuple[str, ...] | None) -> dict[str, Any]:

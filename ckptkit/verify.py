@@ -73,7 +73,7 @@ def _first_mismatch(x: memoryview, y: memoryview) -> int:
 def _plain(value: Any, files: Files) -> Any:
     """An object with its tensor leaves read into (dtype, shape, bytes), so == compares bits."""
     return map_tensor_refs(value, lambda ref: (ref.dtype.name, ref.shape,
-                                               bytes(read_region(Region.whole(ref.as_entry("t")), files))))
+                                               bytes(read_region(Region.whole(ref.as_entry(("t",))), files))))
 
 
 def _entries(manifest: Manifest, model_only: bool) -> tuple[dict[str, TensorEntry], dict[str, Any]]:

@@ -73,7 +73,7 @@ def is_empty_container(entry: ObjectEntry) -> bool:
 def regions_in(value: Any, cast: DType | None = None) -> Any:
     """``value`` with its :class:`TensorRef` leaves turned into whole-tensor regions, ready to write."""
     def region(ref: TensorRef) -> Region:
-        entry = ref.as_entry("<tensor inside an object>")
+        entry = ref.as_entry(("<tensor inside an object>",))
         return Region.whole(entry, cast_for(entry.dtype, cast))
     return map_tensor_refs(value, region)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from .._torchzip import archive_parts, is_archive, read_archive
 from .._tree import flatten, unflatten
 from ..errors import FormatError, UsageError
-from ..manifest import Format, Manifest, ObjectEntry, TensorEntry, TensorRef, key_of
+from ..manifest import Format, Manifest, ObjectEntry, TensorRef, key_of
 from ..planner import FilePlan, Literal, Region, WritePlan
 from .base import FormatIO, WriteOptions, cast_for, index_json, read_index, regions_in, split_files
 
@@ -48,8 +48,7 @@ class FullIO(FormatIO):
         tensors, objects = [], []
         for p, leaf in flatten(tree, _is_tensor):
             if isinstance(leaf, TensorRef):
-                entry = leaf.as_entry(key_of(p))
-                tensors.append(TensorEntry(entry.key, p, entry.dtype, entry.shape, entry.chunks))
+                tensors.append(leaf.as_entry(p))
             else:
                 objects.append(ObjectEntry(key_of(p), p, leaf))
         return Manifest(Format.FULL, str(path), tuple(tensors), tuple(objects))
@@ -66,7 +65,7 @@ class FullIO(FormatIO):
                     raise FormatError(f"{shard}: entry {key!r} is {type(leaf).__name__}; shards hold tensors only")
                 if keys.get(key) != shard:
                     raise FormatError(f"{shard}: holds {key!r}, which {INDEX} places in {keys.get(key, 'no file')}")
-                tensors.append(TensorEntry(key, (key,), leaf.dtype, leaf.shape, leaf.as_entry(key).chunks))
+                tensors.append(leaf.as_entry((key,)))
         missing = set(keys) - {t.key for t in tensors}
         if missing:
             raise FormatError(f"{root / INDEX}: lists keys no shard holds: {sorted(missing)[:5]}")

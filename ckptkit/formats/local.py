@@ -206,8 +206,7 @@ class LocalIO(FormatIO):
                 for top in optims:
                     _unflatten_replicated_optim(top, leaves, layout, files[0], tensors, objects)
                 leaves = {p: v for p, v in leaves.items() if p[:1] not in optims}
-        tensors += [TensorEntry(key_of(p), p, v.dtype, v.shape, v.as_entry(key_of(p)).chunks)
-                    for p, v in leaves.items() if isinstance(v, TensorRef)]
+        tensors += [v.as_entry(p) for p, v in leaves.items() if isinstance(v, TensorRef)]
         objects += [ObjectEntry(key_of(p), p, v) for p, v in leaves.items() if not isinstance(v, TensorRef)]
         return LocalManifest(Format.LOCAL, str(root), tuple(tensors), tuple(objects), len(files), tuple(details),
                              rank_files=template)
@@ -395,7 +394,7 @@ def _unflatten_replicated_optim(top: Path_, leaves: dict, layout: FlatLayout, fi
                 if not isinstance(v, TensorRef):
                     objects.append(ObjectEntry(key_of(path), path, v))
                 elif uop or not v.shape:  # whole tensors: per-parameter state, or a step counter
-                    tensors.append(dataclasses.replace(v.as_entry(key_of(path)), path=path))
+                    tensors.append(v.as_entry(path))
                 else:
                     p = at[fqn]
                     span = Span(v.span.file, v.span.offset + p.offset * v.dtype.itemsize, p.numel * v.dtype.itemsize)
@@ -411,7 +410,7 @@ def _unflatten_replicated_optim(top: Path_, leaves: dict, layout: FlatLayout, fi
         if path[:1] != top or path[1:2] in (("state",), ("param_groups",)):
             continue
         if isinstance(leaf, TensorRef):
-            tensors.append(dataclasses.replace(leaf.as_entry(key_of(path)), path=path))
+            tensors.append(leaf.as_entry(path))
         else:
             objects.append(ObjectEntry(key_of(path), path, leaf))
 
@@ -441,7 +440,7 @@ class _Reader:
             elif isinstance(leaf, ShardedTensorData):
                 self.tensors.append(self._sharded(path))
             elif isinstance(leaf, TensorRef):
-                self.tensors.append(dataclasses.replace(leaf.as_entry(key_of(path)), path=path))
+                self.tensors.append(leaf.as_entry(path))
             else:
                 self.objects.append(ObjectEntry(key_of(path), path, leaf))
 
@@ -510,7 +509,7 @@ class _Reader:
         first = next(v for v in values if v is not None)
         if not (isinstance(first, TensorRef) and first.shape):  # step counters: the same on every rank
             if isinstance(first, TensorRef):
-                self.tensors.append(dataclasses.replace(first.as_entry(key_of(path)), path=path))
+                self.tensors.append(first.as_entry(path))
             else:
                 self.objects.append(ObjectEntry(key_of(path), path, first))
             return
