@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from .dtypes import DType
 from .errors import FormatError, UnsafeCheckpointError
 
-__all__ = ["MEMORY_FORMATS", "Call", "EnumStandIn", "Record", "Ref", "RefPickler", "SafeUnpickler", "dumps", "keep_call",
+__all__ = ["MEMORY_FORMATS", "Call", "allow_records", "EnumStandIn", "Record", "Ref", "RefPickler", "SafeUnpickler", "dumps", "keep_call",
            "make_record", "record_class", "ref", "safe_getattr"]
 
 
@@ -131,6 +131,11 @@ class SafeUnpickler(pickle.Unpickler):
             raise
         except Exception as e:  # a truncated or corrupt pickle raises a zoo of types
             raise FormatError(f"{self._where}: cannot read pickle ({type(e).__name__}: {e})") from e
+
+
+def allow_records(module: str, *names: str) -> dict[tuple[str, str], type[Record]]:
+    """Allow-list entries that rebuild ``module.<name>`` objects as :class:`Record` stand-ins."""
+    return {(module, n): record_class(module, n) for n in names}
 
 
 def make_record(module: str, name: str, state: Any) -> Record:

@@ -23,7 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ._pickle import MEMORY_FORMATS, Call, EnumStandIn, Record, keep_call, make_record, record_class, ref, safe_getattr
+from ._pickle import (MEMORY_FORMATS, Call, EnumStandIn, Record, allow_records, keep_call, make_record, record_class, ref,
+                      safe_getattr)
 from ._torchzip import OBJECT_GLOBALS, TENSOR, Tag
 from .dtypes import DType
 from .errors import FormatError
@@ -70,10 +71,6 @@ _WRAPPER, _SHARDED = Tag("torch._utils._rebuild_wrapper_subclass"), Tag(f"{_API}
 _PG_STATE_NAME = "ProcessGroupState"
 
 
-def _records(module: str, *names: str) -> dict[tuple[str, str], type[Record]]:
-    return {(module, n): record_class(module, n) for n in names}
-
-
 def sharded_tensor_globals(where: str) -> dict[tuple[str, str], Any]:
     """Extra allow-list entries for :func:`~ckptkit._torchzip.read_archive`: ShardedTensors become
     :class:`ShardedTensorData`; every other use of these names is refused, naming ``where``."""
@@ -96,11 +93,11 @@ def sharded_tensor_globals(where: str) -> dict[tuple[str, str], Any]:
         (_API, "ShardedTensor"): _SHARDED,
         # Protocol 2 cannot name a nested class, so torch pickles getattr(ShardedTensor, "ProcessGroupState").
         ("builtins", "getattr"): safe_getattr({(id(_SHARDED), _PG_STATE_NAME): pg_state}),
-        **_records(_SHARD, "Shard"),
-        **_records(_META, "ShardMetadata"),
-        **_records(_REMOTE, "_remote_device"),
-        **_records(_ST_META, "ShardedTensorMetadata", "TensorProperties"),
-        **_records(_SPEC, "ChunkShardingSpec"),
+        **allow_records(_SHARD, "Shard"),
+        **allow_records(_META, "ShardMetadata"),
+        **allow_records(_REMOTE, "_remote_device"),
+        **allow_records(_ST_META, "ShardedTensorMetadata", "TensorProperties"),
+        **allow_records(_SPEC, "ChunkShardingSpec"),
         (_ST_META, "MEM_FORMAT_ENCODING"): EnumStandIn(MEMORY_FORMATS, keep_call(_ST_META, "MEM_FORMAT_ENCODING")),
     }
 

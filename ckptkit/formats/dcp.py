@@ -16,7 +16,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .._pickle import MEMORY_FORMATS, EnumStandIn, Record, SafeUnpickler, dumps, keep_call, make_record, record_class, safe_getattr
+from .._pickle import (MEMORY_FORMATS, EnumStandIn, Record, SafeUnpickler, allow_records, dumps, keep_call, make_record,
+                       safe_getattr)
 from .._torchzip import ARCHIVE_MAGIC, archive_parts, raw_entry, read_archive
 from ..dtypes import DType
 from ..errors import FormatError, IncompleteCheckpointError
@@ -35,14 +36,10 @@ _FS = "torch.distributed.checkpoint.filesystem"
 _RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
 
 
-def _records(module: str, *names: str) -> dict[tuple[str, str], type[Record]]:
-    return {(module, n): record_class(module, n) for n in names}
-
-
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    **_records(_META, "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+    **allow_records(_META, "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                "TensorProperties", "MetadataIndex", "StorageMeta"),
-    **_records(_FS, "_StorageInfo"),
+    **allow_records(_FS, "_StorageInfo"),
     (_META, "_MEM_FORMAT_ENCODING"): EnumStandIn(MEMORY_FORMATS),
     ("builtins", "getattr"): safe_getattr(),
     ("torch", "Size"): lambda v=(): tuple(v),
