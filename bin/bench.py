@@ -18,11 +18,11 @@ from pathlib import Path
 
 import click
 
-from .convert import parse_size
-from .dtypes import by_name
-from .executor import execute
-from .formats import WriteOptions, io_for
-from .manifest import Chunk, Format, Manifest, Span, TensorEntry
+from ckptkit.ops.convert import parse_size
+from ckptkit.core.dtypes import by_name
+from ckptkit.io.execute import execute
+from ckptkit.formats import WriteOptions, io_for
+from ckptkit.core.manifest import Chunk, Format, Manifest, Span, TensorEntry
 
 __all__ = ["main"]
 

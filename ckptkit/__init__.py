@@ -6,14 +6,14 @@ LOCAL (FSDP1 ``LOCAL_STATE_DICT``) and HF safetensors. None of this imports torc
 
 # Imported eagerly: a function bound here after its module (``convert`` in ``ckptkit.convert``) stays the
 # package attribute, whereas a lazily fetched one is replaced by the module on the module's first import.
-from .convert import Report, convert, reshard
+from .ops.convert import Report, convert, reshard
 from .errors import (CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError,
                      UsageError)
-from .export import export_hf
+from .ops.export import export_hf
 from .formats import LocalOptions
-from .inspect import inspect
-from .manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry
-from .verify import VerifyReport, verify
+from .ops.inspect import inspect
+from .core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry
+from .ops.verify import VerifyReport, verify
 
 __all__ = [
     "load", "save", "CheckpointError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError", "LocalOptions", "Manifest", "ObjectEntry",
@@ -25,7 +25,7 @@ __all__ = [
 def __getattr__(name: str):
     # save/load import torch; loading them on first use keeps ``import ckptkit`` (and the CLI) torch-free.
     if name in ("save", "load"):
-        from . import saving
+        from .training import save as saving
 
         return getattr(saving, name)
     raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")

@@ -18,7 +18,7 @@ __all__ = ["main"]
 
 
 def _size(value: str) -> int:
-    from .convert import parse_size
+    from .ops.convert import parse_size
 
     return parse_size(value, "--max-memory")
 
@@ -84,7 +84,7 @@ def _report(report, quiet: bool) -> None:
 @_local
 def inspect(path: Path, as_json: bool, **local) -> None:
     """Show format, world size, tensors with shapes and chunking, and other entries."""
-    from .inspect import inspect as _inspect, render, summary
+    from .ops.inspect import inspect as _inspect, render, summary
 
     s = summary(_inspect(path, local=_local_options(**local)))
     click.echo(json.dumps(s, indent=2) if as_json else render(s))
@@ -103,7 +103,7 @@ def inspect(path: Path, as_json: bool, **local) -> None:
 @_quiet
 def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, fsync, quiet, **local) -> None:
     """Convert SRC (any format) to DST in format --to."""
-    from .convert import convert as _convert
+    from .ops.convert import convert as _convert
 
     _report(_convert(src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, overwrite=overwrite,
                      max_memory=max_memory, fsync=fsync, progress=not quiet, local=_local_options(**local)), quiet)
@@ -120,7 +120,7 @@ def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, fsy
 @_quiet
 def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) -> None:
     """Re-lay-out the sharded checkpoint SRC for --world-size ranks (no GPUs, no process group)."""
-    from .convert import reshard as _reshard
+    from .ops.convert import reshard as _reshard
 
     _report(_reshard(src, dst, world_size=world_size, overwrite=overwrite, max_memory=max_memory,
                      fsync=fsync, progress=not quiet, local=_local_options(**local)), quiet)
@@ -147,7 +147,7 @@ def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) 
 def export_hf(src, dst, model_key, dtype, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
               overwrite, max_memory, fsync, quiet, **local) -> None:
     """Write the model part of SRC as Hugging Face safetensors in DST."""
-    from .export import export_hf as _export
+    from .ops.export import export_hf as _export
 
     _report(_export(src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
                     strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
@@ -165,7 +165,7 @@ def export_hf(src, dst, model_key, dtype, max_shard_size, strip_prefixes, keep_w
 @_quiet
 def verify(a, b, model_only, as_json, max_memory, quiet, **local) -> None:
     """Compare A and B (any formats) key by key and byte by byte; exit 1 if they differ."""
-    from .verify import verify as _verify
+    from .ops.verify import verify as _verify
 
     r = _verify(a, b, model_only=model_only, max_memory=max_memory, progress=not quiet,
                 local=_local_options(**local))

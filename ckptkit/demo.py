@@ -74,7 +74,7 @@ def run_demo(workdir: Path | None = None) -> None:
     from . import export_hf, inspect, convert, reshard, verify
     from .harness.launch import run_ranks
     from .harness.model import TinyConfig
-    from .inspect import render, summary
+    from .ops.inspect import render, summary
 
     say = click.echo
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ckptkit-demo-"))

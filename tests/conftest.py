@@ -43,7 +43,7 @@ def flat_full_ckpt(tmp_path, zoo) -> Path:
 @pytest.fixture
 def dcp_ckpt(tmp_path, full_ckpt) -> Path:
     """``training_state`` as a 2-rank DCP directory written by ckptkit."""
-    from ckptkit.convert import convert
+    from ckptkit.ops.convert import convert
 
     path = tmp_path / "dcp2"
     convert(full_ckpt, path, to="sharded", world_size=2)

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from _checks import assert_same_tree, flat_tensors, load_dcp, load_full, load_hf
 from ckptkit.cli import cli
-from ckptkit.convert import convert
+from ckptkit.ops.convert import convert
 
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "ckptkit")
 

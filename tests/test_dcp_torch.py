@@ -28,11 +28,11 @@ import torch
 
 from _checks import (assert_same_tree, flat_tensors, load_dcp, load_full, load_hf, make_training_state,
                      tensor_bits)
-from ckptkit.convert import convert, reshard
+from ckptkit.ops.convert import convert, reshard
 from ckptkit.errors import CheckpointError
-from ckptkit.export import export_hf
-from ckptkit.inspect import inspect
-from ckptkit.verify import verify
+from ckptkit.ops.export import export_hf
+from ckptkit.ops.inspect import inspect
+from ckptkit.ops.verify import verify
 
 SOURCE_WORLD_SIZES = (1, 2, 3)
 GROUP_TIMEOUT_S = 240

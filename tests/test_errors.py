@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from _checks import hash_tree, leftovers
-from ckptkit import executor
-from ckptkit.convert import convert, reshard
+from ckptkit.io import execute as executor
+from ckptkit.ops.convert import convert, reshard
 from ckptkit.errors import (CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError,
                             UsageError)
-from ckptkit.export import export_hf
-from ckptkit.inspect import inspect
-from ckptkit.verify import verify
+from ckptkit.ops.export import export_hf
+from ckptkit.ops.inspect import inspect
+from ckptkit.ops.verify import verify
 
 
 class Evil:

@@ -12,10 +12,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from _checks import assert_same_tree, assert_tensor_identical, hash_tree, load_dcp, load_full, load_hf
-from ckptkit.convert import convert
+from ckptkit.ops.convert import convert
 from ckptkit.errors import UsageError
-from ckptkit.export import export_hf
-from ckptkit.verify import verify
+from ckptkit.ops.export import export_hf
+from ckptkit.ops.verify import verify
 
 
 def test_convert_hf_output_read_by_safetensors(tmp_path, flat_full_ckpt, zoo):

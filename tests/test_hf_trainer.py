@@ -12,7 +12,7 @@ pytest.importorskip("accelerate")
 def test_export_hf_callback_writes_loadable_weights_on_each_save(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-    from ckptkit.hf_trainer import ExportHFCallback
+    from ckptkit.training.hf_trainer import ExportHFCallback
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

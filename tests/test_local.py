@@ -20,16 +20,16 @@ from click.testing import CliRunner
 from _checks import assert_same_tree, load_dcp, load_full, load_hf
 from _fsdp1 import AUTO_WRAP, MODEL, load_and_gather, train_and_save
 from ckptkit.cli import cli
-from ckptkit.convert import convert, reshard
-from ckptkit.dtypes import by_name
+from ckptkit.ops.convert import convert, reshard
+from ckptkit.core.dtypes import by_name
 from ckptkit.errors import FormatError, IncompleteCheckpointError, UsageError
-from ckptkit.flat_layout import LAYOUT_FILE, range_boxes
+from ckptkit.formats.local.layout import LAYOUT_FILE, range_boxes
 from ckptkit.formats import LocalOptions
 from ckptkit.harness.launch import run_ranks
-from ckptkit.inspect import inspect
-from ckptkit.manifest import Chunk, Format, Span, TensorEntry
-from ckptkit.planner import Copy, Region, plan_copies
-from ckptkit.verify import verify
+from ckptkit.ops.inspect import inspect
+from ckptkit.core.manifest import Chunk, Format, Span, TensorEntry
+from ckptkit.core.plan import Copy, Region, plan_copies
+from ckptkit.ops.verify import verify
 from fixtures_models import tiny
 
 LOCAL = {"model": MODEL, "auto_wrap": AUTO_WRAP}

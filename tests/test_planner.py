@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from ckptkit import Chunk, IncompleteCheckpointError, Span, TensorEntry
-from ckptkit.dtypes import by_name
-from ckptkit.planner import Copy, Region, plan_copies, row_blocks
+from ckptkit.core.dtypes import by_name
+from ckptkit.core.plan import Copy, Region, plan_copies, row_blocks
 
 F32 = by_name("float32")
 BF16 = by_name("bfloat16")

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptkit.convert import convert, reshard
+from ckptkit.ops.convert import convert, reshard
 from ckptkit.errors import UsageError
-from ckptkit.inspect import inspect
-from ckptkit.manifest import Format
-from ckptkit.verify import verify
+from ckptkit.ops.inspect import inspect
+from ckptkit.core.manifest import Format
+from ckptkit.ops.verify import verify
 from _checks import (assert_same_tree, flat_tensors, load_dcp, load_full, load_hf,
                      make_training_state, make_zoo, random_bits)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit import rotation
+from ckptkit.io import publish as rotation
 from ckptkit.errors import UsageError
 from ckptkit.harness.launch import run_ranks
 from ckptkit.harness.model import TinyConfig, TinyTransformer, batch

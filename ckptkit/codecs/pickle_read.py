@@ -16,8 +16,8 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .dtypes import DType
-from .errors import FormatError, UnsafeCheckpointError
+from ..core.dtypes import DType
+from ..errors import FormatError, UnsafeCheckpointError
 
 __all__ = ["MEMORY_FORMATS", "Call", "allow_records", "EnumStandIn", "Record", "Ref", "RefPickler", "SafeUnpickler", "dumps", "keep_call",
            "make_record", "record_class", "ref", "safe_getattr"]

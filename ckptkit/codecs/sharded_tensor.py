@@ -23,12 +23,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ._pickle import (MEMORY_FORMATS, Call, EnumStandIn, Record, allow_records, keep_call, make_record, record_class, ref,
+from .pickle_read import (MEMORY_FORMATS, Call, EnumStandIn, Record, allow_records, keep_call, make_record, record_class, ref,
                       safe_getattr)
-from ._torchzip import OBJECT_GLOBALS, TENSOR, Tag
-from .dtypes import DType
-from .errors import FormatError
-from .manifest import TensorRef, row_major
+from .torchzip_read import OBJECT_GLOBALS, TENSOR, Tag
+from ..core.dtypes import DType
+from ..errors import FormatError
+from ..core.manifest import TensorRef, row_major
 
 __all__ = ["ShardBox", "ShardedTensorData", "sharded_tensor", "sharded_tensor_globals"]
 
@@ -72,7 +72,7 @@ _PG_STATE_NAME = "ProcessGroupState"
 
 
 def sharded_tensor_globals(where: str) -> dict[tuple[str, str], Any]:
-    """Extra allow-list entries for :func:`~ckptkit._torchzip.read_archive`: ShardedTensors become
+    """Extra allow-list entries for :func:`~ckptkit.codecs.torchzip_read.read_archive`: ShardedTensors become
     :class:`ShardedTensorData`; every other use of these names is refused, naming ``where``."""
     pg_state = record_class(_API, f"ShardedTensor.{_PG_STATE_NAME}")
 

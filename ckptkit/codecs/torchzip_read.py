@@ -20,12 +20,12 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-from . import dtypes
-from ._pickle import Call, Record, SafeUnpickler, dumps, keep_call, ref
-from .dtypes import DType
-from .errors import FormatError
-from .manifest import Span, TensorEntry, Chunk, TensorRef, row_major
-from .planner import Literal, Part, Region
+from ..core import dtypes
+from .pickle_read import Call, Record, SafeUnpickler, dumps, keep_call, ref
+from ..core.dtypes import DType
+from ..errors import FormatError
+from ..core.manifest import Span, TensorEntry, Chunk, TensorRef, row_major
+from ..core.plan import Literal, Part, Region
 
 __all__ = ["ARCHIVE_MAGIC", "TENSOR", "PartsTensor", "Tag", "archive_parts", "is_archive", "load_blob", "raw_entry", "read_archive"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import FormatError, UsageError
+from ..errors import FormatError, UsageError
 
 __all__ = ["DType", "by_name", "by_safetensors", "by_storage_class", "parse_cast"]
 

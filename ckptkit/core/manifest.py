@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .dtypes import DType
-from .errors import IncompleteCheckpointError
+from ..errors import IncompleteCheckpointError
 
 __all__ = ["Chunk", "Format", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of", "map_tensor_refs", "row_major"]
 
@@ -156,7 +156,7 @@ class ObjectEntry:
     def load(self) -> Any:
         if self.blob is None:
             return self.value
-        from ._torchzip import load_blob
+        from ..codecs.torchzip_read import load_blob
 
         return load_blob(self.blob, where=f"object {self.key!r}")
 

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from .dtypes import DType
-from .errors import IncompleteCheckpointError
+from ..errors import IncompleteCheckpointError
 from .manifest import Span, TensorEntry, row_major
 
 __all__ = ["Copy", "FilePlan", "Literal", "Part", "Region", "WritePlan", "plan_copies", "row_blocks"]

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import CheckpointError, FormatError, UsageError
-from ..manifest import Format, Manifest
+from ..core.manifest import Format, Manifest
 from .base import FormatIO, WriteOptions
 from .dcp import DcpIO
 from .full import FullIO
 from .hf import HfIO
-from .local import LocalIO, LocalOptions, is_rank_file
+from .local.read import LocalIO, LocalOptions, is_rank_file
 
 __all__ = ["FormatIO", "LocalOptions", "WriteOptions", "detect", "io_for", "read"]
 

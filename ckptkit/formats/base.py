@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..dtypes import DType
+from ..core.dtypes import DType
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
-from ..flat_layout import FlatLayout
-from ..manifest import Format, Manifest, ObjectEntry, TensorRef, map_tensor_refs
-from ..planner import Region, WritePlan
+from .local.layout import FlatLayout
+from ..core.manifest import Format, Manifest, ObjectEntry, TensorRef, map_tensor_refs
+from ..core.plan import Region, WritePlan
 
 __all__ = ["FormatIO", "WriteOptions", "cast_for", "index_json", "is_empty_container", "read_index", "regions_in",
            "split_files"]

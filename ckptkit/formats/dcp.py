@@ -16,16 +16,16 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .._pickle import (MEMORY_FORMATS, EnumStandIn, Record, SafeUnpickler, allow_records, dumps, keep_call, make_record,
+from ..codecs.pickle_read import (MEMORY_FORMATS, EnumStandIn, Record, SafeUnpickler, allow_records, dumps, keep_call, make_record,
                        safe_getattr)
-from .._torchzip import ARCHIVE_MAGIC, archive_parts, raw_entry, read_archive
-from ..dtypes import DType
+from ..codecs.torchzip_read import ARCHIVE_MAGIC, archive_parts, raw_entry, read_archive
+from ..core.dtypes import DType
 from ..errors import FormatError, IncompleteCheckpointError
-from ..executor import Files
-from ..manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef
-from ..planner import FilePlan, Literal, Part, Region, WritePlan
-from .. import dtypes
-from .._tree import dcp_path, from_dcp_path
+from ..io.execute import Files
+from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef
+from ..core.plan import FilePlan, Literal, Part, Region, WritePlan
+from ..core import dtypes
+from ..core.tree import dcp_path, from_dcp_path
 from .base import FormatIO, WriteOptions, cast_for, is_empty_container, regions_in
 
 __all__ = ["DcpIO"]

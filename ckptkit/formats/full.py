@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .._torchzip import archive_parts, is_archive, read_archive
-from .._tree import flatten, unflatten
+from ..codecs.torchzip_read import archive_parts, is_archive, read_archive
+from ..core.tree import flatten, unflatten
 from ..errors import FormatError, UsageError
-from ..manifest import Format, Manifest, ObjectEntry, TensorRef, key_of
-from ..planner import FilePlan, Literal, Region, WritePlan
+from ..core.manifest import Format, Manifest, ObjectEntry, TensorRef, key_of
+from ..core.plan import FilePlan, Literal, Region, WritePlan
 from .base import FormatIO, WriteOptions, cast_for, index_json, read_index, regions_in, split_files
 
 __all__ = ["FullIO"]

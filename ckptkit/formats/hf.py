@@ -12,10 +12,10 @@ import json
 import struct
 from pathlib import Path
 
-from .. import dtypes
+from ..core import dtypes
 from ..errors import FormatError, UsageError
-from ..manifest import Chunk, Format, Manifest, Span, TensorEntry
-from ..planner import FilePlan, Literal, Region, WritePlan
+from ..core.manifest import Chunk, Format, Manifest, Span, TensorEntry
+from ..core.plan import FilePlan, Literal, Region, WritePlan
 from .base import FormatIO, WriteOptions, cast_for, index_json, read_index, split_files
 
 __all__ = ["HfIO", "read_header"]

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from .._tree import flatten
-from ..manifest import key_of
+from ..core.tree import flatten
+from ..core.manifest import key_of
 from .configs import Cell
 
 __all__ = ["BF16_RTOL", "FP32_RTOL", "LossCheck", "StateCheck", "compare_losses", "compare_states", "loss_rtol"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ..manifest import Format
+from ..core.manifest import Format
 
 __all__ = ["WRAP_MIN_NUM_PARAMS", "AutoWrap", "Cell", "ConfigError", "Format", "Sharding", "TrainConfig", "Wrapper",
            "ddp", "fsdp1", "fsdp2", "plain"]

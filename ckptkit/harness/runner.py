@@ -27,9 +27,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..convert import convert, reshard
-from ..export import export_hf
-from ..verify import verify
+from ..ops.convert import convert, reshard
+from ..ops.export import export_hf
+from ..ops.verify import verify
 from .checks import compare_losses, compare_states, loss_rtol
 from .configs import Cell, Format, TrainConfig
 from .launch import run_ranks

@@ -13,8 +13,8 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import FormatError, UsageError
-from .planner import FilePlan, Literal, Region, WritePlan, plan_copies, row_blocks
+from ..errors import FormatError, UsageError
+from ..core.plan import FilePlan, Literal, Region, WritePlan, plan_copies, row_blocks
 
 __all__ = ["DEFAULT_MAX_MEMORY", "Files", "check_destination", "execute", "execute_distributed", "read_region",
            "replace_with", "staged_output", "write_files"]

@@ -15,7 +15,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import IncompleteCheckpointError, UsageError
+from ..errors import IncompleteCheckpointError, UsageError
 
 __all__ = ["COMPLETE", "LATEST", "StepDir", "complete_steps", "publish", "resolve", "rotate", "step_dir"]
 

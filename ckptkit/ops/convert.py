@@ -6,15 +6,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UsageError
-from .executor import DEFAULT_MAX_MEMORY, execute, execute_distributed
-from .formats import LocalOptions, WriteOptions, detect, io_for
-from .formats.local import output_layout
-from .formats.base import is_empty_container
-from .formats.full import SUFFIXES
-from .manifest import Format, Manifest
-from .planner import FilePlan, WritePlan
-from .progress import progress_bar
+from ..errors import UsageError
+from ..io.execute import DEFAULT_MAX_MEMORY, execute, execute_distributed
+from ..formats import LocalOptions, WriteOptions, detect, io_for
+from ..formats.local.read import output_layout
+from ..formats.base import is_empty_container
+from ..formats.full import SUFFIXES
+from ..core.manifest import Format, Manifest
+from ..core.plan import FilePlan, WritePlan
+from ..io.progress import progress_bar
 
 __all__ = ["Report", "convert", "parse_size", "reshard", "write"]
 

@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 from .convert import Report, parse_size, write
-from .dtypes import parse_cast
-from .errors import FormatError, UsageError
-from .executor import DEFAULT_MAX_MEMORY, Files
-from .formats import LocalOptions, WriteOptions, detect
-from .manifest import Format, Manifest, TensorEntry
+from ..core.dtypes import parse_cast
+from ..errors import FormatError, UsageError
+from ..io.execute import DEFAULT_MAX_MEMORY, Files
+from ..formats import LocalOptions, WriteOptions, detect
+from ..core.manifest import Format, Manifest, TensorEntry
 from .names import select_model
-from .planner import FilePlan, Literal
+from ..core.plan import FilePlan, Literal
 from .verify import first_difference
 
 __all__ = ["ASSET_FILES", "export_hf"]

@@ -6,8 +6,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .formats import LocalOptions, detect
-from .manifest import Manifest
+from ..formats import LocalOptions, detect
+from ..core.manifest import Manifest
 
 __all__ = ["inspect", "render", "summary"]
 

@@ -12,8 +12,8 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
-from .errors import UsageError
-from .manifest import Manifest, TensorEntry
+from ..errors import UsageError
+from ..core.manifest import Manifest, TensorEntry
 
 __all__ = ["MODEL_KEYS", "WRAPPER_NAMES", "ModelSelection", "select_model", "strip_wrapper_names"]
 

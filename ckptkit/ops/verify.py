@@ -6,12 +6,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .executor import DEFAULT_MAX_MEMORY, Files, read_region
-from .formats import LocalOptions, detect
-from .manifest import Format, Manifest, TensorEntry, map_tensor_refs
+from ..io.execute import DEFAULT_MAX_MEMORY, Files, read_region
+from ..formats import LocalOptions, detect
+from ..core.manifest import Format, Manifest, TensorEntry, map_tensor_refs
 from .names import select_model
-from .planner import Region, row_blocks
-from .progress import progress_bar
+from ..core.plan import Region, row_blocks
+from ..io.progress import progress_bar
 
 __all__ = ["Difference", "VerifyReport", "first_difference", "verify"]
 

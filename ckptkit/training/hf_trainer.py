@@ -11,7 +11,7 @@ import os
 
 from transformers import TrainerCallback
 
-from .saving import save
+from .save import save
 
 __all__ = ["ExportHFCallback"]
 

@@ -23,14 +23,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from . import rotation
-from ._tree import flatten, unflatten
-from .errors import UsageError
-from .executor import Files, read_region, replace_with
-from .formats import detect
-from .manifest import Format, Manifest, TensorEntry, map_tensor_refs
-from .names import strip_wrapper_names
-from .planner import Region, row_blocks
+from ..io import publish as rotation
+from ..core.tree import flatten, unflatten
+from ..errors import UsageError
+from ..io.execute import Files, read_region, replace_with
+from ..formats import detect
+from ..core.manifest import Format, Manifest, TensorEntry, map_tensor_refs
+from ..ops.names import strip_wrapper_names
+from ..core.plan import Region, row_blocks
 
 __all__ = ["LoadResult", "SaveHandle", "load", "save"]
 
@@ -199,7 +199,7 @@ def _write_local(model: torch.nn.Module, optimizer: Any, side: dict[str, Any], s
     """FSDP1 LOCAL_STATE_DICT: every rank writes its own file; rank 0 puts the flat layout beside them."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
 
-    from .flat_layout import LAYOUT_FILE, layout_of
+    from ..formats.local.layout import LAYOUT_FILE, layout_of
 
     if not isinstance(model, FSDP):
         raise UsageError(f"form='local' is FSDP1's LOCAL_STATE_DICT, but the model is a {type(model).__name__}; "
@@ -229,7 +229,7 @@ def _write_hf(model_sd: dict[str, torch.Tensor], stage: Path, hf_assets: str | o
     # save_pretrained does; load() restores the alias from the model's own tying.
     save_torch_state_dict(model_sd, stage)
     if hf_assets is not None:
-        from .export import ASSET_FILES
+        from ..ops.export import ASSET_FILES
 
         for name in ASSET_FILES:
             if (Path(hf_assets) / name).is_file():

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import FormatError, UsageError
+from ...errors import FormatError, UsageError
 
 __all__ = ["FLAT_PARAM", "LAYOUT_FILE", "FlatLayout", "FlatParam", "FlatUnit", "derive_layout", "range_boxes"]
 

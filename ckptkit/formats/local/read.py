@@ -3,10 +3,10 @@
 Each rank's file holds, per FSDP unit, a 1-D ShardedTensor ``<prefix>_flat_param`` with that rank's slice of
 the unit's flat parameter, and the buffers (the same on every rank). With ``use_orig_params=True`` it also
 holds every original parameter as a 1-D view of its part of that slice (empty where the rank holds none of
-it). The flat layout (:mod:`ckptkit.flat_layout`) maps the slices back to the original parameters: the
+it). The flat layout (:mod:`ckptkit.formats.local.layout`) maps the slices back to the original parameters: the
 manifest lists ``layers.0.attn.weight`` with chunks that point straight into the rank files. A parameter
 that straddles ranks gets chunks from each, and a slice that starts or ends mid-row becomes up to
-``2 * ndim - 1`` boxes (:func:`~ckptkit.flat_layout.range_boxes`).
+``2 * ndim - 1`` boxes (:func:`~ckptkit.formats.local.layout.range_boxes`).
 
 Rank files are found by name: a group of ``.pt``/``.pth``/``.bin``/``.ckpt`` files whose names differ in one
 run of digits counting 0..N-1 (``rank0.pt``, ``model_rank_3.pt``, ``local_1.bin``, ``__2.pt``), and whose
@@ -31,16 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .._sharded_tensor import ShardBox, ShardedTensorData, sharded_tensor, sharded_tensor_globals
-from .._torchzip import PartsTensor, archive_parts, is_archive, read_archive
-from .._tree import flatten, unflatten
-from ..dtypes import DType
-from ..errors import FormatError, IncompleteCheckpointError, UsageError
-from ..flat_layout import FLAT_PARAM, LAYOUT_FILE, FlatLayout, FlatParam, FlatUnit, derive_layout, range_boxes
-from ..manifest import Chunk, Format, Manifest, ObjectEntry, Path_, Span, TensorEntry, TensorRef, key_of
-from ..planner import FilePlan, Literal, Part, Region, WritePlan
-from .base import FormatIO, WriteOptions, cast_for, regions_in
-from .full import SUFFIXES
+from ...codecs.sharded_tensor import ShardBox, ShardedTensorData, sharded_tensor, sharded_tensor_globals
+from ...codecs.torchzip_read import PartsTensor, archive_parts, is_archive, read_archive
+from ...core.tree import flatten, unflatten
+from ...core.dtypes import DType
+from ...errors import FormatError, IncompleteCheckpointError, UsageError
+from .layout import FLAT_PARAM, LAYOUT_FILE, FlatLayout, FlatParam, FlatUnit, derive_layout, range_boxes
+from ...core.manifest import Chunk, Format, Manifest, ObjectEntry, Path_, Span, TensorEntry, TensorRef, key_of
+from ...core.plan import FilePlan, Literal, Part, Region, WritePlan
+from ..base import FormatIO, WriteOptions, cast_for, regions_in
+from ..full import SUFFIXES
 
 __all__ = ["DEFAULT_RANK_FILES", "LocalIO", "LocalManifest", "LocalOptions", "is_rank_file", "output_layout"]
 
