@@ -21,7 +21,8 @@ import click
 from ckptkit.ops.convert import parse_size
 from ckptkit.core.dtypes import by_name
 from ckptkit.io.execute import execute
-from ckptkit.formats import WriteOptions, io_for
+from ckptkit.formats import io_for
+from ckptkit.formats.dcp import DcpOptions
 from ckptkit.core.manifest import Chunk, Format, Manifest, Span, TensorEntry
 
 __all__ = ["main"]
@@ -66,7 +67,7 @@ def make_checkpoint(root: Path, size: int, world_size: int = 4) -> int:
         tensors.append(TensorEntry(key, (key,), bf16, shape, (Chunk((0,) * len(shape), shape, Span(str(raw), pos, n)),)))
         pos += n
     manifest = Manifest(Format.FULL, str(raw), tuple(tensors))
-    execute(io_for(Format.SHARDED).plan(manifest, WriteOptions(world_size=world_size)), root / "dcp", fsync=False)
+    execute(io_for(Format.SHARDED).plan(manifest, DcpOptions(world_size=world_size)), root / "dcp", fsync=False)
     raw.unlink()
     return total
 

@@ -23,7 +23,8 @@ from ckptkit.cli import cli
 from ckptkit.ops.convert import convert, reshard
 from ckptkit.core.dtypes import by_name
 from ckptkit.errors import FormatError, IncompleteCheckpointError, UsageError
-from ckptkit.formats.local.layout import LAYOUT_FILE, range_boxes
+from ckptkit.core.boxes import range_boxes
+from ckptkit.formats.local.layout import LAYOUT_FILE
 from ckptkit.formats import LocalOptions
 from ckptkit.harness.launch import run_ranks
 from ckptkit.ops.inspect import inspect

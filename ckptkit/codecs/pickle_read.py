@@ -1,10 +1,10 @@
-"""Pickles read against an allow-list, and pickles written that name torch's classes without importing torch.
+"""Pickles read against an allow-list, into plain-data stand-ins for torch's classes.
 
 DCP's ``.metadata`` and every ``data.pkl`` inside a ``torch.save`` archive are pickles. Unpickling them with
 the stock unpickler runs whatever globals they name; :class:`SafeUnpickler` resolves only the names a
-context allows and maps each to plain-data stand-ins. :class:`RefPickler` writes the opposite direction:
-:class:`Ref` and :class:`Call` stand for torch globals and calls, so the bytes torch later loads are the
-ones torch itself would have written.
+context allows and maps each to plain data: :class:`Ref` and :class:`Call` keep a torch global or call as
+data, :class:`Record` stands for an allowed class, so that :mod:`.pickle_write` can write back exactly what
+torch wrote.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from ..core.dtypes import DType
 from ..errors import FormatError, UnsafeCheckpointError
 
-__all__ = ["MEMORY_FORMATS", "Call", "allow_records", "EnumStandIn", "Record", "Ref", "RefPickler", "SafeUnpickler", "dumps", "keep_call",
-           "make_record", "record_class", "ref", "safe_getattr"]
+__all__ = ["MEMORY_FORMATS", "Call", "EnumStandIn", "Record", "Ref", "SafeUnpickler", "allow_records",
+           "keep_call", "make_record", "record_class", "ref", "safe_getattr"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,58 +145,3 @@ def make_record(module: str, name: str, state: Any) -> Record:
 
 def keep_call(module: str, name: str) -> Callable[..., Call]:
     return lambda *args: Call(ref(module, name), args)
-
-
-class RefPickler(pickle._Pickler):  # the pure-Python pickler: its dispatch table can be extended
-    dispatch = pickle._Pickler.dispatch.copy()
-
-    def __init__(self, file: io.BytesIO, protocol: int, persistent_id: Callable[[Any], Any] | None = None) -> None:
-        super().__init__(file, protocol)
-        self._pid = persistent_id
-
-    def persistent_id(self, obj: Any) -> Any:
-        return self._pid(obj) if self._pid else None
-
-    def _save_ref(self, obj: Ref) -> None:
-        if self.proto >= 4:
-            self.save(obj.module)
-            self.save(obj.name)
-            self.write(pickle.STACK_GLOBAL)
-        else:
-            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
-        self.memoize(obj)
-
-    def _save_call(self, obj: Call) -> None:
-        self.save(obj.func)
-        self.save(tuple(obj.args))
-        self.write(pickle.REDUCE)
-        self.memoize(obj)
-
-    def _save_record(self, obj: Record) -> None:
-        self.save(obj._pickle_name)
-        self.save(())
-        self.write(pickle.NEWOBJ)
-        self.memoize(obj)
-        state = obj.__dict__["state"] if "state" in obj.__dict__ else dict(obj.__dict__)
-        if state:
-            self.save(state)
-            self.write(pickle.BUILD)
-
-    def _save_dtype(self, obj: DType) -> None:
-        self.save(ref("torch", obj.name))  # through save(), so the memo serves repeats
-
-    dispatch[Ref] = _save_ref
-    dispatch[Call] = _save_call
-    dispatch[DType] = _save_dtype
-
-    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        # Record subclasses are made on demand (one per allowed class name): register each as it is met.
-        if isinstance(obj, Record) and type(obj) not in self.dispatch:
-            self.dispatch[type(obj)] = RefPickler._save_record
-        super().save(obj, save_persistent_id)
-
-
-def dumps(obj: Any, *, protocol: int, persistent_id: Callable[[Any], Any] | None = None) -> bytes:
-    buf = io.BytesIO()
-    RefPickler(buf, protocol, persistent_id).dump(obj)
-    return buf.getvalue()

@@ -28,7 +28,8 @@ from .pickle_read import (MEMORY_FORMATS, Call, EnumStandIn, Record, allow_recor
 from .torchzip_read import OBJECT_GLOBALS, TENSOR, Tag
 from ..core.dtypes import DType
 from ..errors import FormatError
-from ..core.manifest import TensorRef, row_major
+from ..core.boxes import row_major
+from ..core.manifest import TensorRef
 
 __all__ = ["ShardBox", "ShardedTensorData", "sharded_tensor", "sharded_tensor_globals"]
 

@@ -1,36 +1,28 @@
-"""``torch.save`` archives as data: read their pickles into trees with :class:`TensorRef` leaves, and lay out
-new archives whose tensor records are streamed :class:`Region` parts.
+"""``torch.save`` archives read as data: their pickles become trees with :class:`TensorRef` leaves.
 
 A ``torch.save`` file is a zip of stored (uncompressed) records: ``data.pkl`` names each tensor's storage by
 a persistent id, and ``data/<key>`` holds the storage bytes, 64-byte aligned. Reading needs no torch: the
-central directory gives record offsets and :class:`SafeUnpickler` rebuilds tensors as byte spans. Writing
-mirrors ``torch.save`` with ``compute_crc32=False`` (CRC 0 on tensor records), which torch loads as its own,
-so tensor bytes can move kernel-side without passing through Python.
+central directory gives record offsets and :class:`SafeUnpickler` rebuilds tensors as byte spans.
 """
 
 from __future__ import annotations
 
-import collections
 import codecs
-import hashlib
+import collections
 import io
 import os
 import struct
 import zipfile
-from dataclasses import dataclass
 from typing import Any
 
 from ..core import dtypes
-from .pickle_read import Call, Record, SafeUnpickler, dumps, keep_call, ref
 from ..core.dtypes import DType
+from ..core.boxes import row_major
+from ..core.manifest import Span, TensorRef
 from ..errors import FormatError
-from ..core.manifest import Span, TensorEntry, Chunk, TensorRef, row_major
-from ..core.plan import Literal, Part, Region
+from .pickle_read import SafeUnpickler, keep_call
 
-__all__ = ["ARCHIVE_MAGIC", "TENSOR", "PartsTensor", "Tag", "archive_parts", "is_archive", "load_blob", "raw_entry", "read_archive"]
-
-_ALIGN = 64
-_U32 = 0xFFFFFFFF
+__all__ = ["ARCHIVE_MAGIC", "OBJECT_GLOBALS", "TENSOR", "Tag", "is_archive", "load_blob", "read_archive"]
 
 
 class _Window(io.RawIOBase):
@@ -233,129 +225,3 @@ def read_archive(path: str, start: int = 0, length: int | None = None, *, where:
 
 def load_blob(span: Span, *, where: str) -> Any:
     return read_archive(span.file, span.offset, span.length, where=where)
-
-
-def raw_entry(span: Span, key: str = "<bytes>") -> TensorEntry:
-    """A byte span as a 1-D uint8 tensor, so that opaque blobs copy through the same byte-range machinery."""
-    return TensorEntry(key, (key,), dtypes.by_name("uint8"), (span.length,), (Chunk((0,), (span.length,), span),))
-
-
-class _StorageKey:
-    __slots__ = ("key", "nbytes")
-
-    def __init__(self, key: str, nbytes: int) -> None:
-        self.key, self.nbytes = key, nbytes
-
-
-@dataclass(frozen=True, slots=True)
-class PartsTensor:
-    """A 1-D tensor whose storage is ``parts`` in a row: pieces of other tensors and padding (an FSDP1 flat
-    parameter rebuilt from the original parameters)."""
-
-    dtype: DType
-    parts: tuple[Part, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
-    @property
-    def numel(self) -> int:
-        return self.nbytes // self.dtype.itemsize
-
-
-def _tensorize(tree: Any, records: list[tuple[str, tuple[Part, ...]]]) -> Any:
-    """``tree`` with :class:`Region` / :class:`PartsTensor` leaves turned into ``_rebuild_tensor_v3`` calls on
-    new storage records, looking inside :class:`Call` and :class:`Record` nodes too."""
-    if isinstance(tree, (Region, PartsTensor)):
-        key = str(len(records))
-        shape = tuple(tree.sizes) if isinstance(tree, Region) else (tree.numel,)
-        records.append((f"data/{key}", (tree,) if isinstance(tree, Region) else tree.parts))
-        return Call(ref("torch._utils", "_rebuild_tensor_v3"), (
-            _StorageKey(key, tree.nbytes), 0, shape, row_major(shape), False,
-            Call(ref("collections", "OrderedDict"), ()), tree.dtype))
-    if isinstance(tree, Call):
-        return Call(tree.func, tuple(_tensorize(a, records) for a in tree.args))
-    if isinstance(tree, Record):
-        out = type(tree).__new__(type(tree))
-        out.__dict__.update({k: _tensorize(v, records) for k, v in tree.__dict__.items()})
-        return out
-    if isinstance(tree, dict):
-        return type(tree)((k, _tensorize(v, records)) for k, v in tree.items())
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_tensorize(v, records) for v in tree)
-    return tree
-
-
-def _persistent_id(obj: Any) -> Any:
-    if isinstance(obj, _StorageKey):
-        # UntypedStorage counts bytes; _rebuild_tensor_v3 carries the dtype. Same for every dtype.
-        return ("storage", ref("torch.storage", "UntypedStorage"), obj.key, "cpu", obj.nbytes)
-    return None
-
-
-def _local_header(name: bytes, size: int, crc: int, pos: int) -> bytes:
-    zip64 = size >= _U32
-    extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
-    fixed = 30 + len(name) + len(extra)
-    pad = (-(pos + fixed + 4)) % _ALIGN  # an "FB" extra field of padding aligns the data, as torch's writer does
-    extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
-    small = _U32 if zip64 else size
-    return struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21, crc, small, small,
-                       len(name), len(extra)) + name + extra
-
-
-def _central(entries: list[tuple[bytes, int, int, int]], cd_offset: int) -> bytes:
-    out = bytearray()
-    for name, size, crc, offset in entries:
-        fields = [v for v in (size, size) if v >= _U32] if size >= _U32 else []
-        fields += [offset] if offset >= _U32 else []
-        extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) if fields else b""
-        small = _U32 if size >= _U32 else size
-        out += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if fields else 20, 0, 0, 0, 0x21, crc, small, small,
-                           len(name), len(extra), 0, 0, 0, 0, min(offset, _U32)) + name + extra
-    cd_size, count = len(out), len(entries)
-    if count >= 0xFFFF or cd_size >= _U32 or cd_offset >= _U32:
-        eocd64 = cd_offset + cd_size
-        out += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, cd_offset)
-        out += struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1)
-    out += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
-                       min(cd_size, _U32), min(cd_offset, _U32), 0)
-    return bytes(out)
-
-
-def archive_parts(tree: Any, *, name: str = "archive") -> tuple[Part, ...]:
-    """The parts of a ``torch.save`` archive of ``tree``, whose :class:`Region` and :class:`PartsTensor`
-    leaves become tensors (also inside :class:`Call` and :class:`Record` nodes)."""
-    records: list[tuple[str, tuple[Part, ...]]] = []
-    pkl = dumps(_tensorize(tree, records), protocol=2, persistent_id=_persistent_id)
-    sizes = [(n, sum(p.nbytes for p in ps)) for n, ps in records]
-    digest = hashlib.sha1(pkl + repr(sizes).encode()).digest()
-    serial_id = str(int.from_bytes(digest, "big") % 10**40).zfill(40).encode()
-    ordered = [("data.pkl", (Literal(pkl),)), (".format_version", (Literal(b"1"),)),
-               (".storage_alignment", (Literal(b"64"),)), ("byteorder", (Literal(b"little"),)), *records,
-               ("version", (Literal(b"3\n"),)), (".data/serialization_id", (Literal(serial_id),))]
-    parts: list[Part] = []
-    central: list[tuple[bytes, int, int, int]] = []
-    pos = 0
-    for rec_name, payload in ordered:
-        full = f"{name}/{rec_name}".encode()
-        size = sum(p.nbytes for p in payload)
-        only = payload[0] if len(payload) == 1 else None
-        crc = zipfile.crc32(only.data) if isinstance(only, Literal) else 0  # CRC 0 on streamed records, as torch allows
-        header = _local_header(full, size, crc, pos)
-        central.append((full, size, crc, pos))
-        parts += [Literal(header), *payload]
-        pos += len(header) + size
-    parts.append(Literal(_central(central, pos)))
-    return _merge_literals(parts)
-
-
-def _merge_literals(parts: list[Part]) -> tuple[Part, ...]:
-    out: list[Part] = []
-    for p in parts:
-        if isinstance(p, Literal) and out and isinstance(out[-1], Literal):
-            out[-1] = Literal(out[-1].data + p.data)
-        elif not (isinstance(p, Literal) and not p.data):
-            out.append(p)
-    return tuple(out)

@@ -13,10 +13,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .dtypes import DType
+from .boxes import extent
+from .dtypes import DType, by_name
 from ..errors import IncompleteCheckpointError
 
-__all__ = ["Chunk", "Format", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of", "map_tensor_refs", "row_major"]
+__all__ = ["Chunk", "Format", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of", "map_tensor_refs"]
 
 Path_ = tuple  # a state-dict path: str keys and int list indices, e.g. ("optim", "param_groups", 0, "lr")
 
@@ -35,14 +36,6 @@ class Span:
     file: str
     offset: int
     length: int
-
-
-def row_major(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(sizes):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +83,7 @@ class TensorEntry:
             if any(o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, self.shape)):
                 problems.append(f"chunk at {list(c.offsets)} size {list(c.sizes)} in {where} exceeds shape {list(self.shape)}")
                 continue
-            need = _extent(c.sizes, c.strides) * self.dtype.itemsize
+            need = extent(c.sizes, c.strides) * self.dtype.itemsize
             if c.span.length < need:
                 problems.append(f"chunk at {list(c.offsets)} in {where} holds {c.span.length} bytes, needs {need}")
             box = (c.offsets, c.sizes)
@@ -105,14 +98,6 @@ class TensorEntry:
             problems.append(f"chunks cover {covered} of {self.numel} elements (a rank file or chunk is missing)")
         if problems:
             raise IncompleteCheckpointError(f"tensor {self.key!r}: " + "; ".join(problems))
-
-
-def _extent(sizes: tuple[int, ...], strides: tuple[int, ...] | None) -> int:
-    if math.prod(sizes) == 0:
-        return 0
-    if strides is None:
-        return math.prod(sizes)
-    return 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +130,8 @@ class ObjectEntry:
     """A non-tensor entry (step, param_groups, scheduler state). ``value`` may hold :class:`TensorRef` leaves.
 
     ``blob`` is where a format keeps the entry's serialized ``torch.save`` bytes (DCP does): a writer of the
-    same format copies them verbatim, and ``value`` is decoded from them on demand.
+    same format copies them verbatim, and the reader layer decodes ``value`` from them on demand
+    (:func:`ckptkit.formats.object_value`).
     """
 
     key: str
@@ -153,12 +139,10 @@ class ObjectEntry:
     value: Any = None
     blob: Span | None = None
 
-    def load(self) -> Any:
-        if self.blob is None:
-            return self.value
-        from ..codecs.torchzip_read import load_blob
 
-        return load_blob(self.blob, where=f"object {self.key!r}")
+def bytes_entry(span: Span, key: str = "<bytes>") -> TensorEntry:
+    """A byte span as a 1-D uint8 tensor, so that opaque blobs copy through the same byte-range machinery."""
+    return TensorEntry(key, (key,), by_name("uint8"), (span.length,), (Chunk((0,), (span.length,), span),))
 
 
 def key_of(path: Path_) -> str:

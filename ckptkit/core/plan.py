@@ -1,7 +1,7 @@
 """Pure planning: what bytes each output file is made of, and which source byte ranges fill a tensor region.
 
 Nothing here opens a file. Writers describe their output as :class:`WritePlan` (files made of
-:class:`Literal` framing bytes and :class:`Region` tensor boxes); :func:`plan_copies` turns a region into the
+:class:`Bytes` framing bytes and :class:`Region` tensor boxes); :func:`plan_copies` turns a region into the
 list of source byte ranges that produce its row-major bytes. The executor then moves the bytes.
 """
 
@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 from .dtypes import DType
 from ..errors import IncompleteCheckpointError
-from .manifest import Span, TensorEntry, row_major
+from .boxes import row_major
+from .manifest import Span, TensorEntry
 
-__all__ = ["Copy", "FilePlan", "Literal", "Part", "Region", "WritePlan", "plan_copies", "row_blocks"]
+__all__ = ["Copy", "FilePlan", "Bytes", "Part", "Region", "WritePlan", "plan_copies", "row_blocks"]
 
 
 @dataclass(frozen=True, slots=True)
-class Literal:
+class Bytes:
     """Bytes a writer computed itself: headers, pickles, zip directories."""
 
     data: bytes
@@ -51,7 +52,7 @@ class Region:
         return math.prod(self.sizes) * self.dtype.itemsize
 
 
-Part = Literal | Region
+Part = Bytes | Region
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import CheckpointError, FormatError, UsageError
 from ..core.manifest import Format, Manifest
-from .base import FormatIO, WriteOptions
+from ..errors import CheckpointError, FormatError, UsageError
+from .base import FormatIO, LocalOptions, Target, is_empty_container, object_value
 from .dcp import DcpIO
 from .full import FullIO
 from .hf import HfIO
-from .local.read import LocalIO, LocalOptions, is_rank_file
+from .local import LocalIO, is_rank_file
 
-__all__ = ["FormatIO", "LocalOptions", "WriteOptions", "detect", "io_for", "read"]
+__all__ = ["FormatIO", "LocalOptions", "Target", "detect", "io_for", "is_empty_container", "object_value", "read"]
 
 # Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides. LOCAL
 # comes last: telling its rank files apart from other numbered files means opening them.

@@ -10,25 +10,28 @@ tensor (``torch.chunk`` sizes, so the last ranks may hold fewer rows or none).
 
 from __future__ import annotations
 
-import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..codecs.pickle_read import (MEMORY_FORMATS, EnumStandIn, Record, SafeUnpickler, allow_records, dumps, keep_call, make_record,
-                       safe_getattr)
-from ..codecs.torchzip_read import ARCHIVE_MAGIC, archive_parts, raw_entry, read_archive
-from ..core.dtypes import DType
-from ..errors import FormatError, IncompleteCheckpointError
-from ..io.execute import Files
-from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef
-from ..core.plan import FilePlan, Literal, Part, Region, WritePlan
+from ..codecs.pickle_read import (MEMORY_FORMATS, EnumStandIn, Record, SafeUnpickler, allow_records, keep_call,
+                                  make_record, safe_getattr)
+from ..codecs.pickle_write import dumps
+from ..codecs.torchzip_read import ARCHIVE_MAGIC, read_archive
+from ..codecs.torchzip_write import archive_parts
 from ..core import dtypes
+from ..core.boxes import shard0_boxes
+from ..core.dtypes import DType
+from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, bytes_entry
+from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan
 from ..core.tree import dcp_path, from_dcp_path
-from .base import FormatIO, WriteOptions, cast_for, is_empty_container, regions_in
+from ..errors import FormatError, IncompleteCheckpointError
+from ..io.sources import Files
+from .base import FormatIO, Target, WriteOptions, cast_for, is_empty_container, regions_in
 
-__all__ = ["DcpIO"]
+__all__ = ["DcpIO", "DcpOptions"]
 
 METADATA = ".metadata"
 _META = "torch.distributed.checkpoint.metadata"
@@ -56,6 +59,12 @@ def _tensor_dtype(props: Record, where: str) -> DType:
     if not isinstance(dtype, DType):
         raise FormatError(f"{where}: tensor properties carry no known dtype ({dtype!r})")
     return dtype
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DcpOptions(WriteOptions):
+    world_size: int = 1
+    """Ranks the output is laid out for: rank r's file holds row block r of every tensor."""
 
 
 class DcpIO(FormatIO):
@@ -132,7 +141,10 @@ class DcpIO(FormatIO):
         details = (("files", str(len(rank_files))), ("chunks per tensor", ",".join(map(str, sorted(split)))))
         return Manifest(Format.SHARDED, str(root), tuple(tensors), tuple(objects), world, details)
 
-    def plan(self, manifest: Manifest, options: WriteOptions) -> WritePlan:
+    def options(self, target: Target, manifest: Manifest) -> DcpOptions:
+        return DcpOptions(cast=target.cast, world_size=target.world_size)
+
+    def plan(self, manifest: Manifest, options: DcpOptions) -> WritePlan:
         n = options.world_size
         parts: list[list[Part]] = [[] for _ in range(n)]
         sizes = [0] * n
@@ -147,7 +159,7 @@ class DcpIO(FormatIO):
         for t in manifest.tensors:
             cast = cast_for(t.dtype, options.cast)
             chunk_list = []
-            for rank, (offsets, box) in _shard0(t.shape, n):
+            for rank, (offsets, box) in shard0_boxes(t.shape, n):
                 name, start, length = put(rank, archive_parts(Region(t, offsets, box, cast)))
                 chunk_list.append(make_record(_META, "ChunkStorageMetadata", {"offsets": _size(offsets), "sizes": _size(box)}))
                 index = make_record(_META, "MetadataIndex", {"fqn": t.key, "offset": _size(offsets), "index": len(chunk_list) - 1})
@@ -159,7 +171,7 @@ class DcpIO(FormatIO):
         # pre-2.4 key scheme), so they are left out here too; convert() reports them.
         objects = [o for o in manifest.objects if not is_empty_container(o)]
         for o in objects:
-            blob = (Region.whole(raw_entry(o.blob, o.key)),) if o.blob else archive_parts(regions_in(o.value, options.cast))
+            blob = (Region.whole(bytes_entry(o.blob, o.key)),) if o.blob else archive_parts(regions_in(o.value, options.cast))
             name, start, length = put(0, blob)
             sd_meta[o.key] = make_record(_META, "BytesStorageMetadata", {})
             storage[make_record(_META, "MetadataIndex", {"fqn": o.key, "offset": None, "index": None})] = _storage_info(name, start, length)
@@ -167,7 +179,7 @@ class DcpIO(FormatIO):
         md = make_record(_META, "Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner_data,
                                              "storage_data": storage, "storage_meta": None, "version": "1.0.0"})
         files = [FilePlan(f"__{r}_0.distcp", tuple(parts[r])) for r in range(n)]
-        files.append(FilePlan(METADATA, (Literal(dumps(md, protocol=2)),)))
+        files.append(FilePlan(METADATA, (Bytes(dumps(md, protocol=2)),)))
         return WritePlan(tuple(files))
 
 
@@ -177,16 +189,3 @@ def _size(v: tuple[int, ...]) -> Any:
 
 def _storage_info(name: str, offset: int, length: int) -> Record:
     return make_record(_FS, "_StorageInfo", {"relative_path": name, "offset": offset, "length": length})
-
-
-def _shard0(shape: tuple[int, ...], n: int) -> list[tuple[int, tuple[tuple[int, ...], tuple[int, ...]]]]:
-    """(rank, (offsets, sizes)) of each non-empty ``Shard(0)`` chunk, with ``torch.chunk`` sizes."""
-    if not shape or shape[0] == 0 or math.prod(shape) == 0:
-        return [(0, ((0,) * len(shape), shape))]  # scalars and empty tensors live whole on rank 0
-    step = -(-shape[0] // n)
-    out = []
-    for rank in range(n):
-        lo, hi = rank * step, min(shape[0], (rank + 1) * step)
-        if hi > lo:
-            out.append((rank, ((lo, *[0] * (len(shape) - 1)), (hi - lo, *shape[1:]))))
-    return out

@@ -7,16 +7,19 @@ records are streamed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..codecs.torchzip_read import archive_parts, is_archive, read_archive
+from ..codecs.torchzip_read import is_archive, read_archive
+from ..codecs.torchzip_write import archive_parts
 from ..core.tree import flatten, unflatten
 from ..errors import FormatError, UsageError
 from ..core.manifest import Format, Manifest, ObjectEntry, TensorRef, key_of
-from ..core.plan import FilePlan, Literal, Region, WritePlan
-from .base import FormatIO, WriteOptions, cast_for, index_json, read_index, regions_in, split_files
+from ..core.plan import FilePlan, Bytes, Region, WritePlan
+from .base import (FormatIO, Target, WriteOptions, cast_for, index_json, object_value, read_index, regions_in,
+                   split_files)
 
-__all__ = ["FullIO"]
+__all__ = ["SUFFIXES", "FullIO", "FullOptions"]
 
 INDEX = "pytorch_model.bin.index.json"
 SINGLE_NAMES = ("pytorch_model.bin", "model.pt", "model.pth", "checkpoint.pt", "state_dict.pt")
@@ -26,6 +29,14 @@ SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 def _is_tensor(v: object) -> bool:
     return isinstance(v, TensorRef)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FullOptions(WriteOptions):
+    max_shard_size: int | None = None
+    """Largest file in bytes: HF-style ``pytorch_model-*.bin`` shards with an index; None writes one file."""
+    single_file: bool = True
+    """One ``torch.save`` file rather than a directory holding ``pytorch_model.bin``."""
 
 
 class FullIO(FormatIO):
@@ -71,11 +82,15 @@ class FullIO(FormatIO):
             raise FormatError(f"{root / INDEX}: lists keys no shard holds: {sorted(missing)[:5]}")
         return Manifest(Format.FULL, str(root), tuple(tensors))
 
-    def plan(self, manifest: Manifest, options: WriteOptions) -> WritePlan:
+    def options(self, target: Target, manifest: Manifest) -> FullOptions:
+        single = target.max_shard_size is None and Path(target.destination).suffix in SUFFIXES
+        return FullOptions(cast=target.cast, max_shard_size=target.max_shard_size, single_file=single)
+
+    def plan(self, manifest: Manifest, options: FullOptions) -> WritePlan:
         regions = {t.key: Region.whole(t, cast_for(t.dtype, options.cast)) for t in manifest.tensors}
         if options.max_shard_size is None:
             items = [(t.path, regions[t.key]) for t in manifest.tensors]
-            items += [(o.path, regions_in(o.load(), options.cast)) for o in manifest.objects]
+            items += [(o.path, regions_in(object_value(o), options.cast)) for o in manifest.objects]
             name = "model.pt" if options.single_file else "pytorch_model.bin"
             return WritePlan((FilePlan(name, archive_parts(unflatten(items))),), single_file=options.single_file)
         if manifest.objects:
@@ -85,5 +100,5 @@ class FullIO(FormatIO):
         files = split_files(regions, "pytorch_model{suffix}.bin", options.max_shard_size)
         plans = [FilePlan(name, archive_parts({k: regions[k] for k in keys})) for name, keys in files.items()]
         if len(plans) > 1:
-            plans.append(FilePlan(INDEX, (Literal(index_json(files, regions)),)))
+            plans.append(FilePlan(INDEX, (Bytes(index_json(files, regions)),)))
         return WritePlan(tuple(plans))

@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
-from ..formats.local.layout import FLAT_PARAM, LAYOUT_FILE, derive_layout
+from ..formats.local.derive import derive_layout
+from ..formats.local.layout import FLAT_PARAM, LAYOUT_FILE
 from .configs import WRAP_MIN_NUM_PARAMS, AutoWrap, Format, TrainConfig
 from .model import Block, TinyTransformer
 

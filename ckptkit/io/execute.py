@@ -6,69 +6,21 @@ Only a dtype cast brings bytes into memory, one row block of at most ``max_memor
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
+from ..core.plan import Bytes, FilePlan, Region, WritePlan, plan_copies, row_blocks
 from ..errors import FormatError, UsageError
-from ..core.plan import FilePlan, Literal, Region, WritePlan, plan_copies, row_blocks
+from .publish import check_destination, replace_with, staged_output
+from .sources import Files, read_region
 
-__all__ = ["DEFAULT_MAX_MEMORY", "Files", "check_destination", "execute", "execute_distributed", "read_region",
-           "replace_with", "staged_output", "write_files"]
+__all__ = ["DEFAULT_MAX_MEMORY", "execute", "execute_distributed", "write_files"]
 
 DEFAULT_MAX_MEMORY = 1 << 30
 _COPY_PIECE = 1 << 30  # copy_file_range moves at most this much per call; larger counts are split
-
-
-class Files:
-    """Read-only descriptors of source files, opened once each, with sizes checked against every read."""
-
-    def __init__(self) -> None:
-        self._fds: dict[str, tuple[int, int]] = {}
-
-    def fd(self, path: str, need_end: int) -> int:
-        if path not in self._fds:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise FormatError(f"{path}: cannot open ({e.strerror})") from e
-            self._fds[path] = (fd, os.fstat(fd).st_size)
-        fd, size = self._fds[path]
-        if need_end > size:
-            raise FormatError(f"{path}: needs bytes up to offset {need_end} but the file has {size} (truncated?)")
-        return fd
-
-    def close(self) -> None:
-        for fd, _ in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def __enter__(self) -> "Files":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n == 0:
-            raise FormatError(f"{path}: unexpected end of file at offset {offset}")
-        view, offset = view[n:], offset + n
-
-
-def read_region(region: Region, files: Files) -> bytearray:
-    """The row-major bytes of ``region`` in the entry's dtype (``region.cast`` is not applied here)."""
-    buf = bytearray(Region(region.entry, region.offsets, region.sizes).nbytes)
-    view = memoryview(buf)
-    for cp in plan_copies(region):
-        fd = files.fd(cp.src.file, cp.src.offset + cp.src.length)
-        _pread_into(fd, view[cp.dst:cp.dst + cp.src.length], cp.src.offset, cp.src.file)
-    return buf
 
 
 def _cast(data: bytearray, region: Region) -> memoryview:
@@ -88,7 +40,7 @@ class _Writer:
     def write_file(self, out: int, parts: tuple) -> None:
         pos = 0
         for part in parts:
-            if isinstance(part, Literal):
+            if isinstance(part, Bytes):
                 os.pwrite(out, part.data, pos)
             elif part.cast is None or part.cast == part.entry.dtype:
                 self._copy(out, part, pos)
@@ -130,55 +82,6 @@ class _Writer:
             data = _cast(read_region(block, self.files), block)
             os.pwrite(out, data, pos)
             pos += len(data)
-
-
-def check_destination(dst: Path, *, overwrite: bool, sources: tuple[Path, ...] = ()) -> Path:
-    """Refuse a destination that exists (unless ``overwrite``) or that overlaps an input."""
-    dst = Path(dst).absolute()
-    d = dst.resolve()
-    for src in sources:
-        src = Path(src).resolve()
-        if d == src or src in d.parents or d in src.parents:
-            raise UsageError(f"destination {dst} overlaps the input {src}; ckptkit never writes into its input")
-    if (dst.exists() or dst.is_symlink()) and not overwrite:
-        raise UsageError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
-    return dst
-
-
-def replace_with(dst: Path, new: Path) -> None:
-    """Put ``new`` (a finished staging directory or file) at ``dst``, replacing what was there."""
-    old = dst.parent / f".{dst.name}.ckptkit-old-{os.getpid()}"
-    had_old = dst.exists() or dst.is_symlink()
-    if had_old:
-        os.rename(dst, old)
-    os.rename(new, dst)
-    if had_old:
-        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-    _fsync_dir(dst.parent)
-
-
-@contextlib.contextmanager
-def staged_output(dst: Path, *, single_file: str | None = None) -> Iterator[Path]:
-    """Yield a fresh staging directory beside ``dst``; on success it (or its one file ``single_file``)
-    replaces ``dst``, on any failure it vanishes and ``dst`` is left as it was."""
-    dst = Path(dst).absolute()
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    stage = dst.parent / f".{dst.name}.ckptkit-partial-{os.getpid()}"
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir()
-    try:
-        yield stage
-        replace_with(dst, stage / single_file if single_file else stage)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_files(files: tuple[FilePlan, ...], stage: Path, *, max_memory: int = DEFAULT_MAX_MEMORY,

@@ -1,4 +1,8 @@
-"""Checkpoint roots: step directories, the completion marker, the ``latest`` pointer, and rotation.
+"""Publishing outputs: staging beside the destination and the atomic move into place; and, for save hooks,
+step directories, the completion marker, the ``latest`` pointer and rotation.
+
+A conversion writes into ``.DST.ckptkit-partial-PID`` beside DST and renames it into place at the end, so
+DST is complete or absent.
 
 A root holds ``step-00000100/``, ``step-00000200/``, ...; a step directory counts only once it carries
 ``.ckptkit-complete`` (written last, after every rank's files), and ``latest`` names the newest complete one.
@@ -9,15 +13,18 @@ so a crash at any point leaves the previous ``latest`` intact and loadable.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from ..errors import IncompleteCheckpointError, UsageError
 
-__all__ = ["COMPLETE", "LATEST", "StepDir", "complete_steps", "publish", "resolve", "rotate", "step_dir"]
+__all__ = ["COMPLETE", "LATEST", "StepDir", "check_destination", "complete_steps", "publish", "replace_with",
+           "resolve", "rotate", "staged_output", "step_dir"]
 
 COMPLETE = ".ckptkit-complete"
 LATEST = "latest"
@@ -106,3 +113,52 @@ def rotate(root: Path, *, keep_last: int | None = None, max_total_bytes: int | N
         shutil.rmtree(oldest.path)
         removed.append(oldest.path)
     return removed
+
+
+def check_destination(dst: Path, *, overwrite: bool, sources: tuple[Path, ...] = ()) -> Path:
+    """Refuse a destination that exists (unless ``overwrite``) or that overlaps an input."""
+    dst = Path(dst).absolute()
+    d = dst.resolve()
+    for src in sources:
+        src = Path(src).resolve()
+        if d == src or src in d.parents or d in src.parents:
+            raise UsageError(f"destination {dst} overlaps the input {src}; ckptkit never writes into its input")
+    if (dst.exists() or dst.is_symlink()) and not overwrite:
+        raise UsageError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
+    return dst
+
+
+def replace_with(dst: Path, new: Path) -> None:
+    """Put ``new`` (a finished staging directory or file) at ``dst``, replacing what was there."""
+    old = dst.parent / f".{dst.name}.ckptkit-old-{os.getpid()}"
+    had_old = dst.exists() or dst.is_symlink()
+    if had_old:
+        os.rename(dst, old)
+    os.rename(new, dst)
+    if had_old:
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    _fsync_dir(dst.parent)
+
+
+@contextlib.contextmanager
+def staged_output(dst: Path, *, single_file: str | None = None) -> Iterator[Path]:
+    """Yield a fresh staging directory beside ``dst``; on success it (or its one file ``single_file``)
+    replaces ``dst``, on any failure it vanishes and ``dst`` is left as it was."""
+    dst = Path(dst).absolute()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    stage = dst.parent / f".{dst.name}.ckptkit-partial-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        yield stage
+        replace_with(dst, stage / single_file if single_file else stage)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -8,10 +8,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..io.execute import DEFAULT_MAX_MEMORY, execute, execute_distributed
-from ..formats import LocalOptions, WriteOptions, detect, io_for
-from ..formats.local.read import output_layout
-from ..formats.base import is_empty_container
-from ..formats.full import SUFFIXES
+from ..formats import LocalOptions, Target, detect, io_for, is_empty_container
 from ..core.manifest import Format, Manifest
 from ..core.plan import FilePlan, WritePlan
 from ..io.progress import progress_bar
@@ -64,12 +61,13 @@ def parse_size(value: int | str | None, option: str = "--max-shard-size") -> int
         raise UsageError(f"{option}: expected a size like 5GB, 512MiB or 1000000, got {value!r}") from e
 
 
-def write(manifest: Manifest, fmt: Format, dst: Path | str, options: WriteOptions, *, overwrite: bool,
+def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, overwrite: bool,
           max_memory: int, fsync: bool, progress: bool, extra_files: tuple[FilePlan, ...] = (),
           notes: tuple[str, ...] = (), distributed: bool = False) -> Report:
     start = time.perf_counter()
     notes += _left_out(manifest, fmt)
-    plan = io_for(fmt).plan(manifest, options)
+    io = io_for(fmt)
+    plan = io.plan(manifest, io.options(target, manifest))
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file)
     if distributed:
         execute_distributed(plan, Path(dst), overwrite=overwrite, sources=(Path(manifest.root),),
@@ -78,7 +76,7 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, options: WriteOption
         with progress_bar(plan.total_bytes, f"{fmt.value}", progress) as update:
             execute(plan, Path(dst), overwrite=overwrite, sources=(Path(manifest.root),), max_memory=max_memory,
                     fsync=fsync, progress=update)
-    ws = options.world_size if fmt in (Format.SHARDED, Format.LOCAL) else None
+    ws = target.world_size if fmt in (Format.SHARDED, Format.LOCAL) else None
     return Report(manifest.root, manifest.format, str(dst), fmt, len(manifest.tensors), len(manifest.objects),
                   plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes)
 
@@ -111,12 +109,9 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: i
     fmt = io_for(to).format
     local = local or LocalOptions()
     manifest = detect(src, local).read(Path(src))
-    single = fmt is Format.FULL and max_shard_size is None and Path(dst).suffix in SUFFIXES
-    to_local = fmt is Format.LOCAL
-    options = WriteOptions(world_size=world_size, max_shard_size=parse_size(max_shard_size), single_file=single,
-                           flat_layout=output_layout(manifest, local, world_size) if to_local else None,
-                           rank_files=local.rank_files if to_local else None)
-    return write(manifest, fmt, dst, options, overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=progress)
+    target = Target(world_size=world_size, max_shard_size=parse_size(max_shard_size), destination=str(dst),
+                    local=local)
+    return write(manifest, fmt, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=progress)
 
 
 def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: bool = False,
@@ -131,6 +126,5 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: boo
         raise UsageError(f"{src}: is a {reader.format.value} checkpoint, not a sharded one; "
                          f"use 'ckptkit convert {src} DST --to sharded --world-size {world_size}'")
     manifest = reader.read(Path(src))
-    options = WriteOptions(world_size=world_size)
-    return write(manifest, reader.format, dst, options, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
+    return write(manifest, reader.format, dst, Target(world_size=world_size), overwrite=overwrite, max_memory=max_memory, fsync=fsync,
                  progress=progress)

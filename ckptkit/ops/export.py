@@ -8,11 +8,12 @@ from pathlib import Path
 from .convert import Report, parse_size, write
 from ..core.dtypes import parse_cast
 from ..errors import FormatError, UsageError
-from ..io.execute import DEFAULT_MAX_MEMORY, Files
-from ..formats import LocalOptions, WriteOptions, detect
+from ..io.execute import DEFAULT_MAX_MEMORY
+from ..io.sources import Files
+from ..formats import LocalOptions, Target, detect
 from ..core.manifest import Format, Manifest, TensorEntry
 from .names import select_model
-from ..core.plan import FilePlan, Literal
+from ..core.plan import FilePlan, Bytes
 from .verify import first_difference
 
 __all__ = ["ASSET_FILES", "export_hf"]
@@ -33,7 +34,7 @@ def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict]:
         if f.is_file():
             if f.stat().st_size > _MAX_ASSET:
                 raise UsageError(f"{f}: {f.stat().st_size} bytes is too large for a config or tokenizer file")
-            plans.append(FilePlan(name, (Literal(f.read_bytes()),)))
+            plans.append(FilePlan(name, (Bytes(f.read_bytes()),)))
     try:
         config = json.loads((directory / "config.json").read_text())
     except ValueError as e:
@@ -93,6 +94,6 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         n = sum(1 for t in tensors if t.dtype.is_floating and t.dtype != cast)
         notes.append(f"cast {n} floating tensors to {cast}; others kept their dtype")
     model = Manifest(manifest.format, manifest.root, tuple(tensors))
-    options = WriteOptions(max_shard_size=parse_size(max_shard_size), cast=cast)
-    return write(model, Format.HF, dst, options, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
+    target = Target(max_shard_size=parse_size(max_shard_size), cast=cast)
+    return write(model, Format.HF, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
                  progress=progress and not distributed, extra_files=assets, notes=tuple(notes), distributed=distributed)

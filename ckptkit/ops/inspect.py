@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..formats import LocalOptions, detect
+from ..formats import LocalOptions, detect, object_value
 from ..core.manifest import Manifest
 
 __all__ = ["inspect", "render", "summary"]
@@ -30,7 +30,7 @@ def summary(m: Manifest) -> dict[str, Any]:
         "entries": [{"key": t.key, "dtype": t.dtype.name, "shape": list(t.shape),
                      "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": Path(c.span.file).name}
                                 for c in t.chunks]} for t in m.tensors],
-        "objects": [{"key": o.key, "value": repr(o.load())[:200]} for o in m.objects],
+        "objects": [{"key": o.key, "value": repr(object_value(o))[:200]} for o in m.objects],
     }
 
 

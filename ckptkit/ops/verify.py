@@ -6,8 +6,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..io.execute import DEFAULT_MAX_MEMORY, Files, read_region
-from ..formats import LocalOptions, detect
+from ..io.execute import DEFAULT_MAX_MEMORY
+from ..io.sources import Files, read_region
+from ..formats import LocalOptions, detect, object_value
 from ..core.manifest import Format, Manifest, TensorEntry, map_tensor_refs
 from .names import select_model
 from ..core.plan import Region, row_blocks
@@ -103,7 +104,7 @@ def verify(a: Path | str, b: Path | str, *, model_only: bool = False, max_memory
                 diffs.append(Difference(k, what))
             update(ta[k].nbytes)
         for k in (k for k in oa if k in ob):
-            va, vb = _plain(oa[k].load(), files), _plain(ob[k].load(), files)
+            va, vb = _plain(object_value(oa[k]), files), _plain(object_value(ob[k]), files)
             if va != vb:
                 diffs.append(Difference(k, f"value {va!r:.80} vs {vb!r:.80}"))
         for k in (k for k in ta if k in ob):

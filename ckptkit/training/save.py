@@ -26,8 +26,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ..io import publish as rotation
 from ..core.tree import flatten, unflatten
 from ..errors import UsageError
-from ..io.execute import Files, read_region, replace_with
-from ..formats import detect
+from ..io.publish import replace_with
+from ..io.sources import Files, read_region
+from ..formats import detect, object_value
 from ..core.manifest import Format, Manifest, TensorEntry, map_tensor_refs
 from ..ops.names import strip_wrapper_names
 from ..core.plan import Region, row_blocks
@@ -199,7 +200,8 @@ def _write_local(model: torch.nn.Module, optimizer: Any, side: dict[str, Any], s
     """FSDP1 LOCAL_STATE_DICT: every rank writes its own file; rank 0 puts the flat layout beside them."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
 
-    from ..formats.local.layout import LAYOUT_FILE, layout_of
+    from ..formats.local.derive import layout_of
+    from ..formats.local.layout import LAYOUT_FILE
 
     if not isinstance(model, FSDP):
         raise UsageError(f"form='local' is FSDP1's LOCAL_STATE_DICT, but the model is a {type(model).__name__}; "
@@ -269,7 +271,7 @@ def _read_all(manifest: Manifest, tops: tuple[str, ...] | None) -> dict[str, Any
                 items.append((t.path, _tensor(t, files)))
         for o in manifest.objects:
             if tops is None or str(o.path[0]) in tops:
-                items.append((o.path, _to_torch(o.load(), files)))
+                items.append((o.path, _to_torch(object_value(o), files)))
     return unflatten(items) if items else {}
 
 

@@ -16,15 +16,17 @@ itself, :func:`derive_layout` reads it from the FlatParameters FSDP builds for t
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
-from ...errors import FormatError, UsageError
+from ...core.boxes import range_boxes
+from ...core.dtypes import DType
+from ...core.manifest import Chunk, Path_, Span, TensorEntry, key_of
+from ...errors import FormatError
 
-__all__ = ["FLAT_PARAM", "LAYOUT_FILE", "FlatLayout", "FlatParam", "FlatUnit", "derive_layout", "range_boxes"]
+__all__ = ["FLAT_PARAM", "LAYOUT_FILE", "FlatLayout", "FlatParam", "FlatUnit", "param_entry", "pieces"]
 
 FLAT_PARAM = "_flat_param"
 LAYOUT_FILE = "flat_layout.json"
@@ -77,11 +79,6 @@ class FlatUnit:
                 raise FormatError(f"unit {self.key!r}: tied parameter {alias!r} -> {fqn!r} does not name one of its parameters")
 
     @property
-    def prefix(self) -> str:
-        """The module prefix of the unit's keys: ``layers.0.`` for ``layers.0._flat_param``."""
-        return self.key[: -len(FLAT_PARAM)]
-
-    @property
     def end(self) -> int:
         """Elements up to the end of the last parameter: the flat size before any world-size padding."""
         return self.params[-1].end if self.params else 0
@@ -99,19 +96,61 @@ class FlatLayout:
     """Original parameter names in ``model.parameters()`` order, which with ``use_orig_params=True`` are the
     indices of ``optimizer.state_dict()``; empty when unknown."""
 
+    _units_by_key: dict[str, FlatUnit] = field(init=False, repr=False, compare=False)
+    _owners: dict[str, tuple[FlatUnit, FlatParam]] = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
-        keys, names = set(), set()
+        by_key: dict[str, FlatUnit] = {}
+        owners: dict[str, tuple[FlatUnit, FlatParam]] = {}
+        names: set[str] = set()
         for u in self.units:
-            if u.key in keys:
+            if u.key in by_key:
                 raise FormatError(f"flat layout lists unit {u.key!r} twice")
-            keys.add(u.key)
+            by_key[u.key] = u
             for name in [p.fqn for p in u.params] + [a for a, _ in u.shared]:
                 if name in names:
                     raise FormatError(f"flat layout places parameter {name!r} in two units")
                 names.add(name)
+            owners.update((p.fqn, (u, p)) for p in u.params)
+        missing = [n for n in self.param_order if n not in owners]
+        if self.use_orig_params and missing:
+            raise FormatError(f"flat layout's param_order names {missing[:3]}, which no unit holds")
+        object.__setattr__(self, "_units_by_key", by_key)
+        object.__setattr__(self, "_owners", owners)
 
-    def unit(self, key: str) -> FlatUnit | None:
-        return next((u for u in self.units if u.key == key), None)
+    def unit(self, key: str) -> FlatUnit:
+        return self._units_by_key[key]
+
+    def owner(self, fqn: str) -> tuple[FlatUnit, FlatParam]:
+        """The unit holding original parameter ``fqn``, and the parameter's place in it."""
+        return self._owners[fqn]
+
+    def holds(self, fqn: str) -> bool:
+        return fqn in self._owners
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        """What each index of a wrapped model's ``optimizer.state_dict()`` names: an original parameter with
+        ``use_orig_params`` (in ``param_order``), else a flat parameter (its unit's key)."""
+        return self.param_order if self.use_orig_params else tuple(u.key for u in self.units)
+
+    def slot_params(self, index: int) -> tuple[FlatParam, ...]:
+        """The original parameters optimizer index ``index`` covers: one, or every one of a flat parameter."""
+        slot = self.slots[index]
+        return (self.owner(slot)[1],) if self.use_orig_params else self.unit(slot).params
+
+    def slot_unit(self, index: int) -> FlatUnit:
+        slot = self.slots[index]
+        return self.owner(slot)[0] if self.use_orig_params else self.unit(slot)
+
+    def names_of(self, indices: list[int]) -> list[str]:
+        """A param group's optimizer indices as the parameter names they cover."""
+        return [p.fqn for i in indices for p in self.slot_params(i)]
+
+    def indices_of(self, names: list[str]) -> list[int]:
+        """Parameter names as the optimizer indices that hold them (a flat parameter's index once)."""
+        index = {p.fqn: i for i in range(len(self.slots)) for p in self.slot_params(i)}
+        return list(dict.fromkeys(index[n] for n in names))
 
     def total(self, unit: FlatUnit, world_size: int) -> int:
         """The flat parameter's size in a LOCAL file saved at ``world_size`` ranks (the ShardedTensor's size)."""
@@ -171,137 +210,27 @@ def _bool(v: Any) -> bool:
     return v
 
 
-def range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Boxes ``(offsets, sizes)`` of a tensor of ``shape`` that hold its flattened elements ``[start, stop)``.
-
-    Row-major order makes each box one contiguous run of the range, and the boxes follow each other in it. A
-    range of whole rows is one box; otherwise it splits into a partial first row, the whole rows between and
-    a partial last row, and each partial row splits the same way one dimension down: at most
-    ``2 * len(shape) - 1`` boxes.
-    """
-    if start >= stop:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = math.prod(shape[1:])
-    first, last = start // inner, (stop - 1) // inner
-    head, tail = start - first * inner, stop - last * inner  # offset into the first row; length of the last
-    rest = tuple(shape[1:])
-    zeros = (0,) * len(rest)
-
-    def rows(a: int, b: int) -> list:
-        return [((a, *zeros), (b - a, *rest))] if b > a else []
-
-    def part(row: int, a: int, b: int) -> list:
-        return [((row, *o), (1, *s)) for o, s in range_boxes(rest, a, b)]
-
-    if first == last:
-        return rows(first, first + 1) if head == 0 and tail == inner else part(first, head, tail)
-    out = part(first, head, inner) if head else []
-    out += rows(first + (1 if head else 0), last + (1 if tail == inner else 0))
-    return out + (part(last, 0, tail) if tail != inner else [])
+def pieces(param: FlatParam, ranges: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int]]:
+    """``(rank, start, stop)``: which of ``param``'s flattened elements each rank's flat slice holds."""
+    out = []
+    for r, (lo, hi) in enumerate(ranges):
+        a, b = max(lo, param.offset), min(hi, param.end)
+        if a < b:
+            out.append((r, a - param.offset, b - param.offset))
+    return out
 
 
-# --------------------------------------------------------------------------------------------------------
-# Deriving the layout from the model
-
-
-def derive_layout(model: str, auto_wrap: str = "none", *, world_size: int, use_orig_params: bool) -> FlatLayout:
-    """The layout FSDP1 gives ``model`` (``"package.module:factory"``, called with no arguments) wrapped with
-    ``auto_wrap`` at ``world_size`` ranks, read from the FlatParameters FSDP builds.
-
-    ``auto_wrap`` is ``none`` (one unit, FSDP's default), ``size:<min_num_params>``
-    (``size_based_auto_wrap_policy``) or ``block:<module.path:ClassName>[,...]`` (``ModuleWrapPolicy``). The
-    model is built under a fake tensor mode (no parameter memory) and wrapped under a fake process group of
-    ``world_size`` ranks, so no real ranks are needed. A mixed-precision ``param_dtype`` changes FSDP's
-    alignment padding; derived layouts assume none.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    factory = _import(model, "--model")
-    policy = _wrap_policy(auto_wrap)
-    if dist.is_initialized():
-        raise UsageError("deriving a flat layout needs a process of its own (it starts a fake process group), "
-                         "but this process already has a default process group")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        # FSDP1 refuses a meta-device module without an accelerator; fake CPU tensors take no memory either.
-        with FakeTensorMode():
-            module = factory()
-            if not isinstance(module, torch.nn.Module):
-                raise UsageError(f"--model {model}: the factory returned {type(module).__name__}, not a torch.nn.Module")
-            order = tuple(name for name, _ in module.named_parameters())
-            wrapped = FSDP(module, auto_wrap_policy=policy, use_orig_params=use_orig_params,
-                           device_id=torch.device("cpu"))
-        units = _units(wrapped)
-    finally:
-        dist.destroy_process_group()
-    return FlatLayout(units, use_orig_params, order)
-
-
-def layout_of(wrapped: Any) -> FlatLayout:
-    """The layout of a live FSDP1 model, as ``ckptkit.save(form="local")`` records it beside the rank files."""
-    use_orig = bool(getattr(wrapped, "_use_orig_params", False))
-    # With use_orig_params the optimizer holds the original parameters, in the wrapped model's order.
-    order = tuple(_clean(name) for name, _ in wrapped.named_parameters()) if use_orig else ()
-    return FlatLayout(_units(wrapped), use_orig, order)
-
-
-def _units(wrapped: Any) -> tuple[FlatUnit, ...]:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return tuple(_unit(_clean(name), sub._handle.flat_param) for name, sub in wrapped.named_modules()
-                 if isinstance(sub, FSDP) and sub._handle is not None)
-
-
-def _clean(name: str) -> str:
-    # FSDP's state-dict hooks drop the wrapper segments from keys; so do we.
-    return ".".join(p for p in name.split(".") if p not in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
-
-
-def _unit(module_name: str, flat: Any) -> FlatUnit:
-    prefix = f"{module_name}." if module_name else ""
-    params, at, names = [], 0, iter(zip(flat._fqns, flat._shapes))
-    for numel, is_padding in zip(flat._numels_with_padding, flat._is_padding_mask):
-        if not is_padding:
-            fqn, shape = next(names)
-            params.append(FlatParam(prefix + _clean(fqn), tuple(shape), at))
-        at += numel
-    shared = tuple((prefix + _clean(f"{s.module_name}.{s.param_name}".lstrip(".")),
-                    prefix + _clean(f"{s.prim_module_name}.{s.prim_param_name}".lstrip(".")))
-                   for s in flat._shared_param_infos)
-    return FlatUnit(prefix + FLAT_PARAM, tuple(params), shared)
-
-
-def _import(spec: str, option: str) -> Any:
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise UsageError(f"{option} {spec!r}: expected package.module:name")
-    try:
-        obj = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise UsageError(f"{option} {spec!r}: cannot import it ({type(e).__name__}: {e}); is its package on "
-                         "PYTHONPATH?") from e
-    return obj
-
-
-def _wrap_policy(auto_wrap: str) -> Any:
-    import functools
-
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
-
-    kind, _, arg = auto_wrap.partition(":")
-    if kind == "none" and not arg:
-        return None
-    if kind == "size" and arg.isdigit():
-        return functools.partial(size_based_auto_wrap_policy, min_num_params=int(arg))
-    if kind == "block" and arg:
-        return ModuleWrapPolicy({_import(a.strip(), "--auto-wrap block:") for a in arg.split(",")})
-    raise UsageError(f"--auto-wrap {auto_wrap!r}: expected none, size:<min_num_params> or "
-                     "block:<module.path:ClassName>[,<module.path:ClassName>...]")
+def param_entry(path: Path_, p: FlatParam, dtype: DType, ranges: tuple[tuple[int, int], ...],
+                locate: Callable[[int, int], tuple[str, int]]) -> TensorEntry:
+    """``p`` (or a state of it) as chunks: ``locate(rank, start)`` says where, in which file, the rank's part
+    starting at ``p``'s flattened element ``start`` begins."""
+    chunks = []
+    for r, a, b in pieces(p, ranges):
+        file, offset = locate(r, a)
+        for offsets, sizes in range_boxes(p.shape, a, b):
+            n = math.prod(sizes) * dtype.itemsize
+            chunks.append(Chunk(offsets, sizes, Span(file, offset, n)))
+            offset += n
+    entry = TensorEntry(key_of(path), path, dtype, p.shape, tuple(chunks))
+    entry.validate()
+    return entry

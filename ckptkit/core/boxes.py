@@ -1,0 +1,68 @@
+"""Boxes of a tensor as plain arithmetic: row-major strides, the elements a strided box spans, the boxes
+that hold a flattened range, and the ``Shard(0)`` chunks ``torch.chunk`` gives each rank."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["extent", "range_boxes", "row_major", "shard0_boxes"]
+
+
+def row_major(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def extent(sizes: tuple[int, ...], strides: tuple[int, ...] | None) -> int:
+    if math.prod(sizes) == 0:
+        return 0
+    if strides is None:
+        return math.prod(sizes)
+    return 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
+
+
+def range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Boxes ``(offsets, sizes)`` of a tensor of ``shape`` that hold its flattened elements ``[start, stop)``.
+
+    Row-major order makes each box one contiguous run of the range, and the boxes follow each other in it. A
+    range of whole rows is one box; otherwise it splits into a partial first row, the whole rows between and
+    a partial last row, and each partial row splits the same way one dimension down: at most
+    ``2 * len(shape) - 1`` boxes.
+    """
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (stop - 1) // inner
+    head, tail = start - first * inner, stop - last * inner  # offset into the first row; length of the last
+    rest = tuple(shape[1:])
+    zeros = (0,) * len(rest)
+
+    def rows(a: int, b: int) -> list:
+        return [((a, *zeros), (b - a, *rest))] if b > a else []
+
+    def part(row: int, a: int, b: int) -> list:
+        return [((row, *o), (1, *s)) for o, s in range_boxes(rest, a, b)]
+
+    if first == last:
+        return rows(first, first + 1) if head == 0 and tail == inner else part(first, head, tail)
+    out = part(first, head, inner) if head else []
+    out += rows(first + (1 if head else 0), last + (1 if tail == inner else 0))
+    return out + (part(last, 0, tail) if tail != inner else [])
+
+
+def shard0_boxes(shape: tuple[int, ...], n: int) -> list[tuple[int, tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """(rank, (offsets, sizes)) of each non-empty ``Shard(0)`` chunk, with ``torch.chunk`` sizes."""
+    if not shape or shape[0] == 0 or math.prod(shape) == 0:
+        return [(0, ((0,) * len(shape), shape))]  # scalars and empty tensors live whole on rank 0
+    step = -(-shape[0] // n)
+    out = []
+    for rank in range(n):
+        lo, hi = rank * step, min(shape[0], (rank + 1) * step)
+        if hi > lo:
+            out.append((rank, ((lo, *[0] * (len(shape) - 1)), (hi - lo, *shape[1:]))))
+    return out

@@ -1,0 +1,58 @@
+"""Source bytes: read-only descriptors opened once each, and the row-major bytes of a region read from them."""
+
+from __future__ import annotations
+
+import os
+
+from ..core.plan import Region, plan_copies
+from ..errors import FormatError
+
+__all__ = ["Files", "read_region"]
+
+
+class Files:
+    """Read-only descriptors of source files, opened once each, with sizes checked against every read."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, tuple[int, int]] = {}
+
+    def fd(self, path: str, need_end: int) -> int:
+        if path not in self._fds:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise FormatError(f"{path}: cannot open ({e.strerror})") from e
+            self._fds[path] = (fd, os.fstat(fd).st_size)
+        fd, size = self._fds[path]
+        if need_end > size:
+            raise FormatError(f"{path}: needs bytes up to offset {need_end} but the file has {size} (truncated?)")
+        return fd
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "Files":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise FormatError(f"{path}: unexpected end of file at offset {offset}")
+        view, offset = view[n:], offset + n
+
+
+def read_region(region: Region, files: Files) -> bytearray:
+    """The row-major bytes of ``region`` in the entry's dtype (``region.cast`` is not applied here)."""
+    buf = bytearray(Region(region.entry, region.offsets, region.sizes).nbytes)
+    view = memoryview(buf)
+    for cp in plan_copies(region):
+        fd = files.fd(cp.src.file, cp.src.offset + cp.src.length)
+        _pread_into(fd, view[cp.dst:cp.dst + cp.src.length], cp.src.offset, cp.src.file)
+    return buf
