@@ -25,7 +25,7 @@ __all__ = [
 def __getattr__(name: str):
     # save/load import torch; loading them on first use keeps ``import ckptkit`` (and the CLI) torch-free.
     if name in ("save", "load"):
-        from .training import save as saving
+        from .training import load, save
 
-        return getattr(saving, name)
+        return {"save": save.save, "load": load.load}[name]
     raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")

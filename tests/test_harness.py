@@ -239,7 +239,7 @@ def _rank_failing_on_bad_jobs(rank: int, world: int, jobs, device: str) -> None:
     for job in jobs:
         if job.directory.endswith("bad"):
             raise ValueError("this job fails on purpose")
-        runner._finish(job, {"losses": [float(len(job.directory))]})
+        runner._record_outcome(job, {"losses": [float(len(job.directory))]})
 
 
 def test_run_jobs_pins_a_failure_on_its_job_and_runs_the_rest(tmp_path):

@@ -35,7 +35,7 @@ __all__ = ["ShardBox", "ShardedTensorData", "sharded_tensor", "sharded_tensor_gl
 
 _API = "torch.distributed._shard.sharded_tensor.api"
 _SHARD = "torch.distributed._shard.sharded_tensor.shard"
-_META = "torch.distributed._shard.metadata"
+_SHARD_META = "torch.distributed._shard.metadata"
 _ST_META = "torch.distributed._shard.sharded_tensor.metadata"
 _SPEC = "torch.distributed._shard.sharding_spec.chunk_sharding_spec"
 _REMOTE = "torch.distributed.remote_device"
@@ -95,7 +95,7 @@ def sharded_tensor_globals(where: str) -> dict[tuple[str, str], Any]:
         # Protocol 2 cannot name a nested class, so torch pickles getattr(ShardedTensor, "ProcessGroupState").
         ("builtins", "getattr"): safe_getattr({(id(_SHARDED), _PG_STATE_NAME): pg_state}),
         **allow_records(_SHARD, "Shard"),
-        **allow_records(_META, "ShardMetadata"),
+        **allow_records(_SHARD_META, "ShardMetadata"),
         **allow_records(_REMOTE, "_remote_device"),
         **allow_records(_ST_META, "ShardedTensorMetadata", "TensorProperties"),
         **allow_records(_SPEC, "ChunkShardingSpec"),
@@ -170,7 +170,7 @@ def _placement(rank: int | None, device: Call) -> Record:
 
 
 def _shard_meta(box: ShardBox, placement: Record) -> Record:
-    return _slotted(_META, "ShardMetadata", {"shard_offsets": list(box.offsets), "shard_sizes": list(box.sizes),
+    return _slotted(_SHARD_META, "ShardMetadata", {"shard_offsets": list(box.offsets), "shard_sizes": list(box.sizes),
                                              "placement": placement})
 
 

@@ -156,8 +156,8 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.serialization", "_get_layout"): keep_call("torch.serialization", "_get_layout"),
     ("torch.storage", "UntypedStorage"): _storage_class(None),
     ("torch", "UntypedStorage"): _storage_class(None),
-    **{("torch", d.name): d for d in dtypes._TABLE},
-    **{("torch", d.storage_class): _storage_class(d) for d in dtypes._TABLE if d.storage_class},
+    **{("torch", d.name): d for d in dtypes.DTYPES},
+    **{("torch", d.storage_class): _storage_class(d) for d in dtypes.DTYPES if d.storage_class},
 }
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import FormatError, UsageError
 
-__all__ = ["DType", "by_name", "by_safetensors", "by_storage_class", "parse_cast"]
+__all__ = ["DTYPES", "DType", "by_name", "by_safetensors", "parse_cast"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +29,7 @@ class DType:
         return self.name
 
 
-_TABLE = (
+DTYPES = (
     DType("float64", 8, "float", "F64", "DoubleStorage"),
     DType("float32", 4, "float", "F32", "FloatStorage"),
     DType("float16", 2, "float", "F16", "HalfStorage"),
@@ -51,9 +51,8 @@ _TABLE = (
     DType("complex64", 8, "complex", "C64", "ComplexFloatStorage"),
     DType("complex128", 16, "complex", None, "ComplexDoubleStorage"),
 )
-_BY_NAME = {d.name: d for d in _TABLE}
-_BY_SAFETENSORS = {d.safetensors: d for d in _TABLE if d.safetensors}
-_BY_STORAGE = {d.storage_class: d for d in _TABLE if d.storage_class}
+_BY_NAME = {d.name: d for d in DTYPES}
+_BY_SAFETENSORS = {d.safetensors: d for d in DTYPES if d.safetensors}
 # torch's own aliases, as they may appear in pickles (``torch.float`` pickles as ``float32`` but be lenient).
 _ALIASES = {"float": "float32", "half": "float16", "double": "float64", "long": "int64", "int": "int32", "short": "int16"}
 _CASTS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
@@ -72,9 +71,6 @@ def by_safetensors(code: str, *, where: str = "") -> DType:
     except KeyError:
         raise FormatError(f"{where}: unsupported safetensors dtype {code!r}; supported: {', '.join(_BY_SAFETENSORS)}") from None
 
-
-def by_storage_class(name: str) -> DType | None:
-    return _BY_STORAGE.get(name)
 
 
 def parse_cast(value: str) -> DType | None:

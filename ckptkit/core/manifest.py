@@ -181,9 +181,3 @@ class Manifest:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
-
-    @property
-    def files(self) -> list[str]:
-        seen = dict.fromkeys(c.span.file for t in self.tensors for c in t.chunks)
-        seen.update(dict.fromkeys(o.blob.file for o in self.objects if o.blob))
-        return list(seen)

@@ -34,23 +34,23 @@ from .base import FormatIO, Target, WriteOptions, cast_for, is_empty_container, 
 __all__ = ["DcpIO", "DcpOptions"]
 
 METADATA = ".metadata"
-_META = "torch.distributed.checkpoint.metadata"
+_DCP_META = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 _RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
 
 
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    **allow_records(_META, "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+    **allow_records(_DCP_META, "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                "TensorProperties", "MetadataIndex", "StorageMeta"),
     **allow_records(_FS, "_StorageInfo"),
-    (_META, "_MEM_FORMAT_ENCODING"): EnumStandIn(MEMORY_FORMATS),
+    (_DCP_META, "_MEM_FORMAT_ENCODING"): EnumStandIn(MEMORY_FORMATS),
     ("builtins", "getattr"): safe_getattr(),
     ("torch", "Size"): lambda v=(): tuple(v),
     ("torch.serialization", "_get_layout"): lambda name: name,
     ("pathlib", "PosixPath"): lambda *parts: "/".join(parts),
     ("pathlib", "WindowsPath"): lambda *parts: "\\".join(parts),
     ("collections", "OrderedDict"): dict,
-    **{("torch", d.name): d for d in dtypes._TABLE},
+    **{("torch", d.name): d for d in dtypes.DTYPES},
 }
 
 
@@ -161,22 +161,22 @@ class DcpIO(FormatIO):
             chunk_list = []
             for rank, (offsets, box) in shard0_boxes(t.shape, n):
                 name, start, length = put(rank, archive_parts(Region(t, offsets, box, cast)))
-                chunk_list.append(make_record(_META, "ChunkStorageMetadata", {"offsets": _size(offsets), "sizes": _size(box)}))
-                index = make_record(_META, "MetadataIndex", {"fqn": t.key, "offset": _size(offsets), "index": len(chunk_list) - 1})
+                chunk_list.append(make_record(_DCP_META, "ChunkStorageMetadata", {"offsets": _size(offsets), "sizes": _size(box)}))
+                index = make_record(_DCP_META, "MetadataIndex", {"fqn": t.key, "offset": _size(offsets), "index": len(chunk_list) - 1})
                 storage[index] = _storage_info(name, start, length)
-            props = make_record(_META, "TensorProperties", ((cast or t.dtype), keep_call("torch.serialization", "_get_layout")("torch.strided"),
-                                                            False, keep_call(_META, "_MEM_FORMAT_ENCODING")(0), False))
-            sd_meta[t.key] = make_record(_META, "TensorStorageMetadata", {"properties": props, "size": _size(t.shape), "chunks": chunk_list})
+            props = make_record(_DCP_META, "TensorProperties", ((cast or t.dtype), keep_call("torch.serialization", "_get_layout")("torch.strided"),
+                                                            False, keep_call(_DCP_META, "_MEM_FORMAT_ENCODING")(0), False))
+            sd_meta[t.key] = make_record(_DCP_META, "TensorStorageMetadata", {"properties": props, "size": _size(t.shape), "chunks": chunk_list})
         # torch never writes an empty container into DCP, and its loader trips over one (it falls back to a
         # pre-2.4 key scheme), so they are left out here too; convert() reports them.
         objects = [o for o in manifest.objects if not is_empty_container(o)]
         for o in objects:
             blob = (Region.whole(bytes_entry(o.blob, o.key)),) if o.blob else archive_parts(regions_in(o.value, options.cast))
             name, start, length = put(0, blob)
-            sd_meta[o.key] = make_record(_META, "BytesStorageMetadata", {})
-            storage[make_record(_META, "MetadataIndex", {"fqn": o.key, "offset": None, "index": None})] = _storage_info(name, start, length)
+            sd_meta[o.key] = make_record(_DCP_META, "BytesStorageMetadata", {})
+            storage[make_record(_DCP_META, "MetadataIndex", {"fqn": o.key, "offset": None, "index": None})] = _storage_info(name, start, length)
         planner_data = {e.key: dcp_path(e.path) for e in (*manifest.tensors, *objects)}
-        md = make_record(_META, "Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner_data,
+        md = make_record(_DCP_META, "Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner_data,
                                              "storage_data": storage, "storage_meta": None, "version": "1.0.0"})
         files = [FilePlan(f"__{r}_0.distcp", tuple(parts[r])) for r in range(n)]
         files.append(FilePlan(METADATA, (Bytes(dumps(md, protocol=2)),)))

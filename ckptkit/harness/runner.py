@@ -104,7 +104,7 @@ def _start_rank(device: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
-def _finish(job: _Job, outcome: dict) -> None:
+def _record_outcome(job: _Job, outcome: dict) -> None:
     dist.barrier()  # every rank is past the job before it counts as done
     if dist.get_rank() == 0:
         (Path(job.directory) / OUTCOME).write_text(json.dumps(outcome))
@@ -119,7 +119,7 @@ def _source_rank(rank: int, world: int, jobs: tuple[_Job, ...], device: str) -> 
         if rank == 0:
             torch.save(reference, Path(job.directory) / REFERENCE)
         save(job.config.form, model, optimizer, STEPS, job.checkpoint, dev)
-        _finish(job, {"losses": train(model, optimizer, start=STEPS, steps=RESUME_STEPS, device=dev)})
+        _record_outcome(job, {"losses": train(model, optimizer, start=STEPS, steps=RESUME_STEPS, device=dev)})
 
 
 def _target_rank(rank: int, world: int, jobs: tuple[_Job, ...], device: str) -> None:
@@ -130,7 +130,7 @@ def _target_rank(rank: int, world: int, jobs: tuple[_Job, ...], device: str) -> 
         loaded = full_state(model, None if job.config.form is Format.HF else optimizer, step, dev)
         if rank == 0:
             torch.save(loaded, Path(job.directory) / LOADED)
-        _finish(job, {"step": step, "losses": train(model, optimizer, start=STEPS, steps=RESUME_STEPS, device=dev)})
+        _record_outcome(job, {"step": step, "losses": train(model, optimizer, start=STEPS, steps=RESUME_STEPS, device=dev)})
 
 
 def _message(error: BaseException) -> str:

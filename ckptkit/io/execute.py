@@ -85,7 +85,7 @@ class _Writer:
 
 
 def write_files(files: tuple[FilePlan, ...], stage: Path, *, max_memory: int = DEFAULT_MAX_MEMORY,
-                fsync: bool = True, progress: Callable[[int], None] = lambda n: None) -> None:
+                fsync: bool = False, progress: Callable[[int], None] = lambda n: None) -> None:
     """Write ``files`` under the existing directory ``stage``."""
     with Files() as sources:
         writer = _Writer(sources, max_memory, progress)
@@ -102,7 +102,7 @@ def write_files(files: tuple[FilePlan, ...], stage: Path, *, max_memory: int = D
 
 
 def execute(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
-            max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = True,
+            max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False,
             progress: Callable[[int], None] = lambda n: None) -> Path:
     """Write every file of ``plan`` under a staging directory and move the result to ``dst`` atomically."""
     dst = check_destination(dst, overwrite=overwrite, sources=sources)
@@ -113,7 +113,7 @@ def execute(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tup
 
 
 def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
-                        max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = True) -> Path:
+                        max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False) -> Path:
     """``execute`` with the files split round-robin over the ranks of the default process group.
 
     Every rank must pass the same plan (planning is pure, so the same inputs give it). Rank 0 checks the
