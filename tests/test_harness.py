@@ -28,6 +28,8 @@ from ckptkit.harness.matrix import QUICK, full, select
     (lambda: TrainConfig(wrapper=Wrapper.DDP, world_size=0), r"world_size must be an int >= 1, got 0"),
     # FSDP1 options must be given for FSDP1 ...
     (lambda: TrainConfig(wrapper=Wrapper.FSDP1, world_size=2), r"fsdp1 needs sharding \(use fsdp1\(\.\.\.\)"),
+    # ... which is said even where an FSDP2 option makes the layout 2-D as well
+    (lambda: TrainConfig(wrapper=Wrapper.FSDP1, world_size=3, hsdp=True), r"fsdp1 needs sharding.*hsdp is an fsdp2"),
     # ... and only for it
     (lambda: TrainConfig(wrapper=Wrapper.DDP, world_size=2, sharding=Sharding.FULL_SHARD),
      r"sharding is an fsdp1 option, but wrapper is ddp"),

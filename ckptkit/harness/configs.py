@@ -113,7 +113,8 @@ class TrainConfig:
 
     @property
     def layout(self) -> str:
-        if self.wrapper is Wrapper.FSDP1:
+        # An FSDP1 config without sharding is one __post_init__ is rejecting; it names the layout among the reasons.
+        if self.wrapper is Wrapper.FSDP1 and self.sharding is not None:
             return f"FSDP1 {self.sharding.name}"
         return "FSDP2 HSDP" if self.hsdp else self.wrapper.value
 
