@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import os
@@ -30,6 +31,17 @@ class Evil:
 
     def __reduce__(self):
         return (os.system, (f"echo hacked > {self.marker}",))
+
+
+class ForgedStrides:
+    """Pickles as a tensor whose strides do not match its shape, which only a damaged or forged file holds."""
+
+    def __init__(self, t: torch.Tensor, strides: tuple[int, ...]) -> None:
+        self.t, self.strides = t, strides
+
+    def __reduce_ex__(self, protocol):
+        return (torch._utils._rebuild_tensor_v2,
+                (self.t.untyped_storage(), 0, tuple(self.t.shape), self.strides, False, collections.OrderedDict()))
 
 
 # ------------------------------------------------------------------------------------ damaged DCP
@@ -96,6 +108,18 @@ def test_convert_refuses_torch_save_file_with_code(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match=rf"{tmp_path / 'evil.pt'}: the pickle asks for posix\.system"):
         convert(tmp_path / "evil.pt", tmp_path / "out", to="sharded")
     assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("strides", [
+    (1,),       # fewer strides than dimensions: planning the copies would index past them
+    (3, 1, 1),  # more: the extra one would be ignored
+])
+def test_convert_torch_save_tensor_with_strides_not_one_per_dimension(tmp_path, strides):
+    torch.save({"w": ForgedStrides(torch.ones(2, 3), strides)}, tmp_path / "forged.pt")
+    with pytest.raises(FormatError, match=rf"forged\.pt: a tensor of shape \[2, 3\] has strides "
+                                          rf"\[{', '.join(map(str, strides))}\], not one per dimension"):
+        convert(tmp_path / "forged.pt", tmp_path / "out", to="sharded")
+    assert not (tmp_path / "out").exists()
 
 
 def test_convert_refuses_dcp_object_with_code(tmp_path):

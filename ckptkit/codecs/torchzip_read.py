@@ -84,6 +84,9 @@ class _Storage:
 def _tensor(storage: _Storage, offset: int, size: Any, stride: Any, dtype: DType | None) -> TensorRef:
     dtype = dtype or storage.dtype or dtypes.by_name("uint8")
     shape, stride = tuple(size), tuple(stride)
+    if len(stride) != len(shape):
+        raise FormatError(f"{storage.span.file}: a tensor of shape {list(shape)} has strides {list(stride)}, "
+                          "not one per dimension")
     skip = offset * dtype.itemsize
     span = Span(storage.span.file, storage.span.offset + skip, storage.span.length - skip)
     strides = None if shape == () or stride == row_major(shape) else stride
