@@ -158,6 +158,18 @@ def test_full_to_local_and_back_is_bit_exact(saved, uop, tmp_path):
     assert_same_tree(load_full(tmp_path / "out.pt"), load_full(saved[uop] / "full.pt"))
 
 
+def test_full_to_local_names_optimizer_state_that_only_some_parameters_hold_as_a_tensor(saved, tmp_path):
+    # norm.weight shares the root unit's flat parameter with embed.weight, whose exp_avg is a tensor.
+    optim = load_full(saved[False] / "full_optim.pt")
+    state = {name: {key: value.clone() for key, value in slot.items()} for name, slot in optim["state"].items()}
+    state["norm.weight"]["exp_avg"] = None
+    model = load_full(saved[False] / "full_plain.pt")
+    torch.save({"model": model, "optim": {"state": state, "param_groups": optim["param_groups"]}}, tmp_path / "src.pt")
+    with pytest.raises(FormatError, match=r"src\.pt: optimizer state 'optim\.state\.norm\.weight\.exp_avg' is not a "
+                                          r"tensor, though other parameters of its flat parameter have a tensor there"):
+        convert(tmp_path / "src.pt", tmp_path / "l2", to="local", world_size=2, **local())
+
+
 def test_local_rank_files_pickle_the_sharded_tensor_as_torch_does(saved, uop, tmp_path):
     """Same world size, same model: the same globals in the same order, plain tensors aside (ckptkit writes
     untyped storages and ``_rebuild_tensor_v3`` with a dtype global, which torch reads alike)."""

@@ -151,7 +151,7 @@ class RankWriter:
                 lo, hi = self.ranges[unit.key][rank]
                 if fqn in by_param and max(lo, p.offset) < min(hi, p.end):  # torch keeps no state for empty parts
                     state[i] = self._state_of(by_param[fqn], lambda name, dtype, fqn=fqn: self._view(
-                        fqn, rank, lambda q: by_param[q.fqn][name], dtype))
+                        fqn, rank, lambda q: self._state_tensor(by_param[q.fqn], name), dtype))
         else:
             for i, unit in enumerate(layout.units):
                 have = [p.fqn for p in unit.params if p.fqn in by_param]
@@ -166,7 +166,7 @@ class RankWriter:
                 step = -(-layout.total(unit, self.world) // self.world)
 
                 def flat(name: Path_, dtype: DType, unit: FlatUnit = unit, lo: int = lo, hi: int = hi, step: int = step) -> PartsTensor:
-                    parts = self._parts(unit, lo, hi, lambda q: by_param[q.fqn][name], dtype)
+                    parts = self._parts(unit, lo, hi, lambda q: self._state_tensor(by_param[q.fqn], name), dtype)
                     return PartsTensor(dtype, tuple(parts + _zeros(step - (hi - lo), dtype)))
 
                 state[i] = self._state_of(by_param[have[0]], flat)
@@ -200,6 +200,14 @@ class RankWriter:
                                   f"parameter {list(shape)}; only states shaped like the parameter can be sharded")
             by_param.setdefault(fqn, {})[e.path[3:]] = e
         return by_param
+
+    def _state_tensor(self, states: dict[Path_, TensorEntry | ObjectEntry], name: Path_) -> TensorEntry:
+        """State ``name`` of one parameter of a flat parameter, whose first parameter has a tensor there."""
+        e = states[name]
+        if not isinstance(e, TensorEntry):
+            raise FormatError(f"{self.manifest.root}: optimizer state {e.key!r} is not a tensor, though other "
+                              "parameters of its flat parameter have a tensor there")
+        return e
 
     def _state_of(self, entries: dict[Path_, Any], sliced: Callable[[Path_, DType], PartsTensor]) -> dict:
         """One slot's state: tensors shaped like the parameter are sliced, step counters copied."""
