@@ -18,12 +18,12 @@ from pathlib import Path
 
 import click
 
-from ckptkit.ops.convert import parse_size
 from ckptkit.core.dtypes import by_name
-from ckptkit.io.execute import execute
+from ckptkit.core.manifest import Chunk, Format, Manifest, Span, TensorEntry
 from ckptkit.formats import io_for
 from ckptkit.formats.dcp import DcpOptions
-from ckptkit.core.manifest import Chunk, Format, Manifest, Span, TensorEntry
+from ckptkit.io.execute import execute
+from ckptkit.ops.convert import parse_size
 
 __all__ = ["main"]
 
@@ -37,7 +37,8 @@ save_file(torch.load(tmp, weights_only=True), out)
 """
 
 
-def llama_shapes(target: int, dim: int = 2048, ffn: int = 5632, vocab: int = 32000) -> list[tuple[str, tuple[int, ...]]]:
+def llama_shapes(target: int, dim: int = 2048, ffn: int = 5632,
+                 vocab: int = 32000) -> list[tuple[str, tuple[int, ...]]]:
     """Parameter names and shapes of a LLaMA with as many layers as fit in ``target`` bf16 bytes."""
     per_layer = 2 * (4 * dim * dim + 3 * dim * ffn + 2 * dim)
     layers = max(1, (target - 2 * 2 * vocab * dim) // per_layer)
@@ -64,7 +65,8 @@ def make_checkpoint(root: Path, size: int, world_size: int = 4) -> int:
     tensors, pos = [], 0
     for key, shape in shapes:
         n = 2 * _numel(shape)
-        tensors.append(TensorEntry(key, (key,), bf16, shape, (Chunk((0,) * len(shape), shape, Span(str(raw), pos, n)),)))
+        chunk = Chunk((0,) * len(shape), shape, Span(str(raw), pos, n))
+        tensors.append(TensorEntry(key, (key,), bf16, shape, (chunk,)))
         pos += n
     manifest = Manifest(Format.FULL, str(raw), tuple(tensors))
     execute(io_for(Format.SHARDED).plan(manifest, DcpOptions(world_size=world_size)), root / "dcp", fsync=False)
@@ -95,7 +97,8 @@ print(time.perf_counter() - t, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode
 
 def _run(cmd: list[str], log: Path) -> tuple[float, float]:
     """Wall seconds and peak RSS in bytes of ``cmd`` as a child process."""
-    out = subprocess.run([sys.executable, "-S", "-c", _RUNNER, str(log), *cmd], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-S", "-c", _RUNNER, str(log), *cmd], capture_output=True, text=True,
+                         check=True)
     wall, rss, code = out.stdout.split()
     if int(code) != 0:
         raise click.ClickException(f"{' '.join(cmd)} failed: {log.read_text()[-2000:]}")
@@ -106,7 +109,8 @@ def _run(cmd: list[str], log: Path) -> tuple[float, float]:
 @click.option("--size", default="2GB", show_default=True, help="Approximate checkpoint size.")
 @click.option("--repeat", default=3, show_default=True, type=click.IntRange(min=1), help="Runs per contender (median).")
 @click.option("--skip-torch", is_flag=True, help="Leave out the torch path (it needs ~1.1x the size in RAM).")
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), help="Where to write (default: a temp dir).")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where to write (default: a temp dir).")
 def main(size: str, repeat: int, skip_torch: bool, workdir: Path | None) -> None:
     root = Path(tempfile.mkdtemp(prefix="ckptkit-bench-", dir=workdir))
     try:
@@ -144,7 +148,8 @@ def _table(results: dict[str, tuple[float, float]], total: int, repeat: int) -> 
     click.echo(f"{'what':<38} {'wall s':>7} {'GB/s':>6} {'peak RSS MB':>12} {'x cp':>6} {'x torch':>8}")
     for name, (wall, rss) in results.items():
         vs_torch = f"{wall / torch_path:.2f}" if torch_path else "-"
-        click.echo(f"{name:<38} {wall:7.2f} {total / wall / 1e9:6.2f} {rss / 2**20:12.0f} {wall / cp:6.2f} {vs_torch:>8}")
+        click.echo(f"{name:<38} {wall:7.2f} {total / wall / 1e9:6.2f} {rss / 2**20:12.0f} {wall / cp:6.2f} "
+                   f"{vs_torch:>8}")
 
 
 if __name__ == "__main__":

@@ -6,19 +6,18 @@ LOCAL (FSDP1 ``LOCAL_STATE_DICT``) and HF safetensors. None of this imports torc
 
 # Imported eagerly: a function bound here after its module (``convert`` in ``ckptkit.convert``) stays the
 # package attribute, whereas a lazily fetched one is replaced by the module on the module's first import.
-from .ops.convert import Report, convert, reshard
-from .errors import (CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError,
-                     UsageError)
-from .ops.export import export_hf
-from .formats import LocalOptions
-from .ops.inspect import inspect
 from .core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry
+from .errors import CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError, UsageError
+from .formats import LocalOptions
+from .ops.convert import Report, convert, reshard
+from .ops.export import export_hf
+from .ops.inspect import inspect
 from .ops.verify import VerifyReport, verify
 
 __all__ = [
-    "load", "save", "CheckpointError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError", "LocalOptions", "Manifest", "ObjectEntry",
-    "Report", "Span", "TensorEntry", "UnsafeCheckpointError", "UsageError", "VerifyReport", "convert",
-    "export_hf", "inspect", "reshard", "verify",
+    "load", "save", "CheckpointError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError", "LocalOptions",
+    "Manifest", "ObjectEntry", "Report", "Span", "TensorEntry", "UnsafeCheckpointError", "UsageError", "VerifyReport",
+    "convert", "export_hf", "inspect", "reshard", "verify",
 ]
 
 

@@ -49,12 +49,14 @@ _fsync = click.option("--fsync", is_flag=True,
                       help="fsync every written file before the final rename (durable across power loss; slower).")
 _LOCAL = (
     click.option("--rank-files", metavar="PATTERN",
-                 help="LOCAL: rank file names with {rank} for the rank, e.g. 'shard_{rank}.pt' (default: found by name; "
-                      "output: the source's, or rank{rank}.pt)."),
+                 help="LOCAL: rank file names with {rank} for the rank, e.g. 'shard_{rank}.pt' "
+                      "(default: found by name; output: the source's, or rank{rank}.pt)."),
     click.option("--model", metavar="PKG.MODULE:FACTORY",
-                 help="LOCAL: builds the FSDP1 model, to derive the flat-parameter layout where no flat_layout.json has it."),
+                 help="LOCAL: builds the FSDP1 model, to derive the flat-parameter layout where no "
+                      "flat_layout.json has it."),
     click.option("--auto-wrap", default="none", show_default=True, metavar="POLICY",
-                 help="LOCAL: FSDP auto-wrap policy of --model: none, size:<min_num_params> or block:<module.path:Class>."),
+                 help="LOCAL: FSDP auto-wrap policy of --model: none, size:<min_num_params> or "
+                      "block:<module.path:Class>."),
     click.option("--use-orig-params/--no-use-orig-params", default=None,
                  help="LOCAL: whether FSDP wraps --model with use_orig_params (default: told by the saved sizes; "
                       "off for output)."),
@@ -134,7 +136,8 @@ def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) 
 @click.option("--dtype", default="keep", show_default=True, type=click.Choice(["keep", "bf16", "fp16", "fp32"]),
               help="Cast floating tensors; integer and bool tensors keep their dtype.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file.")
-@click.option("--strip-prefix", "strip_prefixes", multiple=True, help="Also strip this leading key prefix (repeatable).")
+@click.option("--strip-prefix", "strip_prefixes", multiple=True,
+              help="Also strip this leading key prefix (repeatable).")
 @click.option("--keep-wrapper-prefixes", is_flag=True,
               help="Do not strip module., _orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.")
 @click.option("--hf-assets", type=click.Path(exists=True, file_okay=False, path_type=Path),

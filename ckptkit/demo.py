@@ -12,6 +12,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -61,7 +62,7 @@ def _load_and_train(rank: int, world: int, path: str) -> tuple[int, float]:
 
     model, opt = _build(rank)
     msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd, "step": 0}
+    state: dict[str, Any] = {"model": msd, "optim": osd, "step": 0}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loss = model.loss(batch(model.cfg, state["step"], rank=rank))
@@ -71,7 +72,7 @@ def _load_and_train(rank: int, world: int, path: str) -> tuple[int, float]:
 
 
 def run_demo(workdir: Path | None = None) -> None:
-    from . import export_hf, inspect, convert, reshard, verify
+    from . import convert, export_hf, inspect, reshard, verify
     from .harness.launch import run_ranks
     from .harness.model import TinyConfig
     from .ops.inspect import render, summary
@@ -85,7 +86,7 @@ def run_demo(workdir: Path | None = None) -> None:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         say(f"[1/4] FSDP2 trains a {TinyConfig().layers}-layer transformer on 4 gloo ranks, saves with torch DCP")
         losses = run_ranks(_train_and_save, 4, str(src))
-        say(f"      rank 0 losses: {', '.join(f'{l:.4f}' for l in losses[0])}")
+        say(f"      rank 0 losses: {', '.join(f'{loss:.4f}' for loss in losses[0])}")
         say("\n".join("      " + line for line in render(summary(inspect(src))).splitlines()[:3]))
 
         say("[2/4] ckptkit reshard -> 3 ranks (offline: no process group), then verify bit for bit")

@@ -41,7 +41,7 @@ def assert_same_tree(a, b, where: str = "") -> None:
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
         assert len(a) == len(b), f"{where}: length {len(a)} vs {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same_tree(x, y, f"{where}[{i}]")
     else:
         assert type(a) is type(b) and a == b, f"{where}: {a!r} vs {b!r}"

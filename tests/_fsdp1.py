@@ -8,9 +8,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig,
-                                    LocalStateDictConfig, StateDictType)
+from torch.distributed.fsdp import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    FullyShardedDataParallel as FSDP,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    StateDictType,
+)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from fixtures_models import Block, tiny

@@ -26,10 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from _checks import (assert_same_tree, flat_tensors, load_dcp, load_full, load_hf, make_training_state,
-                     tensor_bits)
-from ckptkit.ops.convert import convert, reshard
+from _checks import assert_same_tree, flat_tensors, load_dcp, load_full, load_hf, make_training_state, tensor_bits
 from ckptkit.errors import CheckpointError
+from ckptkit.ops.convert import convert, reshard
 from ckptkit.ops.export import export_hf
 from ckptkit.ops.inspect import inspect
 from ckptkit.ops.verify import verify
@@ -139,7 +138,8 @@ def _fsdp2(rank: int, ws: int, mesh, root: Path) -> dict:
     _train_step(model, optim, 1)
     msd, osd = get_state_dict(model, optim)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(root / "fsdp2"))
-    full = dict(zip(("model", "optim"), get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))))
+    full_model, full_optim = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    full = {"model": full_model, "optim": full_optim}
     if rank == 0:
         torch.save(full, root / "fsdp2-full.pt")
         # ckptkit, offline, on one rank: torch's DCP -> FULL -> DCP for 3 ranks -> re-shard for this world size
@@ -154,7 +154,8 @@ def _fsdp2(rank: int, ws: int, mesh, root: Path) -> dict:
     resumed = {"model": msd2, "optim": osd2}
     dcp.load(resumed, checkpoint_id=str(root / "fsdp2-ckptkit-resume"))
     set_state_dict(model2, optim2, model_state_dict=resumed["model"], optim_state_dict=resumed["optim"])
-    again = dict(zip(("model", "optim"), get_state_dict(model2, optim2, options=StateDictOptions(full_state_dict=True))))
+    again_model, again_optim = get_state_dict(model2, optim2, options=StateDictOptions(full_state_dict=True))
+    again = {"model": again_model, "optim": again_optim}
     result = {}
     try:
         assert_same_tree(again, full)
@@ -175,8 +176,8 @@ def _fsdp2(rank: int, ws: int, mesh, root: Path) -> dict:
 
 
 def _fsdp1(rank: int, root: Path) -> dict:
-    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
 
     torch.manual_seed(0)
     model = FSDP(Tiny(), device_id=torch.device("cpu"))
@@ -309,7 +310,7 @@ def test_convert_dtensor_column_shards_and_replicas(group, tmp_path):
     chunks = {t.key: [(c.offsets, c.sizes) for c in t.chunks] for t in inspect(src).tensors}
     cols = [c.shape[1] for c in torch.chunk(torch.empty(3, 7), ws, dim=1)]
     starts = [sum(cols[:i]) for i in range(len(cols))]
-    assert chunks["col"] == [((0, s), (3, n)) for s, n in zip(starts, cols)]
+    assert chunks["col"] == [((0, s), (3, n)) for s, n in zip(starts, cols, strict=True)]
     assert len({box for box in chunks["rep"]}) == 1  # replicas of one box (torch may keep one or all)
     expected = placed_tensors()
     for form, kwargs in (("out.pt", {"to": "full"}), ("hf", {"to": "hf"}), ("dcp", {"to": "sharded", "world_size": 2})):
@@ -332,12 +333,14 @@ def test_dcp_load_with_empty_container(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     state = {"model": {"w": torch.randn(3, 2)},
-             "optimizer": {"state": {"w": {"exp_avg": torch.randn(3, 2)}}, "param_groups": [{"lr": 0.1, "params": ["w"]}]},
+             "optimizer": {"state": {"w": {"exp_avg": torch.randn(3, 2)}},
+                           "param_groups": [{"lr": 0.1, "params": ["w"]}]},
              "scaler": {}}
     torch.save(state, tmp_path / "src.pt")
     convert(tmp_path / "src.pt", tmp_path / "dcp", to="sharded", world_size=2)
     target = {"model": {"w": torch.zeros(3, 2)},
-              "optimizer": {"state": {"w": {"exp_avg": torch.zeros(3, 2)}}, "param_groups": [{"lr": 0.0, "params": None}]},
+              "optimizer": {"state": {"w": {"exp_avg": torch.zeros(3, 2)}},
+                            "param_groups": [{"lr": 0.0, "params": None}]},
               "scaler": {}}
     dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     assert_same_tree(target, state)
@@ -353,7 +356,8 @@ def test_dcp_load_without_process_group_reads_ckptkit_output(tmp_path):
         convert(tmp_path / "src.pt", tmp_path / f"dcp{n}", to="sharded", world_size=n)
         target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
                   "optimizer": {"state": {"f32": {"exp_avg": torch.zeros(5, 3), "step": torch.tensor(0.0)}},
-                                "param_groups": [{"lr": None, "betas": None, "eps": None, "foreach": None, "params": None}]},
+                                "param_groups": [{"lr": None, "betas": None, "eps": None, "foreach": None,
+                                                  "params": None}]},
                   "step": 0, "name": ""}
         dcp.load(target, checkpoint_id=str(tmp_path / f"dcp{n}"), no_dist=True)
         assert_same_tree(target, state)

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from _checks import hash_tree, leftovers
+from ckptkit.errors import CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError, UsageError
 from ckptkit.io import execute as executor
 from ckptkit.ops.convert import convert, reshard
-from ckptkit.errors import (CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError,
-                            UsageError)
 from ckptkit.ops.export import export_hf
 from ckptkit.ops.inspect import inspect
 from ckptkit.ops.verify import verify
@@ -94,8 +93,8 @@ def test_inspect_refuses_metadata_naming_os_system(tmp_path, dcp_ckpt):
     (dcp_ckpt / ".metadata").write_bytes(pickle.dumps(Evil(marker), protocol=2))
     for run in (lambda: inspect(dcp_ckpt), lambda: convert(dcp_ckpt, tmp_path / "out.pt", to="full"),
                 lambda: verify(dcp_ckpt, dcp_ckpt)):
-        with pytest.raises(UnsafeCheckpointError, match=rf"{dcp_ckpt / '.metadata'}: the pickle asks for posix\.system, "
-                                                        r"which is not on ckptkit's allow-list"):
+        with pytest.raises(UnsafeCheckpointError, match=rf"{dcp_ckpt / '.metadata'}: the pickle asks for "
+                                                        r"posix\.system, which is not on ckptkit's allow-list"):
             run()
     assert not marker.exists()
     assert not (tmp_path / "out.pt").exists()
@@ -173,7 +172,8 @@ def test_convert_safetensors_header_that_lies(tmp_path, header, data, header_len
 
 @pytest.mark.parametrize("name, error, message", [
     # path traversal out of the checkpoint directory
-    ("../evil.safetensors", FormatError, r"weight_map\['w'\] = '\.\./evil\.safetensors' is not a plain '\*\.safetensors' file name"),
+    ("../evil.safetensors", FormatError,
+     r"weight_map\['w'\] = '\.\./evil\.safetensors' is not a plain '\*\.safetensors' file name"),
     # a file that is not a safetensors shard
     ("weights.bin", FormatError, r"is not a plain '\*\.safetensors' file name"),
     # a shard that does not exist

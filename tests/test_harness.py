@@ -14,8 +14,19 @@ from click.testing import CliRunner
 from ckptkit.harness import runner
 from ckptkit.harness.checks import BF16_RTOL, FP32_RTOL, compare_losses, compare_states, loss_rtol
 from ckptkit.harness.cli import harness
-from ckptkit.harness.configs import (AutoWrap, Cell, ConfigError, Format, Sharding, TrainConfig, Wrapper, ddp, fsdp1,
-                                     fsdp2, plain)
+from ckptkit.harness.configs import (
+    AutoWrap,
+    Cell,
+    ConfigError,
+    Format,
+    Sharding,
+    TrainConfig,
+    Wrapper,
+    ddp,
+    fsdp1,
+    fsdp2,
+    plain,
+)
 from ckptkit.harness.matrix import QUICK, full, select
 
 # --------------------------------------------------------------------------------------------------------
@@ -38,9 +49,11 @@ from ckptkit.harness.matrix import QUICK, full, select
     (lambda: ddp(2, form=Format.LOCAL), r"form local is FSDP1's LOCAL_STATE_DICT, but wrapper is ddp"),
     (lambda: fsdp2(2, form=Format.LOCAL), r"form local is FSDP1's LOCAL_STATE_DICT, but wrapper is fsdp2"),
     # hybrid layouts are 2 x k
-    (lambda: fsdp1(3, sharding=Sharding.HYBRID_SHARD), r"FSDP1 HYBRID_SHARD lays ranks out as 2 x k, so world_size must be even, got 3"),
+    (lambda: fsdp1(3, sharding=Sharding.HYBRID_SHARD),
+     r"FSDP1 HYBRID_SHARD lays ranks out as 2 x k, so world_size must be even, got 3"),
     (lambda: fsdp2(5, hsdp=True), r"FSDP2 HSDP lays ranks out as 2 x k, so world_size must be even, got 5"),
-    (lambda: fsdp1(4, sharding=Sharding.HYBRID_SHARD_ZERO2, form=Format.LOCAL), r"refuses LOCAL_STATE_DICT with a DeviceMesh"),
+    (lambda: fsdp1(4, sharding=Sharding.HYBRID_SHARD_ZERO2, form=Format.LOCAL),
+     r"refuses LOCAL_STATE_DICT with a DeviceMesh"),
 ])
 def test_train_config_rejects(make, message):
     with pytest.raises(ConfigError, match=message):
@@ -93,13 +106,15 @@ def test_full_matrix_covers_every_option_as_source_and_as_target():
     cells = full()
     assert len({c.name for c in cells}) == len(cells)
     sources, targets = {c.source for c in cells}, {c.target for c in cells}
-    fsdp1_options = {(c.sharding, c.auto_wrap, c.use_orig_params, c.form) for c in sources if c.wrapper is Wrapper.FSDP1}
+    fsdp1_options = {(c.sharding, c.auto_wrap, c.use_orig_params, c.form) for c in sources
+                     if c.wrapper is Wrapper.FSDP1}
     # 5 strategies x 3 wraps x 2 x 3 forms, less hybrid x LOCAL (torch refuses it)
     assert len(fsdp1_options) == 5 * 3 * 2 * 3 - 2 * 3 * 2
     fsdp2_options = {(c.hsdp, c.bf16, c.cpu_offload, c.reshard_after_forward, c.form) for c in sources
                      if c.wrapper is Wrapper.FSDP2}
     assert len(fsdp2_options) == 2 ** 4 * 2
-    fsdp1_targets = {(c.sharding, c.auto_wrap, c.use_orig_params, c.form) for c in targets if c.wrapper is Wrapper.FSDP1}
+    fsdp1_targets = {(c.sharding, c.auto_wrap, c.use_orig_params, c.form) for c in targets
+                     if c.wrapper is Wrapper.FSDP1}
     # as targets HF joins the forms; LOCAL targets leave out hybrid and NO_SHARD
     assert len(fsdp1_targets) == 5 * 3 * 2 * 4 - 2 * 3 * 2 - 3 * 2
     fsdp2_targets = {(c.hsdp, c.bf16, c.cpu_offload, c.reshard_after_forward, c.form) for c in targets
@@ -150,7 +165,8 @@ def test_compare_states_identical_counts_tensors():
 
 @pytest.mark.parametrize("change, message", [
     ({"model__w": torch.tensor([1.0, 0.0, float("nan")])}, r"model\.w: bits differ"),              # -0.0 became 0.0
-    ({"model__w": torch.tensor([1.0, -0.0, float("nan")], dtype=torch.float64)}, r"model\.w: dtype torch\.float32 vs torch\.float64"),
+    ({"model__w": torch.tensor([1.0, -0.0, float("nan")], dtype=torch.float64)},
+     r"model\.w: dtype torch\.float32 vs torch\.float64"),
     ({"model__b": torch.arange(4)}, r"model\.b: shape \[3\] vs \[4\]"),
     ({"optim__param_groups__0__lr": 0.02}, r"optim\.param_groups\.0\.lr: 0\.01 vs 0\.02"),
     ({"step": 3}, r"step: 2 vs 3"),

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from _checks import assert_same_tree, assert_tensor_identical, hash_tree, load_dcp, load_full, load_hf
-from ckptkit.ops.convert import convert
 from ckptkit.errors import UsageError
+from ckptkit.ops.convert import convert
 from ckptkit.ops.export import export_hf
 from ckptkit.ops.verify import verify
 
@@ -112,7 +112,8 @@ def test_export_hf_keep_wrapper_prefixes(tmp_path):
 
 
 def test_export_hf_strip_prefixes(tmp_path):
-    flat = {"model.layers.0.weight": torch.ones(2), "model.norm.weight": torch.zeros(2), "lm_head.weight": torch.ones(3)}
+    flat = {"model.layers.0.weight": torch.ones(2), "model.norm.weight": torch.zeros(2),
+            "lm_head.weight": torch.ones(3)}
     torch.save(flat, tmp_path / "src.pt")
     report = export_hf(tmp_path / "src.pt", tmp_path / "hf", strip_prefixes=("model.",))
     assert_same_tree(load_hf(tmp_path / "hf"),
@@ -160,7 +161,8 @@ def test_export_hf_dtype_casts_floating_tensors_only(tmp_path, full_ckpt, traini
         want = t.to(torch_dtype) if t.is_floating_point() else t  # int64 and bool keep their dtype
         assert_tensor_identical(out[key], want, key)
     n = sum(1 for t in model.values() if t.is_floating_point() and t.dtype != torch_dtype)
-    assert f"cast {n} floating tensors to {str(torch_dtype).removeprefix('torch.')}; others kept their dtype" in report.notes
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+    assert f"cast {n} floating tensors to {dtype_name}; others kept their dtype" in report.notes
 
 
 def test_export_hf_rejects_unknown_dtype(tmp_path, full_ckpt):

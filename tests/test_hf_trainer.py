@@ -26,7 +26,7 @@ def test_export_hf_callback_writes_loadable_weights_on_each_save(tmp_path):
     for step in (1, 2):
         assert (tmp_path / f"checkpoint-{step}" / "hf" / "model.safetensors").is_file()
     loaded = LlamaForCausalLM.from_pretrained(tmp_path / "checkpoint-2" / "hf")
-    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     tokens = torch.randint(0, 64, (1, 8))
     assert torch.equal(model(tokens).logits, loaded(tokens).logits)

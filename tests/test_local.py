@@ -20,16 +20,16 @@ from click.testing import CliRunner
 from _checks import assert_same_tree, load_dcp, load_full, load_hf
 from _fsdp1 import AUTO_WRAP, MODEL, load_and_gather, train_and_save
 from ckptkit.cli import cli
-from ckptkit.ops.convert import convert, reshard
-from ckptkit.core.dtypes import by_name
-from ckptkit.errors import FormatError, IncompleteCheckpointError, UsageError
 from ckptkit.core.boxes import range_boxes
-from ckptkit.formats.local.layout import LAYOUT_FILE
-from ckptkit.formats import LocalOptions
-from ckptkit.harness.launch import run_ranks
-from ckptkit.ops.inspect import inspect
+from ckptkit.core.dtypes import by_name
 from ckptkit.core.manifest import Chunk, Format, Span, TensorEntry
 from ckptkit.core.plan import Copy, Region, plan_copies
+from ckptkit.errors import FormatError, IncompleteCheckpointError, UsageError
+from ckptkit.formats import LocalOptions
+from ckptkit.formats.local.layout import LAYOUT_FILE
+from ckptkit.harness.launch import run_ranks
+from ckptkit.ops.convert import convert, reshard
+from ckptkit.ops.inspect import inspect
 from ckptkit.ops.verify import verify
 from fixtures_models import tiny
 
@@ -141,7 +141,8 @@ def test_local_reshard_n_to_m_is_bit_exact(saved, uop, tmp_path):
     src = saved[uop] / "train"
     reshard(src, tmp_path / "l3", world_size=3, **local())
     reshard(tmp_path / "l3", tmp_path / "l1", world_size=1)  # the sidecar carries the layout from here on
-    assert sorted(p.name for p in (tmp_path / "l3").iterdir()) == [LAYOUT_FILE] + [f"model_rank_{r}.pt" for r in range(3)]
+    assert (sorted(p.name for p in (tmp_path / "l3").iterdir())
+            == [LAYOUT_FILE] + [f"model_rank_{r}.pt" for r in range(3)])
     assert verify(src, tmp_path / "l3", **local()).ok
     assert verify(tmp_path / "l3", tmp_path / "l1").ok
     convert(tmp_path / "l1", tmp_path / "out.pt", to="full")
@@ -210,7 +211,8 @@ def test_local_single_rank_file_points_to_its_directory(saved, tmp_path):
 def test_local_with_the_wrong_wrap_policy_lists_the_differences(saved, tmp_path):
     with pytest.raises(FormatError, match=r"the flat layout does not match the checkpoint: .*'layers\.0\._flat_param' "
                                           r"is in the rank files but not in the layout"):
-        convert(saved[False] / "model", tmp_path / "out.pt", to="full", local=LocalOptions(model=MODEL, auto_wrap="none"))
+        convert(saved[False] / "model", tmp_path / "out.pt", to="full",
+                local=LocalOptions(model=MODEL, auto_wrap="none"))
 
 
 def test_local_rank_files_by_name_and_by_pattern(saved, tmp_path):
@@ -222,8 +224,9 @@ def test_local_rank_files_by_name_and_by_pattern(saved, tmp_path):
     convert(src, tmp_path / "a.pt", to="full", **local())  # found by name
     for r in range(2):  # a second group of rank files makes the names ambiguous
         shutil.copy(src / f"shard_{r}.pt", src / f"backup_{r}.pt")
-    with pytest.raises(FormatError, match=r"cannot tell which files are the LOCAL rank files \(found backup_\{rank\}\.pt, "
-                                          r"shard_\{rank\}\.pt\); name them with --rank-files"):
+    with pytest.raises(FormatError, match=r"cannot tell which files are the LOCAL rank files "
+                                          r"\(found backup_\{rank\}\.pt, shard_\{rank\}\.pt\); "
+                                          r"name them with --rank-files"):
         convert(src, tmp_path / "b.pt", to="full", **local())
     convert(src, tmp_path / "c.pt", to="full", **local(rank_files="shard_{rank}.pt"))
     assert_same_tree(load_full(tmp_path / "c.pt"), load_full(saved[False] / "full.pt"))
@@ -232,7 +235,8 @@ def test_local_rank_files_by_name_and_by_pattern(saved, tmp_path):
         convert(src, tmp_path / "d.pt", to="full", **local(rank_files="shard_{rank}.pt"))
     (src / "shard_0.pt").rename(src / "shard_1.pt")  # rank 0's file under rank 1's name
     (src / "shard_2.pt").rename(src / "shard_0.pt")  # and the other way round
-    with pytest.raises(FormatError, match=r"shard_0\.pt: '_flat_param' was saved by rank 1 of 2, but the file is rank 0"):
+    with pytest.raises(FormatError,
+                       match=r"shard_0\.pt: '_flat_param' was saved by rank 1 of 2, but the file is rank 0"):
         convert(src, tmp_path / "e.pt", to="full", **local(rank_files="shard_{rank}.pt"))
 
 

@@ -168,13 +168,15 @@ def test_tensor_entry_validate_accepts_tiling_and_replicas():
     # rows 0-2 and rows 2-3 share row 2
     ((chunk((0, 0), (3, 3), "a"), chunk((2, 0), (2, 3), "b")), r"chunks at \[0, 0\] and \[2, 0\] overlap"),
     # a chunk of rows 3-4 in a 4-row tensor
-    ((chunk((0, 0), (3, 3), "a"), chunk((3, 0), (2, 3), "b")), r"chunk at \[3, 0\] size \[2, 3\] in b exceeds shape \[4, 3\]"),
+    ((chunk((0, 0), (3, 3), "a"), chunk((3, 0), (2, 3), "b")),
+     r"chunk at \[3, 0\] size \[2, 3\] in b exceeds shape \[4, 3\]"),
     # a negative offset
     ((chunk((-1, 0), (1, 3), "a"), chunk((0, 0), (4, 3), "b")), r"exceeds shape"),
     # rows 2-3 are missing
     ((chunk((0, 0), (2, 3), "a"),), r"chunks cover 6 of 12 elements \(a rank file or chunk is missing\)"),
     # the span holds 8 bytes where 24 are needed
-    ((chunk((0, 0), (2, 3), "a", length=8), chunk((2, 0), (2, 3), "b")), r"chunk at \[0, 0\] in a holds 8 bytes, needs 24"),
+    ((chunk((0, 0), (2, 3), "a", length=8), chunk((2, 0), (2, 3), "b")),
+     r"chunk at \[0, 0\] in a holds 8 bytes, needs 24"),
     # a 1-D chunk for a 2-D tensor
     ((Chunk((0,), (12,), Span("a", 0, 48)),), r"chunk in a has rank 1, tensor has rank 2"),
 ])

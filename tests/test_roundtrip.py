@@ -6,6 +6,7 @@ Every result is read back by torch's own loaders; ``verify`` is checked as well,
 from __future__ import annotations
 
 import errno
+import itertools
 import math
 import os
 from pathlib import Path
@@ -13,13 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptkit.ops.convert import convert, reshard
-from ckptkit.errors import UsageError
-from ckptkit.ops.inspect import inspect
+from _checks import (
+    assert_same_tree,
+    flat_tensors,
+    load_dcp,
+    load_full,
+    load_hf,
+    make_training_state,
+    make_zoo,
+    random_bits,
+)
 from ckptkit.core.manifest import Format
+from ckptkit.errors import UsageError
+from ckptkit.ops.convert import convert, reshard
+from ckptkit.ops.inspect import inspect
 from ckptkit.ops.verify import verify
-from _checks import (assert_same_tree, flat_tensors, load_dcp, load_full, load_hf,
-                     make_training_state, make_zoo, random_bits)
 
 # form name -> (ckptkit format, world size)
 FORMS = {
@@ -125,7 +134,8 @@ def test_convert_sharded_lays_out_torch_chunk_rows(tmp_path, full_ckpt, world_si
             expected = [((0,) * t.dim(), tuple(t.shape))]  # scalars and empty tensors live whole on rank 0
         else:  # FSDP2's Shard(0): torch.chunk rows, the last ranks may hold fewer or none
             starts = [0, *torch.tensor([p.shape[0] for p in torch.chunk(t, world_size)]).cumsum(0).tolist()]
-            expected = [((a, *[0] * (t.dim() - 1)), (b - a, *t.shape[1:])) for a, b in zip(starts, starts[1:])]
+            expected = [((begin, *[0] * (t.dim() - 1)), (end - begin, *t.shape[1:]))
+                        for begin, end in itertools.pairwise(starts)]
         assert boxes == expected, key
 
 
@@ -219,10 +229,7 @@ ALL_DTYPES = [
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_convert_every_dtype_bit_exact(tmp_path, dtype):
     g = torch.Generator().manual_seed(0)
-    if dtype == torch.bool:
-        t = torch.rand(5, 3, generator=g) > 0.5
-    else:
-        t = random_bits((5, 3), dtype, g)
+    t = torch.rand(5, 3, generator=g) > 0.5 if dtype == torch.bool else random_bits((5, 3), dtype, g)
     # pickle protocol 4 (STACK_GLOBAL, frames) as some trainers save; a Parameter beside the plain tensor
     torch.save({"t": t, "p": torch.nn.Parameter(t.clone(), requires_grad=False)}, tmp_path / "src.pt",
                pickle_protocol=4)
@@ -231,7 +238,8 @@ def test_convert_every_dtype_bit_exact(tmp_path, dtype):
         fmt, ws = FORMS[form]
         convert(tmp_path / "src.pt", tmp_path / _dst_name(form), to=fmt, world_size=ws)
         got = read_with_torch(tmp_path / _dst_name(form), form, tmp_path)
-        assert_same_tree({k: v.data if isinstance(v, torch.nn.Parameter) else v for k, v in got.items()}, expected, form)
+        plain = {key: value.data if isinstance(value, torch.nn.Parameter) else value for key, value in got.items()}
+        assert_same_tree(plain, expected, form)
 
 
 def _no_kernel_copy(*args):
@@ -324,7 +332,8 @@ def test_reshard_refuses_unsharded_input(tmp_path, source, full_ckpt, hf_ckpt):
 def test_convert_report_counts(tmp_path, full_ckpt, training_state):
     report = convert(full_ckpt, tmp_path / "dcp", to="sharded", world_size=2)
     tensors = flat_tensors(training_state)
-    assert (report.tensors, report.objects, report.files) == (len(tensors), 7, 3)  # objects: 5 param-group fields, step, name
+    # objects: 5 param-group fields, step, name
+    assert (report.tensors, report.objects, report.files) == (len(tensors), 7, 3)
     assert report.source_format is Format.FULL
     assert report.bytes >= sum(t.numel() * t.element_size() for t in tensors.values())
     assert report.lines()[0] == f"{full_ckpt} (full) -> {tmp_path / 'dcp'} (sharded for 2 ranks)"

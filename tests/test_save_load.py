@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.io import publish as rotation
 from ckptkit.errors import UsageError
 from ckptkit.harness.launch import run_ranks
 from ckptkit.harness.model import TinyConfig, TinyTransformer, batch
+from ckptkit.io import publish as rotation
 
 FORMS = ("sharded", "full", "hf")
 

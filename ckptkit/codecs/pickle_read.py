@@ -13,8 +13,9 @@ import _compat_pickle
 import functools
 import io
 import pickle
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ..errors import FormatError, UnsafeCheckpointError
 
@@ -50,7 +51,8 @@ class Record:
     _pickle_name: Ref
 
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)) and isinstance(state[1], dict):
+        if (isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict))
+                and isinstance(state[1], dict)):
             state = {**(state[0] or {}), **state[1]}  # (dict, slots) from dataclasses with __slots__
         if isinstance(state, dict):
             self.__dict__.update(state)

@@ -9,16 +9,32 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..core.dtypes import DType
 from .pickle_read import Call, Record, Ref, ref
 
 __all__ = ["RefPickler", "dumps"]
 
+if TYPE_CHECKING:
 
-class RefPickler(pickle._Pickler):  # the pure-Python pickler: its dispatch table can be extended
-    dispatch = pickle._Pickler.dispatch.copy()
+    class _Pickler(pickle._Pickler):
+        # typeshed leaves out the members of the pure-Python pickler that a subclass extends it through, and
+        # types its dispatch table's handlers as taking an Unpickler.
+        proto: int
+        dispatch: ClassVar[dict[type, Callable[[Any, Any], None]]]
+
+        def write(self, data: bytes, /) -> object: ...
+        def memoize(self, obj: Any) -> None: ...
+        def save(self, obj: Any, save_persistent_id: bool = True) -> None: ...
+
+else:
+    _Pickler = pickle._Pickler
+
+
+class RefPickler(_Pickler):  # the pure-Python pickler: its dispatch table can be extended
+    dispatch = _Pickler.dispatch.copy()
 
     def __init__(self, file: io.BytesIO, protocol: int, persistent_id: Callable[[Any], Any] | None = None) -> None:
         super().__init__(file, protocol)

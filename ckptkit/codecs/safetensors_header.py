@@ -7,6 +7,7 @@ shapes) and moves no tensor bytes; writing lays out a header that ``safetensors.
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 from pathlib import Path
@@ -57,9 +58,9 @@ def read_header(file: Path) -> tuple[list[TensorEntry], dict[str, str]]:
         span = Span(str(file.absolute()), base + begin, nbytes)
         tensors.append(TensorEntry(key, (key,), dtype, shape, (Chunk((0,) * len(shape), shape, span),)))
     spans.sort()
-    for (b0, e0, k0), (b1, _, k1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise FormatError(f"{where}: tensors {k0!r} and {k1!r} overlap in the data section")
+    for (_, end, key), (next_begin, _, next_key) in itertools.pairwise(spans):
+        if next_begin < end:
+            raise FormatError(f"{where}: tensors {key!r} and {next_key!r} overlap in the data section")
     return tensors, {str(k): str(v) for k, v in meta.items()}
 
 
@@ -68,7 +69,8 @@ def file_parts(regions: list[Region]) -> tuple[Part, ...]:
     header: dict[str, Any]
     header, pos = {"__metadata__": {"format": "pt"}}, 0
     for r in regions:
-        header[r.entry.key] = {"dtype": r.dtype.safetensors, "shape": list(r.sizes), "data_offsets": [pos, pos + r.nbytes]}
+        header[r.entry.key] = {"dtype": r.dtype.safetensors, "shape": list(r.sizes),
+                               "data_offsets": [pos, pos + r.nbytes]}
         pos += r.nbytes
     data = json.dumps(header, separators=(",", ":")).encode()
     data += b" " * (-len(data) % 8)  # pad so tensor data starts 8-byte aligned, as the safetensors writer does

@@ -23,13 +23,23 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .pickle_read import (MEMORY_FORMATS, Call, EnumStandIn, Record, allow_records, keep_call, make_record, record_class, ref,
-                      safe_getattr)
-from .torchzip_read import OBJECT_GLOBALS, TENSOR, Tag
-from ..core.dtypes import DType
-from ..errors import FormatError
 from ..core.boxes import row_major
+from ..core.dtypes import DType
 from ..core.manifest import TensorRef
+from ..errors import FormatError
+from .pickle_read import (
+    MEMORY_FORMATS,
+    Call,
+    EnumStandIn,
+    Record,
+    allow_records,
+    keep_call,
+    make_record,
+    record_class,
+    ref,
+    safe_getattr,
+)
+from .torchzip_read import OBJECT_GLOBALS, TENSOR, Tag
 
 __all__ = ["ShardBox", "ShardedTensorData", "sharded_tensor", "sharded_tensor_globals"]
 
@@ -106,7 +116,8 @@ def sharded_tensor_globals(where: str) -> dict[tuple[str, str], Any]:
 def _ints(v: Any, what: str) -> tuple[int, ...]:
     if isinstance(v, Call):  # torch.Size((...))
         v = v.args[0] if v.args else ()
-    if not isinstance(v, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v):
+    valid = isinstance(v, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v)
+    if not valid:
         raise ValueError(f"{what} should be a list of non-negative ints, found {v!r}")
     return tuple(v)
 
@@ -131,7 +142,8 @@ def _sharded_data(args: tuple, state: tuple) -> ShardedTensorData:
         box, t = _box(s.metadata), s.tensor
         if not isinstance(t, TensorRef) or t.dtype != dtype or t.shape != box.sizes:
             found = f"{t.dtype} {list(t.shape)}" if isinstance(t, TensorRef) else type(t).__name__
-            raise ValueError(f"local shard at {list(box.offsets)} holds {found}, metadata says {dtype} {list(box.sizes)}")
+            raise ValueError(f"local shard at {list(box.offsets)} holds {found}, "
+                             f"metadata says {dtype} {list(box.sizes)}")
         if t.strides is None and t.span.length < math.prod(t.shape) * dtype.itemsize:
             raise ValueError(f"local shard at {list(box.offsets)} needs {math.prod(t.shape) * dtype.itemsize} bytes, "
                              f"its storage holds {t.span.length}")

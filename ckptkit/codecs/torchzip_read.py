@@ -16,8 +16,8 @@ import zipfile
 from typing import Any
 
 from ..core import dtypes
-from ..core.dtypes import DType
 from ..core.boxes import row_major
+from ..core.dtypes import DType
 from ..core.manifest import Span, TensorRef
 from ..errors import FormatError
 from .pickle_read import SafeUnpickler, keep_call
@@ -194,22 +194,22 @@ def read_archive(path: str, start: int = 0, length: int | None = None, *, where:
     """
     where = where or path
     own = fd is None
-    if own:
-        fd = os.open(path, os.O_RDONLY)
+    file_fd = os.open(path, os.O_RDONLY) if fd is None else fd
     try:
         if length is None:
-            length = os.fstat(fd).st_size - start
-        window = _Window(fd, start, length)
+            length = os.fstat(file_fd).st_size - start
+        window = _Window(file_fd, start, length)
         records = _records(window, path)
         pkl = [n for n in records if n.endswith("data.pkl") and n.count("/") <= 1]
         if len(pkl) != 1:
-            raise FormatError(f"{where}: no data.pkl record; not a torch.save archive (legacy pre-1.6 files are not supported)")
+            raise FormatError(f"{where}: no data.pkl record; not a torch.save archive "
+                              "(legacy pre-1.6 files are not supported)")
         prefix = pkl[0][: -len("data.pkl")]
         window.seek(records[pkl[0]].offset - start)
         data = window.read(records[pkl[0]].length)
     finally:
         if own:
-            os.close(fd)
+            os.close(file_fd)
 
     def persistent_load(pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -219,7 +219,8 @@ def read_archive(path: str, start: int = 0, length: int | None = None, *, where:
             raise FormatError(f"{where}: persistent id names {tag!r}, not a storage class")
         span = records.get(f"{prefix}data/{key}")
         if span is None:
-            raise FormatError(f"{where}: data.pkl names storage {key!r} but the archive has no record {prefix}data/{key}")
+            raise FormatError(f"{where}: data.pkl names storage {key!r} but the archive has no record "
+                              f"{prefix}data/{key}")
         return _Storage(span, tag.dtype)
 
     allowed = {**OBJECT_GLOBALS, **(extra_globals or {})}

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.dtypes import DType
 from ..core.boxes import row_major
+from ..core.dtypes import DType
 from ..core.plan import Bytes, Part, Region
 from .pickle_read import Call, Record, ref
 from .pickle_write import dumps
@@ -127,7 +127,7 @@ def archive_parts(tree: Any, *, name: str = "archive") -> tuple[Part, ...]:
         full = f"{name}/{rec_name}".encode()
         size = sum(p.nbytes for p in payload)
         only = payload[0] if len(payload) == 1 else None
-        crc = zipfile.crc32(only.data) if isinstance(only, Bytes) else 0  # CRC 0 on streamed records, as torch allows
+        crc = zlib.crc32(only.data) if isinstance(only, Bytes) else 0  # CRC 0 on streamed records, as torch allows
         header = _local_header(full, size, crc, pos)
         central.append((full, size, crc, pos))
         parts += [Bytes(header), *payload]

@@ -21,7 +21,7 @@ def extent(sizes: tuple[int, ...], strides: tuple[int, ...] | None) -> int:
         return 0
     if strides is None:
         return math.prod(sizes)
-    return 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
+    return 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
 
 
 def range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -54,8 +54,10 @@ DTYPES = (
 _BY_NAME = {d.name: d for d in DTYPES}
 _BY_SAFETENSORS = {d.safetensors: d for d in DTYPES if d.safetensors}
 # torch's own aliases, as they may appear in pickles (``torch.float`` pickles as ``float32`` but be lenient).
-_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "long": "int64", "int": "int32", "short": "int16"}
-_CASTS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "long": "int64", "int": "int32",
+            "short": "int16"}
+_CASTS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+          "float32": "float32"}
 
 
 def by_name(name: str, *, where: str = "") -> DType:
@@ -69,7 +71,8 @@ def by_safetensors(code: str, *, where: str = "") -> DType:
     try:
         return _BY_SAFETENSORS[code]
     except KeyError:
-        raise FormatError(f"{where}: unsupported safetensors dtype {code!r}; supported: {', '.join(_BY_SAFETENSORS)}") from None
+        raise FormatError(f"{where}: unsupported safetensors dtype {code!r}; "
+                          f"supported: {', '.join(_BY_SAFETENSORS)}") from None
 
 
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
+from ..errors import IncompleteCheckpointError
 from .boxes import extent
 from .dtypes import DType, by_name
-from ..errors import IncompleteCheckpointError
 
-__all__ = ["Chunk", "Format", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of", "map_tensor_refs"]
+__all__ = ["Chunk", "Format", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of",
+           "map_tensor_refs"]
 
 Path_ = tuple  # a state-dict path: str keys and int list indices, e.g. ("optim", "param_groups", 0, "lr")
 
@@ -80,8 +82,10 @@ class TensorEntry:
             if len(c.offsets) != len(self.shape) or len(c.sizes) != len(self.shape):
                 problems.append(f"chunk in {where} has rank {len(c.sizes)}, tensor has rank {len(self.shape)}")
                 continue
-            if any(o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, self.shape)):
-                problems.append(f"chunk at {list(c.offsets)} size {list(c.sizes)} in {where} exceeds shape {list(self.shape)}")
+            if any(offset < 0 or offset + size > dim
+                   for offset, size, dim in zip(c.offsets, c.sizes, self.shape, strict=True)):
+                problems.append(f"chunk at {list(c.offsets)} size {list(c.sizes)} in {where} "
+                                f"exceeds shape {list(self.shape)}")
                 continue
             need = extent(c.sizes, c.strides) * self.dtype.itemsize
             if c.span.length < need:
@@ -91,7 +95,8 @@ class TensorEntry:
                 boxes.append(box)
         for i, a in enumerate(boxes):
             for b in boxes[i + 1:]:
-                if all(max(ao, bo) < min(ao + asz, bo + bsz) for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1])):
+                if all(max(a_lo, b_lo) < min(a_lo + a_size, b_lo + b_size)
+                       for a_lo, a_size, b_lo, b_size in zip(a[0], a[1], b[0], b[1], strict=True)):
                     problems.append(f"chunks at {list(a[0])} and {list(b[0])} overlap")
         covered = sum(math.prod(s) for _, s in boxes)
         if not problems and covered != self.numel:
@@ -158,11 +163,11 @@ class Manifest:
     world_size: int | None = None
     details: tuple[tuple[str, str], ...] = ()
     """Format-specific facts for ``inspect`` (e.g. ``("layout", "FSDP2 Shard(0)")``)."""
-    _by_key: dict = field(init=False, repr=False, compare=False)
+    _by_key: dict[str, TensorEntry | ObjectEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         by_key: dict[str, TensorEntry | ObjectEntry] = {}
-        for e in (*self.tensors, *self.objects):
+        for e in self.entries:
             if e.key in by_key:
                 raise IncompleteCheckpointError(f"{self.root}: key {e.key!r} appears twice")
             by_key[e.key] = e
@@ -177,6 +182,11 @@ class Manifest:
     @property
     def keys(self) -> list[str]:
         return list(self._by_key)
+
+    @property
+    def entries(self) -> tuple[TensorEntry | ObjectEntry, ...]:
+        """The tensors, then the objects."""
+        return (*self.tensors, *self.objects)
 
     @property
     def nbytes(self) -> int:

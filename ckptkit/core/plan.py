@@ -11,9 +11,9 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from .dtypes import DType
 from ..errors import IncompleteCheckpointError
 from .boxes import row_major
+from .dtypes import DType
 from .manifest import Span, TensorEntry
 
 __all__ = ["Copy", "FilePlan", "Bytes", "Part", "Region", "WritePlan", "plan_copies", "row_blocks"]
@@ -40,7 +40,7 @@ class Region:
     cast: DType | None = None
 
     @classmethod
-    def whole(cls, entry: TensorEntry, cast: DType | None = None) -> "Region":
+    def whole(cls, entry: TensorEntry, cast: DType | None = None) -> Region:
         return cls(entry, (0,) * len(entry.shape), entry.shape, cast)
 
     @property
@@ -98,11 +98,12 @@ def plan_copies(region: Region) -> tuple[Copy, ...]:
         if box in seen:  # a replica (HSDP without de-duplication): the first copy serves
             continue
         seen.add(box)
-        lo = tuple(max(a, b) for a, b in zip(ro, c.offsets))
-        hi = tuple(min(a + s, b + t) for a, s, b, t in zip(ro, rs, c.offsets, c.sizes))
-        if any(h <= l for l, h in zip(lo, hi)):
+        lo = tuple(max(r_off, c_off) for r_off, c_off in zip(ro, c.offsets, strict=True))
+        hi = tuple(min(r_off + r_size, c_off + c_size)
+                   for r_off, r_size, c_off, c_size in zip(ro, rs, c.offsets, c.sizes, strict=True))
+        if any(high <= low for low, high in zip(lo, hi, strict=True)):
             continue
-        isizes = tuple(h - l for l, h in zip(lo, hi))
+        isizes = tuple(high - low for low, high in zip(lo, hi, strict=True))
         cstrides = c.strides or row_major(c.sizes)
         # Widen the contiguous run leftwards while every dim to its right is whole in chunk and region alike.
         if n == 0:
@@ -146,5 +147,6 @@ def row_blocks(region: Region, budget: int) -> list[Region]:
     out = []
     for a in range(0, region.sizes[0], step):
         b = min(a + step, region.sizes[0])
-        out.append(Region(region.entry, (region.offsets[0] + a, *region.offsets[1:]), (b - a, *region.sizes[1:]), region.cast))
+        out.append(Region(region.entry, (region.offsets[0] + a, *region.offsets[1:]), (b - a, *region.sizes[1:]),
+                          region.cast))
     return out

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable, Iterator
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from .manifest import Path_
 
@@ -36,24 +37,29 @@ def unflatten(items: list[tuple[Path_, Any]]) -> Any:
     """Rebuild nesting: :class:`ListIndex` path elements make lists, any other key makes a dict."""
     if len(items) == 1 and items[0][0] == ():
         return items[0][1]
-    new = lambda key: [] if isinstance(key, ListIndex) else {}  # noqa: E731
-    root = new(items[0][0][0]) if items else {}
+    root = _container(items[0][0][0]) if items else {}
     for path, value in items:
         node = root
-        for here, nxt in zip(path, path[1:]):
-            node = _slot(node, here, lambda: new(nxt))
-        _slot(node, path[-1], lambda: value, replace=True)
+        for here, nxt in itertools.pairwise(path):
+            node = _slot(node, here, _container(nxt))
+        _slot(node, path[-1], value, replace=True)
     return root
 
 
-def _slot(node: Any, key: Any, make: Callable[[], Any], replace: bool = False) -> Any:
+def _container(key: Any) -> list[Any] | dict[Any, Any]:
+    """The empty container that ``key`` indexes."""
+    return [] if isinstance(key, ListIndex) else {}
+
+
+def _slot(node: Any, key: Any, value: Any, replace: bool = False) -> Any:
+    """``node[key]``, set to ``value`` first if the slot is empty (or always, with ``replace``)."""
     if isinstance(node, list):
         node.extend([None] * (key + 1 - len(node)))
         if node[key] is None or replace:
-            node[key] = make()
+            node[key] = value
         return node[key]
     if key not in node or replace:
-        node[key] = make()
+        node[key] = value
     return node[key]
 
 

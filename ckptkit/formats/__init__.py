@@ -45,8 +45,8 @@ def detect(path: Path | str, local: LocalOptions | None = None) -> FormatIO:
     listing = ", ".join(sorted(p.name for p in path.iterdir())[:8]) if path.is_dir() else "a file of unknown type"
     raise FormatError(
         f"{path}: not a checkpoint ckptkit knows (found: {listing or 'an empty directory'}); expected a DCP "
-        "directory with .metadata, a torch.save file or pytorch_model.bin[.index.json], model.safetensors[.index.json], "
-        "or FSDP1 LOCAL_STATE_DICT rank files (rank0.pt, ...)")
+        "directory with .metadata, a torch.save file or pytorch_model.bin[.index.json], "
+        "model.safetensors[.index.json], or FSDP1 LOCAL_STATE_DICT rank files (rank0.pt, ...)")
 
 
 def read(path: Path | str) -> Manifest:

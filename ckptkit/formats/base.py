@@ -17,12 +17,12 @@ from typing import Any
 
 from ..codecs.torchzip_read import load_blob
 from ..core.dtypes import DType
-from ..errors import FormatError, IncompleteCheckpointError, UsageError
 from ..core.manifest import Format, Manifest, ObjectEntry, TensorRef, map_tensor_refs
 from ..core.plan import Region, WritePlan
+from ..errors import FormatError, IncompleteCheckpointError, UsageError
 
-__all__ = ["RANK", "FormatIO", "LocalOptions", "Target", "WriteOptions", "rank_pattern", "cast_for", "index_json", "is_empty_container", "read_index", "regions_in",
-           "split_files"]
+__all__ = ["RANK", "FormatIO", "LocalOptions", "Target", "WriteOptions", "rank_pattern", "cast_for", "index_json",
+           "is_empty_container", "read_index", "regions_in", "split_files"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,7 +49,8 @@ RANK = "{rank}"
 def rank_pattern(pattern: str) -> re.Pattern:
     """The regular expression of a ``--rank-files`` pattern; refuses one without exactly one ``{rank}``."""
     if pattern.count(RANK) != 1 or "/" in pattern or "\\" in pattern:
-        raise UsageError(f"--rank-files {pattern!r}: expected a file name with exactly one {RANK}, e.g. shard_{RANK}.pt")
+        raise UsageError(f"--rank-files {pattern!r}: expected a file name with exactly one {RANK}, "
+                         f"e.g. shard_{RANK}.pt")
     head, tail = pattern.split(RANK)
     return re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))
 

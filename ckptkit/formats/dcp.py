@@ -16,8 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..codecs.pickle_read import (MEMORY_FORMATS, EnumStandIn, Record, SafeUnpickler, allow_records, keep_call,
-                                  make_record, safe_getattr)
+from ..codecs.pickle_read import (
+    MEMORY_FORMATS,
+    EnumStandIn,
+    Record,
+    SafeUnpickler,
+    allow_records,
+    keep_call,
+    make_record,
+    safe_getattr,
+)
 from ..codecs.pickle_write import dumps
 from ..codecs.torchzip_read import ARCHIVE_MAGIC, read_archive
 from ..codecs.torchzip_write import archive_parts
@@ -161,21 +169,28 @@ class DcpIO(FormatIO):
             chunk_list = []
             for rank, (offsets, box) in shard0_boxes(t.shape, n):
                 name, start, length = put(rank, archive_parts(Region(t, offsets, box, cast)))
-                chunk_list.append(make_record(_DCP_META, "ChunkStorageMetadata", {"offsets": _size(offsets), "sizes": _size(box)}))
-                index = make_record(_DCP_META, "MetadataIndex", {"fqn": t.key, "offset": _size(offsets), "index": len(chunk_list) - 1})
+                chunk_list.append(make_record(_DCP_META, "ChunkStorageMetadata",
+                                              {"offsets": _size(offsets), "sizes": _size(box)}))
+                index = make_record(_DCP_META, "MetadataIndex",
+                                    {"fqn": t.key, "offset": _size(offsets), "index": len(chunk_list) - 1})
                 storage[index] = _storage_info(name, start, length)
-            props = make_record(_DCP_META, "TensorProperties", ((cast or t.dtype), keep_call("torch.serialization", "_get_layout")("torch.strided"),
-                                                            False, keep_call(_DCP_META, "_MEM_FORMAT_ENCODING")(0), False))
-            sd_meta[t.key] = make_record(_DCP_META, "TensorStorageMetadata", {"properties": props, "size": _size(t.shape), "chunks": chunk_list})
+            strided = keep_call("torch.serialization", "_get_layout")("torch.strided")
+            contiguous = keep_call(_DCP_META, "_MEM_FORMAT_ENCODING")(0)
+            props = make_record(_DCP_META, "TensorProperties", ((cast or t.dtype), strided, False, contiguous, False))
+            sd_meta[t.key] = make_record(_DCP_META, "TensorStorageMetadata",
+                                         {"properties": props, "size": _size(t.shape), "chunks": chunk_list})
         # torch never writes an empty container into DCP, and its loader trips over one (it falls back to a
         # pre-2.4 key scheme), so they are left out here too; convert() reports them.
         objects = [o for o in manifest.objects if not is_empty_container(o)]
         for o in objects:
-            blob = (Region.whole(bytes_entry(o.blob, o.key)),) if o.blob else archive_parts(regions_in(o.value, options.cast))
+            blob = ((Region.whole(bytes_entry(o.blob, o.key)),) if o.blob
+                    else archive_parts(regions_in(o.value, options.cast)))
             name, start, length = put(0, blob)
             sd_meta[o.key] = make_record(_DCP_META, "BytesStorageMetadata", {})
-            storage[make_record(_DCP_META, "MetadataIndex", {"fqn": o.key, "offset": None, "index": None})] = _storage_info(name, start, length)
-        planner_data = {e.key: dcp_path(e.path) for e in (*manifest.tensors, *objects)}
+            index = make_record(_DCP_META, "MetadataIndex", {"fqn": o.key, "offset": None, "index": None})
+            storage[index] = _storage_info(name, start, length)
+        entries: list[TensorEntry | ObjectEntry] = [*manifest.tensors, *objects]
+        planner_data = {e.key: dcp_path(e.path) for e in entries}
         md = make_record(_DCP_META, "Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner_data,
                                              "storage_data": storage, "storage_meta": None, "version": "1.0.0"})
         files = [FilePlan(f"__{r}_0.distcp", tuple(parts[r])) for r in range(n)]

@@ -12,12 +12,21 @@ from pathlib import Path
 
 from ..codecs.torchzip_read import is_archive, read_archive
 from ..codecs.torchzip_write import archive_parts
+from ..core.manifest import Format, Manifest, ObjectEntry, TensorRef, key_of
+from ..core.plan import Bytes, FilePlan, Region, WritePlan
 from ..core.tree import flatten, unflatten
 from ..errors import FormatError, UsageError
-from ..core.manifest import Format, Manifest, ObjectEntry, TensorRef, key_of
-from ..core.plan import FilePlan, Bytes, Region, WritePlan
-from .base import (FormatIO, Target, WriteOptions, cast_for, index_json, object_value, read_index, regions_in,
-                   split_files)
+from .base import (
+    FormatIO,
+    Target,
+    WriteOptions,
+    cast_for,
+    index_json,
+    object_value,
+    read_index,
+    regions_in,
+    split_files,
+)
 
 __all__ = ["SUFFIXES", "FullIO", "FullOptions"]
 

@@ -54,7 +54,8 @@ class HfIO(FormatIO):
             if (path / INDEX).is_file():
                 for t in found:
                     if keys.get(t.key) != file:
-                        raise FormatError(f"{file}: holds {t.key!r}, which {INDEX} places in {keys.get(t.key, 'no file')}")
+                        raise FormatError(f"{file}: holds {t.key!r}, which {INDEX} places in "
+                                          f"{keys.get(t.key, 'no file')}")
             tensors += found
             details += [(f"metadata.{k}", v) for k, v in meta.items()]
         if (path / INDEX).is_file():

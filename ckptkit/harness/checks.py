@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ..core.tree import flatten
 from ..core.manifest import key_of
+from ..core.tree import flatten
 from .configs import Cell
 
 __all__ = ["BF16_RTOL", "FP32_RTOL", "LossCheck", "StateCheck", "compare_losses", "compare_states", "loss_rtol"]
@@ -134,7 +134,7 @@ def compare_losses(expected: list[float], actual: list[float], rtol: float, *, f
         return LossCheck(False, f"{len(actual)} resumed losses, expected {len(expected)}")
     if actual == expected:
         return LossCheck(True, f"{len(actual)} losses bit-identical")
-    rel = [abs(a - e) / max(abs(e), 1e-30) for a, e in zip(actual, expected)]
+    rel = [abs(a - e) / max(abs(e), 1e-30) for a, e in zip(actual, expected, strict=True)]
     worst = max(range(len(rel)), key=rel.__getitem__)
     if all(math.isfinite(r) and r <= rtol for r in rel):
         return LossCheck(True, f"{len(actual)} losses within rtol {rtol:g} (max rel diff {rel[worst]:.1e})")

@@ -20,7 +20,8 @@ def _render(results) -> str:
     rows = [("#", "source -> target", "ckptkit", "result", "reason")]
     rows += [(str(i + 1), r.cell.name, r.cell.operation, r.status.value, r.reason) for i, r in enumerate(results)]
     widths = [max(len(row[c]) for row in rows) for c in range(4)]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)) + "  " + row[4] for row in rows)
+    # widths stops short of the last column, the reason, which is appended unpadded.
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=False)) + "  " + row[4] for row in rows)
 
 
 @click.command()

@@ -112,6 +112,13 @@ class TrainConfig:
         return (2, self.world_size // 2) if two_d else (self.world_size,)
 
     @property
+    def fsdp1_options(self) -> tuple[Sharding, AutoWrap, bool]:
+        """``(sharding, auto_wrap, use_orig_params)``; a :class:`ConfigError` unless ``wrapper`` is FSDP1."""
+        if self.sharding is None or self.auto_wrap is None or self.use_orig_params is None:
+            raise ConfigError(f"{self.wrapper.value}@{self.world_size} has no FSDP1 options")
+        return self.sharding, self.auto_wrap, self.use_orig_params
+
+    @property
     def layout(self) -> str:
         # An FSDP1 config without sharding is one __post_init__ is rejecting; it names the layout among the reasons.
         if self.wrapper is Wrapper.FSDP1 and self.sharding is not None:
@@ -123,7 +130,8 @@ class TrainConfig:
         """A short label, e.g. ``fsdp1(hybrid_shard,wrap=block,orig)@4:sharded`` or ``fsdp2(2d,bf16)@4:full``."""
         opts: list[str] = []
         if self.wrapper is Wrapper.FSDP1:
-            opts = [self.sharding.name.lower(), f"wrap={self.auto_wrap.value}"] + (["orig"] if self.use_orig_params else [])
+            sharding, auto_wrap, use_orig_params = self.fsdp1_options
+            opts = [sharding.name.lower(), f"wrap={auto_wrap.value}"] + (["orig"] if use_orig_params else [])
         elif self.wrapper is Wrapper.FSDP2:
             opts = (["2d"] if self.hsdp else []) + (["bf16"] if self.bf16 else []) + \
                    (["offload"] if self.cpu_offload else []) + ([] if self.reshard_after_forward else ["no-reshard"])

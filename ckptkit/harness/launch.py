@@ -3,11 +3,13 @@ what each returns."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,10 +51,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="ckptkit-rdv-") as tmp:
         rdv = os.path.join(tmp, "rendezvous")
-        try:
+        with contextlib.suppress(mp.ProcessRaisedException):  # the rank's own message is in results
             mp.spawn(_entry, args=(fn, world_size, rdv, backend, args, results, timeout), nprocs=world_size, join=True)
-        except mp.ProcessRaisedException:
-            pass  # the rank's own message is in results
         out: dict[int, Any] = {}
         while not results.empty():
             rank, value, error = results.get()

@@ -3,13 +3,16 @@ as a source and as a target)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from itertools import product
-from typing import Callable
+from typing import TypeVar
 
 from .configs import AutoWrap, Cell, ConfigError, Format, Sharding, TrainConfig, ddp, fsdp1, fsdp2, plain
 
 __all__ = ["MATRICES", "QUICK", "full", "select"]
+
+_Made = TypeVar("_Made", TrainConfig, Cell)
 
 QUICK: tuple[Cell, ...] = (
     # The demo's story, checked: FSDP2 saves with DCP at 2, ckptkit reshards to 3, FSDP2 resumes at 3.
@@ -36,7 +39,7 @@ QUICK: tuple[Cell, ...] = (
 )
 
 
-def _valid(make: Callable[..., TrainConfig | Cell], *args, **kwargs) -> TrainConfig | Cell | None:
+def _valid(make: Callable[..., _Made], *args, **kwargs) -> _Made | None:
     """The configuration or cell, or None where configs.py rules it out (hybrid sharding with LOCAL, say)."""
     try:
         return make(*args, **kwargs)
@@ -64,13 +67,15 @@ def full() -> tuple[Cell, ...]:
     plain model from torch.save; and every configuration as a target (at 3 ranks, or 2 x 2) of an FSDP2
     DCP checkpoint saved at 2, or for LOCAL targets of an FSDP1 LOCAL checkpoint sharded and wrapped the
     same way."""
-    cells = [Cell(source, target) for source in _configs((Format.FULL, Format.SHARDED, Format.LOCAL), one_d=2, two_d=4)
-             for target in (fsdp2(3), plain(form=Format.FULL))]
+    cells: list[Cell | None] = [Cell(source, target)
+                                for source in _configs((Format.FULL, Format.SHARDED, Format.LOCAL), one_d=2, two_d=4)
+                                for target in (fsdp2(3), plain(form=Format.FULL))]
     for target in _configs((Format.FULL, Format.SHARDED, Format.LOCAL, Format.HF), one_d=3, two_d=4):
         source = fsdp2(2)
         if target.form is Format.LOCAL:
-            source = fsdp1(2, form=Format.LOCAL, sharding=target.sharding, auto_wrap=target.auto_wrap,
-                           use_orig_params=target.use_orig_params)
+            sharding, auto_wrap, use_orig_params = target.fsdp1_options
+            source = fsdp1(2, form=Format.LOCAL, sharding=sharding, auto_wrap=auto_wrap,
+                           use_orig_params=use_orig_params)
         cells.append(_valid(Cell, source, target))
     return tuple({c.name: c for c in cells if c is not None}.values())
 

@@ -49,7 +49,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        q, k, v = (p(x).view(b, s, self.heads, d // self.heads).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (proj(x).view(b, s, self.heads, d // self.heads).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         return self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
 
 
@@ -78,6 +79,8 @@ class Block(nn.Module):
 
 
 class _Decoder(nn.Module):
+    pos_table: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self, cfg: TinyConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab, cfg.dim)

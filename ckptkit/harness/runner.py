@@ -20,9 +20,9 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -115,7 +115,8 @@ def _source_rank(rank: int, world: int, jobs: tuple[_Job, ...], device: str) -> 
     for job in jobs:
         model, optimizer = build(job.config, dev)
         train(model, optimizer, start=0, steps=STEPS, device=dev)
-        reference = full_state(model, optimizer, STEPS, dev)  # before save: FSDP1 takes no full state after a sharded one
+        # Taken before saving: FSDP1 takes no full state after a sharded one.
+        reference = full_state(model, optimizer, STEPS, dev)
         if rank == 0:
             torch.save(reference, Path(job.directory) / REFERENCE)
         save(job.config.form, model, optimizer, STEPS, job.checkpoint, dev)
@@ -130,7 +131,8 @@ def _target_rank(rank: int, world: int, jobs: tuple[_Job, ...], device: str) -> 
         loaded = full_state(model, None if job.config.form is Format.HF else optimizer, step, dev)
         if rank == 0:
             torch.save(loaded, Path(job.directory) / LOADED)
-        _record_outcome(job, {"step": step, "losses": train(model, optimizer, start=STEPS, steps=RESUME_STEPS, device=dev)})
+        losses = train(model, optimizer, start=STEPS, steps=RESUME_STEPS, device=dev)
+        _record_outcome(job, {"step": step, "losses": losses})
 
 
 def _message(error: BaseException) -> str:
@@ -139,7 +141,8 @@ def _message(error: BaseException) -> str:
     return " ".join(text.split()) or type(error).__name__
 
 
-def _run_jobs(fn: Callable, jobs: list[_Job], device: str, say: Callable[[str], None]) -> dict[_Job, dict | BaseException]:
+def _run_jobs(fn: Callable, jobs: list[_Job], device: str,
+              say: Callable[[str], None]) -> dict[_Job, dict | BaseException]:
     """Each job's outcome, or the error it died of."""
     results: dict[_Job, dict | BaseException] = {}
     for world in sorted({j.config.world_size for j in jobs}):
@@ -245,11 +248,12 @@ def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], 
     say(f"[2/3] ckptkit converts {len(runnable)} checkpoints")
     assets = _fresh(root / "hf-assets")
     (assets / "config.json").write_text(json.dumps(MODEL.hf_config(), indent=2))
-    targets: dict[int, _Job] = {}
+    targets: dict[int, tuple[_Job, dict]] = {}  # cell index: its target job, and its source run's outcome
     for i in runnable:
         cell, source = cells[i], sources[cells[i].source]
-        if isinstance(source_out[source], BaseException):
-            results[i] = _fail(cell, "source run failed", source_out[source])
+        source_outcome = source_out[source]
+        if isinstance(source_outcome, BaseException):
+            results[i] = _fail(cell, "source run failed", source_outcome)
             continue
         job = _Job(cell.target, str(_fresh(root / "cells" / f"c{i:03d}")))
         try:
@@ -260,16 +264,17 @@ def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], 
         if finding:
             results[i] = CellResult(cell, Status.FAIL, finding)
         else:
-            targets[i] = job
+            targets[i] = (job, source_outcome)
 
     say(f"[3/3] {len(targets)} target runs: load, capture, train {RESUME_STEPS} steps")
-    target_out = _run_jobs(_target_rank, list(targets.values()), device, say)
-    for i, job in targets.items():
+    target_out = _run_jobs(_target_rank, [job for job, _ in targets.values()], device, say)
+    for i, (job, source_outcome) in targets.items():
         cell, source = cells[i], sources[cells[i].source]
-        if isinstance(target_out[job], BaseException):
-            results[i] = _fail(cell, "target run failed", target_out[job])
+        target_outcome = target_out[job]
+        if isinstance(target_outcome, BaseException):
+            results[i] = _fail(cell, "target run failed", target_outcome)
         else:
-            results[i] = _judge(cell, source_out[source], target_out[job], Path(source.directory) / REFERENCE,
+            results[i] = _judge(cell, source_outcome, target_outcome, Path(source.directory) / REFERENCE,
                                 Path(job.directory) / LOADED)
     return [results[i] for i in range(len(cells))]
 

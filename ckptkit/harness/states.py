@@ -17,8 +17,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    ValueType,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
 from ..formats.local.derive import derive_layout
@@ -109,7 +115,7 @@ def load(form: Format, model: nn.Module, optimizer: torch.optim.Optimizer, path:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{path}: no *.safetensors files; expected an HF export")
-        weights = {k: v for f in files for k, v in load_file(f).items()}
+        weights: dict[str, ValueType] = {k: v for f in files for k, v in load_file(f).items()}
         result = set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
         missing = set(result.missing_keys) - TIED_KEYS
         if missing or result.unexpected_keys:
@@ -125,11 +131,12 @@ def write_flat_layout(config: TrainConfig, path: Path) -> None:
 
     Call it outside the ranks: deriving the layout starts a fake process group of its own.
     """
+    _, auto_wrap, use_orig_params = config.fsdp1_options
     wrap = {AutoWrap.NONE: "none", AutoWrap.SIZE: f"size:{WRAP_MIN_NUM_PARAMS}",
-            AutoWrap.BLOCK: f"block:{Block.__module__}:{Block.__qualname__}"}[config.auto_wrap]
+            AutoWrap.BLOCK: f"block:{Block.__module__}:{Block.__qualname__}"}[auto_wrap]
     # The factory is called with no arguments: TinyTransformer() is the model training.build makes (MODEL).
     layout = derive_layout(f"{TinyTransformer.__module__}:{TinyTransformer.__qualname__}", wrap,
-                           world_size=config.world_size, use_orig_params=config.use_orig_params)
+                           world_size=config.world_size, use_orig_params=use_orig_params)
     (path / LAYOUT_FILE).write_bytes(layout.to_json())
 
 

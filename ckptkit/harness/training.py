@@ -14,8 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (CPUOffloadPolicy, FullyShardedDataParallel, MixedPrecisionPolicy, OffloadPolicy,
-                                    ShardingStrategy, fully_shard)
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FullyShardedDataParallel,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 from torch.nn.parallel import DistributedDataParallel
 
@@ -34,7 +40,8 @@ GLOBAL_BATCH = 12
 def build(config: TrainConfig, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
     """This rank's wrapped model and its AdamW, under the default process group of ``config.world_size``."""
     if dist.get_world_size() != config.world_size:
-        raise RuntimeError(f"{config.name} needs {config.world_size} ranks, the process group has {dist.get_world_size()}")
+        raise RuntimeError(f"{config.name} needs {config.world_size} ranks, "
+                           f"the process group has {dist.get_world_size()}")
     torch.manual_seed(SEED)
     model = TinyTransformer(MODEL)
     wrapped = _WRAP[config.wrapper](model, config, device)
@@ -66,25 +73,26 @@ def _mesh(config: TrainConfig, device: torch.device):
     return init_device_mesh(device.type, config.mesh_shape, mesh_dim_names=names)
 
 
-def _plain(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Module:
+def _plain(model: TinyTransformer, config: TrainConfig, device: torch.device) -> nn.Module:
     return model.to(device)
 
 
-def _ddp(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Module:
+def _ddp(model: TinyTransformer, config: TrainConfig, device: torch.device) -> nn.Module:
     return DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def _fsdp1(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Module:
+def _fsdp1(model: TinyTransformer, config: TrainConfig, device: torch.device) -> nn.Module:
+    sharding, auto_wrap, use_orig_params = config.fsdp1_options
     policy = {AutoWrap.NONE: None, AutoWrap.BLOCK: ModuleWrapPolicy({Block}),
               AutoWrap.SIZE: functools.partial(size_based_auto_wrap_policy, min_num_params=WRAP_MIN_NUM_PARAMS)}
     # device_id is needed on CPU too: without it FSDP1 looks for an accelerator and refuses to start.
     return FullyShardedDataParallel(
-        model, sharding_strategy=ShardingStrategy[config.sharding.value], auto_wrap_policy=policy[config.auto_wrap],
-        use_orig_params=config.use_orig_params, device_id=device,
-        device_mesh=_mesh(config, device) if config.sharding.hybrid else None)
+        model, sharding_strategy=ShardingStrategy[sharding.value], auto_wrap_policy=policy[auto_wrap],
+        use_orig_params=use_orig_params, device_id=device,
+        device_mesh=_mesh(config, device) if sharding.hybrid else None)
 
 
-def _fsdp2(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Module:
+def _fsdp2(model: TinyTransformer, config: TrainConfig, device: torch.device) -> nn.Module:
     options = dict(
         mesh=_mesh(config, device), reshard_after_forward=config.reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if config.bf16 else MixedPrecisionPolicy(),
@@ -94,7 +102,8 @@ def _fsdp2(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Mo
         model.to(device)  # offloaded parameters must start on the CPU; fully_shard moves the rest to the mesh
     for layer in model.model.layers:
         fully_shard(layer, **options)
-    return fully_shard(model, **options)
+    fully_shard(model, **options)  # in place: it returns model, its class swapped for an FSDP subclass
+    return model
 
 
 _WRAP = {Wrapper.PLAIN: _plain, Wrapper.DDP: _ddp, Wrapper.FSDP1: _fsdp1, Wrapper.FSDP2: _fsdp2}

@@ -9,10 +9,11 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from ..core.plan import Bytes, FilePlan, Region, WritePlan, plan_copies, row_blocks
+from ..core.dtypes import DType
+from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_copies, row_blocks
 from ..errors import FormatError, UsageError
 from .publish import check_destination, replace_with, staged_output
 from .sources import Files, read_region
@@ -23,13 +24,12 @@ DEFAULT_MAX_MEMORY = 1 << 30
 _COPY_PIECE = 1 << 30  # copy_file_range moves at most this much per call; larger counts are split
 
 
-def _cast(data: bytearray, region: Region) -> memoryview:
+def _cast(data: bytearray, src: DType, dst: DType) -> memoryview:
     import torch  # only a dtype cast needs torch
 
-    src = getattr(torch, region.entry.dtype.name)
-    dst = getattr(torch, region.cast.name)
-    t = torch.frombuffer(data, dtype=src) if data else torch.empty(0, dtype=src)
-    return memoryview(t.to(dst).view(torch.uint8).numpy())
+    src_dtype, dst_dtype = getattr(torch, src.name), getattr(torch, dst.name)
+    t = torch.frombuffer(data, dtype=src_dtype) if data else torch.empty(0, dtype=src_dtype)
+    return t.to(dst_dtype).view(torch.uint8).numpy().data
 
 
 class _Writer:
@@ -37,7 +37,7 @@ class _Writer:
         self.files, self.max_memory, self.progress = files, max_memory, progress
         self.kernel_copy = hasattr(os, "copy_file_range")
 
-    def write_file(self, out: int, parts: tuple) -> None:
+    def write_file(self, out: int, parts: tuple[Part, ...]) -> None:
         pos = 0
         for part in parts:
             if isinstance(part, Bytes):
@@ -45,7 +45,7 @@ class _Writer:
             elif part.cast is None or part.cast == part.entry.dtype:
                 self._copy(out, part, pos)
             else:
-                self._cast_copy(out, part, pos)
+                self._cast_copy(out, part, part.cast, pos)
             pos += part.nbytes
             self.progress(part.nbytes)
         os.ftruncate(out, pos)
@@ -76,10 +76,10 @@ class _Writer:
             os.pwrite(out, view[:got], dst_off)
             src_off, dst_off, n = src_off + got, dst_off + got, n - got
 
-    def _cast_copy(self, out: int, region: Region, pos: int) -> None:
+    def _cast_copy(self, out: int, region: Region, cast: DType, pos: int) -> None:
         # The source block and its cast copy are both alive at once: give each half the budget.
         for block in row_blocks(region, max(1, self.max_memory // 2)):
-            data = _cast(read_region(block, self.files), block)
+            data = _cast(read_region(block, self.files), block.entry.dtype, cast)
             os.pwrite(out, data, pos)
             pos += len(data)
 
@@ -141,7 +141,7 @@ def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, 
         failed = None
     except Exception as e:
         failed = e
-    outcomes = [None] * world
+    outcomes: list[str | None] = [None] * world
     dist.all_gather_object(outcomes, None if failed is None else f"rank {rank}: {failed}")
     problems = [o for o in outcomes if o]
     if rank == 0:

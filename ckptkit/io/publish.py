@@ -17,9 +17,9 @@ import contextlib
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from ..errors import IncompleteCheckpointError, UsageError
 

@@ -33,7 +33,7 @@ class Files:
             os.close(fd)
         self._fds.clear()
 
-    def __enter__(self) -> "Files":
+    def __enter__(self) -> Files:
         return self
 
     def __exit__(self, *exc: object) -> None:

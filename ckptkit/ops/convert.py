@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
-from ..errors import UsageError
-from ..io.execute import DEFAULT_MAX_MEMORY, execute, execute_distributed
-from ..formats import LocalOptions, Target, detect, io_for, is_empty_container
 from ..core.manifest import Format, Manifest
 from ..core.plan import FilePlan, WritePlan
+from ..errors import UsageError
+from ..formats import LocalOptions, Target, detect, io_for, is_empty_container
+from ..io.execute import DEFAULT_MAX_MEMORY, execute, execute_distributed
 from ..io.progress import progress_bar
 
 __all__ = ["Report", "convert", "parse_size", "reshard", "write"]
@@ -35,12 +36,20 @@ class Report:
 
     def lines(self) -> list[str]:
         ws = f" for {self.world_size} ranks" if self.world_size else ""
-        return [f"{self.source} ({self.source_format.value}) -> {self.destination} ({self.destination_format.value}{ws})",
-                f"  {self.tensors} tensors, {self.objects} other entries, {self.bytes / 1e6:.1f} MB in {self.files} files, "
-                f"{self.seconds:.2f} s", *(f"  note: {n}" for n in self.notes)]
+        return [f"{self.source} ({self.source_format.value}) -> "
+                f"{self.destination} ({self.destination_format.value}{ws})",
+                f"  {self.tensors} tensors, {self.objects} other entries, {self.bytes / 1e6:.1f} MB "
+                f"in {self.files} files, {self.seconds:.2f} s",
+                *(f"  note: {n}" for n in self.notes)]
 
 
 _BINARY = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+@overload
+def parse_size(value: int | str, option: str = ...) -> int: ...
+@overload
+def parse_size(value: None, option: str = ...) -> None: ...
 
 
 def parse_size(value: int | str | None, option: str = "--max-shard-size") -> int | None:
@@ -126,5 +135,5 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: boo
         raise UsageError(f"{src}: is a {reader.format.value} checkpoint, not a sharded one; "
                          f"use 'ckptkit convert {src} DST --to sharded --world-size {world_size}'")
     manifest = reader.read(Path(src))
-    return write(manifest, reader.format, dst, Target(world_size=world_size), overwrite=overwrite, max_memory=max_memory, fsync=fsync,
-                 progress=progress)
+    return write(manifest, reader.format, dst, Target(world_size=world_size), overwrite=overwrite,
+                 max_memory=max_memory, fsync=fsync, progress=progress)

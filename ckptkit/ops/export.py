@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .convert import Report, parse_size, write
 from ..core.dtypes import parse_cast
+from ..core.manifest import Format, Manifest, TensorEntry
+from ..core.plan import Bytes, FilePlan
 from ..errors import FormatError, UsageError
+from ..formats import LocalOptions, Target, detect
 from ..io.execute import DEFAULT_MAX_MEMORY
 from ..io.sources import Files
-from ..formats import LocalOptions, Target, detect
-from ..core.manifest import Format, Manifest, TensorEntry
+from .convert import Report, parse_size, write
 from .names import select_model
-from ..core.plan import FilePlan, Bytes
 from .verify import first_difference
 
 __all__ = ["ASSET_FILES", "export_hf"]
@@ -80,11 +80,13 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     sel = select_model(manifest, model_key, tuple(strip_prefixes), strip_wrappers)
     if not sel.tensors:
         raise UsageError(f"{src}: no model tensors found (model key {model_key!r})")
-    notes = [f"model taken from top-level key {sel.model_key!r}" if sel.model_key else "checkpoint is a flat model state dict"]
+    notes = [f"model taken from top-level key {sel.model_key!r}" if sel.model_key
+             else "checkpoint is a flat model state dict"]
     notes += [f"stripped {prefix!r} from {n} keys" for prefix, n in sel.renamed]
     if sel.left_out:
         notes.append(f"{sel.left_out} non-model entries (optimizer state, counters) left out")
-    tensors, assets = list(sel.tensors), ()
+    tensors = list(sel.tensors)
+    assets: tuple[FilePlan, ...] = ()
     if hf_assets is not None:
         assets, config = _assets(Path(hf_assets))
         tensors, tie_note = _untie(tensors, config, max_memory)

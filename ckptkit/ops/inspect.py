@@ -6,8 +6,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..formats import LocalOptions, detect, object_value
 from ..core.manifest import Manifest
+from ..formats import LocalOptions, detect, object_value
 
 __all__ = ["inspect", "render", "summary"]
 
@@ -43,6 +43,7 @@ def render(s: dict[str, Any]) -> str:
     width = max((len(e["key"]) for e in s["entries"]), default=0)
     for e in s["entries"]:
         chunks = len(e["chunks"])
-        lines.append(f"  {e['key']:<{width}}  {e['dtype']:<14} {str(e['shape']):<20} {chunks} chunk{'s' * (chunks != 1)}")
+        lines.append(f"  {e['key']:<{width}}  {e['dtype']:<14} {str(e['shape']):<20} "
+                     f"{chunks} chunk{'s' * (chunks != 1)}")
     lines += [f"  {o['key']} = {o['value']}" for o in s["objects"]]
     return "\n".join(lines)

@@ -12,8 +12,8 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
-from ..errors import UsageError
 from ..core.manifest import Manifest, TensorEntry
+from ..errors import UsageError
 
 __all__ = ["MODEL_KEYS", "WRAPPER_NAMES", "ModelSelection", "select_model", "strip_wrapper_names"]
 
@@ -60,24 +60,29 @@ def _strip(key: str, prefixes: tuple[str, ...], wrappers: bool, counts: Counter)
 
 def select_model(manifest: Manifest, model_key: str = "auto", strip_prefixes: tuple[str, ...] = (),
                  strip_wrappers: bool = True) -> ModelSelection:
-    tops = list(dict.fromkeys(str(e.path[0]) for e in (*manifest.tensors, *manifest.objects)))
+    tops = list(dict.fromkeys(str(e.path[0]) for e in manifest.entries))
     nested = {str(t.path[0]) for t in manifest.tensors if len(t.path) > 1}
+    found: str | None
     if model_key == "auto":
-        model_key = next((k for k in MODEL_KEYS if k in nested), None)
-    elif model_key not in nested:
+        found = next((k for k in MODEL_KEYS if k in nested), None)
+    elif model_key in nested:
+        found = model_key
+    else:
         raise UsageError(f"{manifest.root}: no model under top-level key {model_key!r}; "
                          f"top-level keys are {tops[:12]} (use --model-key, or 'auto')")
-    if model_key is None:
+    if found is None:
         chosen = [(t, t.key) for t in manifest.tensors]
     else:
-        chosen = [(t, ".".join(str(p) for p in t.path[1:])) for t in manifest.tensors if str(t.path[0]) == model_key]
-    counts: Counter = Counter()
-    out, origin = [], {}
+        chosen = [(t, ".".join(str(p) for p in t.path[1:])) for t in manifest.tensors if str(t.path[0]) == found]
+    counts: Counter[str] = Counter()
+    out: list[TensorEntry] = []
+    origin: dict[str, str] = {}
     for t, key in chosen:
         new = _strip(key, strip_prefixes, strip_wrappers, counts)
         if new in origin:
-            raise UsageError(f"{manifest.root}: {origin[new]!r} and {t.key!r} both become {new!r} after stripping prefixes")
+            raise UsageError(f"{manifest.root}: {origin[new]!r} and {t.key!r} both become {new!r} "
+                             "after stripping prefixes")
         origin[new] = t.key
         out.append(dataclasses.replace(t, key=new, path=(new,)))
     left_out = len(manifest.tensors) + len(manifest.objects) - len(out)
-    return ModelSelection(tuple(out), model_key, tuple(sorted(counts.items())), left_out)
+    return ModelSelection(tuple(out), found, tuple(sorted(counts.items())), left_out)

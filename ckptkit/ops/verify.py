@@ -6,13 +6,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..io.execute import DEFAULT_MAX_MEMORY
-from ..io.sources import Files, read_region
-from ..formats import LocalOptions, detect, object_value
 from ..core.manifest import Format, Manifest, TensorEntry, map_tensor_refs
-from .names import select_model
 from ..core.plan import Region, row_blocks
+from ..formats import LocalOptions, detect, object_value
+from ..io.execute import DEFAULT_MAX_MEMORY
 from ..io.progress import progress_bar
+from ..io.sources import Files, read_region
+from .names import select_model
 
 __all__ = ["Difference", "VerifyReport", "first_difference", "verify"]
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from ..core.manifest import Format, Manifest, TensorEntry, map_tensor_refs
+from ..core.manifest import Format, Manifest, Path_, TensorEntry, map_tensor_refs
 from ..core.plan import Region
 from ..core.tree import flatten, unflatten
 from ..errors import UsageError
@@ -80,7 +80,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
         set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=target["model"],
                        optim_state_dict=target.get("optim", {}), options=options)
     else:
-        state = _read_all(manifest, ("model", "optim")) if fmt is not Format.HF else {"model": _read_all(manifest, None)}
+        state = {"model": _read_all(manifest, None)} if fmt is Format.HF else _read_all(manifest, ("model", "optim"))
         model_sd = _with_tied_aliases(model, state.get("model", {}))
         options = StateDictOptions(full_state_dict=True, strict=strict)
         set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=model_sd,
@@ -108,8 +108,11 @@ def _with_tied_aliases(model: torch.nn.Module, model_sd: dict[str, Any]) -> dict
 def _check_keys(manifest: Manifest, target: dict[str, Any], strict: bool) -> None:
     """DCP raises on the first missing key; list them all (strict), or drop them from the target (not)."""
     have = set(manifest.keys)
-    missing = [p for p, _ in flatten(target, lambda v: isinstance(v, torch.Tensor))
-               if ".".join(map(str, p)) not in have and not any(k.startswith(".".join(map(str, p)) + ".") for k in have)]
+    missing: list[Path_] = []
+    for path, _ in flatten(target, lambda v: isinstance(v, torch.Tensor)):
+        name = ".".join(map(str, path))
+        if name not in have and not any(key.startswith(name + ".") for key in have):
+            missing.append(path)
     if missing and strict:
         names = [".".join(map(str, p)) for p in missing]
         raise UsageError(f"{manifest.root}: checkpoint lacks {len(names)} keys the model/optimizer needs: "

@@ -13,10 +13,11 @@ import json
 import os
 import shutil
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -143,7 +144,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
         sharded_tensors = any(type(v).__name__ == "ShardedTensor" for v in msd.values())
         if async_save and not sharded_tensors:
             group = _async_group() if dist.is_available() and dist.is_initialized() else None
-            future = dcp.async_save(state, checkpoint_id=str(stage), process_group=group)
+            response = dcp.async_save(state, checkpoint_id=str(stage), process_group=group)
+            # An AsyncSaveResponse comes back only from a stager that stages in the background (not the default).
+            future = response if isinstance(response, Future) else response.upload_completion
             return SaveHandle(final, publish, _pending=future)
         dcp.save(state, checkpoint_id=str(stage))
         return done()

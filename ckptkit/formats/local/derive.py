@@ -42,7 +42,8 @@ def derive_layout(model: str, auto_wrap: str = "none", *, world_size: int, use_o
         with FakeTensorMode():
             module = factory()
             if not isinstance(module, torch.nn.Module):
-                raise UsageError(f"--model {model}: the factory returned {type(module).__name__}, not a torch.nn.Module")
+                raise UsageError(f"--model {model}: the factory returned {type(module).__name__}, "
+                                 "not a torch.nn.Module")
             order = tuple(name for name, _ in module.named_parameters())
             wrapped = FSDP(module, auto_wrap_policy=policy, use_orig_params=use_orig_params,
                            device_id=torch.device("cpu"))
@@ -74,8 +75,8 @@ def _clean(name: str) -> str:
 
 def _unit(module_name: str, flat: Any) -> FlatUnit:
     prefix = f"{module_name}." if module_name else ""
-    params, at, names = [], 0, iter(zip(flat._fqns, flat._shapes))
-    for numel, is_padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+    params, at, names = [], 0, iter(zip(flat._fqns, flat._shapes, strict=True))
+    for numel, is_padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
         if not is_padding:
             fqn, shape = next(names)
             params.append(FlatParam(prefix + _clean(fqn), tuple(shape), at))

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ...core.boxes import range_boxes
 from ...core.dtypes import DType
@@ -76,7 +77,8 @@ class FlatUnit:
         names = {p.fqn for p in self.params}
         for alias, fqn in self.shared:
             if fqn not in names or alias in names:
-                raise FormatError(f"unit {self.key!r}: tied parameter {alias!r} -> {fqn!r} does not name one of its parameters")
+                raise FormatError(f"unit {self.key!r}: tied parameter {alias!r} -> {fqn!r} does not name one of "
+                                  "its parameters")
 
     @property
     def end(self) -> int:
@@ -166,26 +168,30 @@ class FlatLayout:
         # One line per parameter: the file stays readable (and diffable) for models with thousands of them.
         units = ",\n".join(
             f'  {{"key": {json.dumps(u.key)}, "shared": {json.dumps([list(s) for s in u.shared])}, "params": [\n'
-            + ",\n".join(f'    {json.dumps({"fqn": p.fqn, "shape": list(p.shape), "offset": p.offset})}' for p in u.params)
+            + ",\n".join(f'    {json.dumps({"fqn": p.fqn, "shape": list(p.shape), "offset": p.offset})}'
+                         for p in u.params)
             + "]}" for u in self.units)
         return (f'{{"format": "{_FORMAT}", "version": 1, "use_orig_params": {json.dumps(self.use_orig_params)},\n'
                 f' "param_order": {json.dumps(list(self.param_order))},\n "units": [\n{units}]}}\n').encode()
 
     @classmethod
-    def from_json(cls, data: bytes, *, where: str) -> "FlatLayout":
+    def from_json(cls, data: bytes, *, where: str) -> FlatLayout:
         """Parse ``flat_layout.json``, checked as untrusted input."""
         if len(data) > _MAX_JSON:
             raise FormatError(f"{where}: {len(data)} bytes is too large for a flat layout (limit {_MAX_JSON})")
         try:
             doc = json.loads(data)
             if doc.get("format") != _FORMAT or doc.get("version") != 1:
-                raise ValueError(f"expected format {_FORMAT!r} version 1, found {doc.get('format')!r} {doc.get('version')!r}")
-            units = tuple(FlatUnit(_str(u["key"]),
-                                   tuple(FlatParam(_str(p["fqn"]), tuple(_int(d) for d in p["shape"]), _int(p["offset"]))
-                                         for p in u["params"]),
-                                   tuple((_str(a), _str(b)) for a, b in u.get("shared", ())))
-                          for u in doc["units"])
-            return cls(units, _bool(doc["use_orig_params"]), tuple(_str(n) for n in doc.get("param_order", ())))
+                raise ValueError(f"expected format {_FORMAT!r} version 1, "
+                                 f"found {doc.get('format')!r} {doc.get('version')!r}")
+            units = tuple(
+                FlatUnit(_str(unit["key"]),
+                         tuple(FlatParam(_str(param["fqn"]), tuple(_int(dim) for dim in param["shape"]),
+                                         _int(param["offset"]))
+                               for param in unit["params"]),
+                         tuple((_str(alias), _str(fqn)) for alias, fqn in unit.get("shared", ())))
+                for unit in doc["units"])
+            return cls(units, _bool(doc["use_orig_params"]), tuple(_str(name) for name in doc.get("param_order", ())))
         except FormatError as e:
             raise FormatError(f"{where}: {e}") from e
         except (ValueError, KeyError, TypeError, AttributeError) as e:

@@ -125,7 +125,8 @@ def read_sharded_optim(top: Path_, ranks: list[dict], files: list[Path], layout:
                     continue
                 _check_slices(p, name, values, first, ranges, uop, files)
 
-                def locate(r: int, start: int, p: FlatParam = p, values: list = values) -> tuple[str, int]:
+                def locate(r: int, start: int, p: FlatParam = p, values: list = values,
+                           ranges: tuple[tuple[int, int], ...] = ranges, first: TensorRef = first) -> tuple[str, int]:
                     span = values[r].span
                     skip = 0 if uop else p.offset + start - ranges[r][0]
                     return span.file, span.offset + skip * first.dtype.itemsize

@@ -18,13 +18,15 @@ parameter whole and no flat parameter.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ...codecs.sharded_tensor import ShardedTensorData, sharded_tensor_globals
 from ...codecs.torchzip_read import read_archive
-from ...core.manifest import Chunk, Format, Manifest, ObjectEntry, Path_, TensorEntry, TensorRef, key_of
+from ...core.manifest import Chunk, Format, Manifest, ObjectEntry, Path_, Span, TensorEntry, TensorRef, key_of
 from ...core.tree import flatten
 from ...errors import FormatError, IncompleteCheckpointError, UsageError
 from ..base import LocalOptions
@@ -70,8 +72,9 @@ def read_local(path: Path, options: LocalOptions) -> LocalManifest:
                          f"or a {LAYOUT_FILE}")
     _check_layout(layout, shards, world, files)  # names every mismatch, a derived layout's included
     reader = _ShardedReader(layout, next(iter(parents)), files, ranks)
-    details = (("rank files", template), ("flat layout", source),
-               ("use_orig_params", str(layout.use_orig_params).lower()), ("flat units", str(len(layout.units))))
+    details: tuple[tuple[str, str], ...] = (
+        ("rank files", template), ("flat layout", source), ("use_orig_params", str(layout.use_orig_params).lower()),
+        ("flat units", str(len(layout.units))))
     others = sorted({f.name for f in root.iterdir() if f.is_file()} - {f.name for f in files} - {LAYOUT_FILE})
     if others:
         details += (("not read", ", ".join(others)),)
@@ -215,13 +218,15 @@ class _ShardedReader:
     def _unit(self, unit: FlatUnit) -> None:
         path = (*self.parent, unit.key)
         dtype, ranges = self.ranks[0][path].dtype, self.layout.shard_ranges(unit, len(self.files))
-        slices = [leaves[path].local[0][1] if leaves[path].local else None for leaves in self.ranks]
+        # Each rank's slice; param_entry asks only of ranks with a non-empty range, which _check_layout saw hold one.
+        spans: dict[int, Span] = {r: leaves[path].local[0][1].span for r, leaves in enumerate(self.ranks)
+                                  if leaves[path].local}
 
         def locate(r: int, start: int, p: FlatParam) -> tuple[str, int]:
-            span = slices[r].span
+            span = spans[r]
             return span.file, span.offset + (p.offset + start - ranges[r][0]) * dtype.itemsize
 
-        by_fqn = {p.fqn: param_entry((*self.parent, p.fqn), p, dtype, ranges, lambda r, a, p=p: locate(r, a, p))
+        by_fqn = {p.fqn: param_entry((*self.parent, p.fqn), p, dtype, ranges, functools.partial(locate, p=p))
                   for p in unit.params}
         for alias, fqn in unit.shared:  # tied weights: the full state dict holds both names
             by_fqn[alias] = dataclasses.replace(by_fqn[fqn], key=key_of((*self.parent, alias)),

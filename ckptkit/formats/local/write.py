@@ -8,7 +8,8 @@ again by the layout's slots and sliced the same way.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ...codecs.sharded_tensor import ShardBox, sharded_tensor
 from ...codecs.torchzip_write import PartsTensor
@@ -38,7 +39,7 @@ class RankWriter:
         self.alias = {a: fqn for u in layout.units for a, fqn in u.shared}
         self.parent = self._model_parent()
         by_path = {t.path: t for t in manifest.tensors}
-        self.params = {fqn: by_path[(*self.parent, fqn)] for fqn in self.names}
+        self.params = {fqn: by_path[self.parent + (fqn,)] for fqn in self.names}
         self.dtypes = {}
         for u in layout.units:
             for p in u.params:
@@ -86,7 +87,8 @@ class RankWriter:
                 continue
             parts += _zeros(a - at, dtype)  # use_orig_params alignment padding
             t = entry_of(p)
-            parts += [Region(t, o, s, cast_for(t.dtype, self.cast)) for o, s in range_boxes(p.shape, a - p.offset, b - p.offset)]
+            parts += [Region(t, offsets, sizes, cast_for(t.dtype, self.cast))
+                      for offsets, sizes in range_boxes(p.shape, a - p.offset, b - p.offset)]
             at = b
         return parts + _zeros(hi - at, dtype)  # world-size padding at the end
 
@@ -150,8 +152,11 @@ class RankWriter:
                 unit, p = self.layout.owner(fqn)
                 lo, hi = self.ranges[unit.key][rank]
                 if fqn in by_param and max(lo, p.offset) < min(hi, p.end):  # torch keeps no state for empty parts
-                    state[i] = self._state_of(by_param[fqn], lambda name, dtype, fqn=fqn: self._view(
-                        fqn, rank, lambda q: self._state_tensor(by_param[q.fqn], name), dtype))
+
+                    def view(name: Path_, dtype: DType, fqn: str = fqn) -> PartsTensor:
+                        return self._view(fqn, rank, lambda q: self._state_tensor(by_param[q.fqn], name), dtype)
+
+                    state[i] = self._state_of(by_param[fqn], view)
         else:
             for i, unit in enumerate(layout.units):
                 have = [p.fqn for p in unit.params if p.fqn in by_param]
@@ -159,13 +164,14 @@ class RankWriter:
                     continue
                 if len(have) != len(unit.params):
                     missing = [p.fqn for p in unit.params if p.fqn not in by_param]
-                    raise FormatError(f"{self.manifest.root}: optimizer state has no entry for {missing[:3]}, which share "
-                                      f"flat parameter {unit.key!r} with parameters that have one")
+                    raise FormatError(f"{self.manifest.root}: optimizer state has no entry for {missing[:3]}, "
+                                      f"which share flat parameter {unit.key!r} with parameters that have one")
                 lo, hi = self.ranges[unit.key][rank]
                 # torch's per-rank flat state is the padded chunk: every rank holds ``step`` elements.
                 step = -(-layout.total(unit, self.world) // self.world)
 
-                def flat(name: Path_, dtype: DType, unit: FlatUnit = unit, lo: int = lo, hi: int = hi, step: int = step) -> PartsTensor:
+                def flat(name: Path_, dtype: DType, unit: FlatUnit = unit, lo: int = lo, hi: int = hi,
+                         step: int = step) -> PartsTensor:
                     parts = self._parts(unit, lo, hi, lambda q: self._state_tensor(by_param[q.fqn], name), dtype)
                     return PartsTensor(dtype, tuple(parts + _zeros(step - (hi - lo), dtype)))
 
@@ -187,7 +193,7 @@ class RankWriter:
     def _named_state(self, top: Path_) -> dict[str, dict[Path_, TensorEntry | ObjectEntry]]:
         """The optimizer state under ``top``, per parameter name, checked against the layout."""
         by_param: dict[str, dict[Path_, TensorEntry | ObjectEntry]] = {}
-        for e in (*self.manifest.tensors, *self.manifest.objects):
+        for e in self.manifest.entries:
             if e.path[:2] != (*top, "state") or len(e.path) < 4:
                 continue
             fqn = e.path[2]
