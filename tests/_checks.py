@@ -8,6 +8,7 @@ with ckptkit, so a test cannot pass because ckptkit agrees with itself.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -154,3 +155,17 @@ def make_training_state(seed: int = 0) -> dict:
         "step": 7,
         "name": "run-1",
     }
+
+
+# --------------------------------------------------------------------------------------------------------
+# Hostile input
+
+
+class Evil:
+    """Unpickling this runs a shell command that leaves a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"echo hacked > {self.marker}",))

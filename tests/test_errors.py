@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import errno
 import json
-import os
 import pickle
 import struct
 from pathlib import Path
@@ -13,23 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from _checks import hash_tree, leftovers
+from _checks import Evil, hash_tree, leftovers
 from ckptkit.errors import CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError, UsageError
 from ckptkit.io import execute as executor
 from ckptkit.ops.convert import convert, reshard
 from ckptkit.ops.export import export_hf
 from ckptkit.ops.inspect import inspect
 from ckptkit.ops.verify import verify
-
-
-class Evil:
-    """Unpickling this runs a shell command that leaves a marker file."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"echo hacked > {self.marker}",))
 
 
 class ForgedStrides:
