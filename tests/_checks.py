@@ -48,6 +48,16 @@ def assert_same_tree(a, b, where: str = "") -> None:
         assert type(a) is type(b) and a == b, f"{where}: {a!r} vs {b!r}"
 
 
+def tree_difference(a, b, where: str = "") -> str | None:
+    """What :func:`assert_same_tree` would report, or None: for rank processes, which return their findings
+    for the test process to assert on."""
+    try:
+        assert_same_tree(a, b, where)
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
 def flat_tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
     """The tensor leaves of a nested state dict under DCP's dotted keys (``optim.state.0.exp_avg``)."""
     out: dict[str, torch.Tensor] = {}
