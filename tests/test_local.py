@@ -31,7 +31,7 @@ from ckptkit.harness.launch import run_ranks
 from ckptkit.ops.convert import convert, reshard
 from ckptkit.ops.inspect import inspect
 from ckptkit.ops.verify import verify
-from fixtures_models import tiny
+from fixtures_models import tiny, train_step
 
 LOCAL = {"model": MODEL, "auto_wrap": AUTO_WRAP}
 
@@ -301,13 +301,10 @@ def test_plan_copies_joins_a_parameter_split_mid_row_across_ranks():
 def _save_no_shard(rank: int, world: int, d: str) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, StateDictType
 
-    from ckptkit.harness.model import TinyConfig, TinyTransformer, batch, next_token_loss
-
     torch.manual_seed(0)
-    model = FSDP(TinyTransformer(), sharding_strategy=ShardingStrategy.NO_SHARD, device_id=torch.device("cpu"))
+    model = FSDP(tiny(), sharding_strategy=ShardingStrategy.NO_SHARD, device_id=torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters())
-    next_token_loss(model, batch(TinyConfig(), 0)).backward()
-    opt.step()
+    train_step(model, opt, 0)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):  # a collective: every rank takes part
         reference = FSDP.optim_state_dict(model, opt)  # torch's own full view, keyed by parameter name
     if rank == 0:
@@ -317,22 +314,14 @@ def _save_no_shard(rank: int, world: int, d: str) -> None:
 
 
 def test_convert_no_shard_local_unflattens_weights_and_optimizer(tmp_path):
-    from ckptkit.harness.launch import run_ranks
-
     (tmp_path / "ns").mkdir()
     run_ranks(_save_no_shard, 2, str(tmp_path / "ns"))
-    options = LocalOptions(model="ckptkit.harness.model:TinyTransformer")
-    report = convert(tmp_path / "ns", tmp_path / "full.pt", to="full", local=options)
-    assert report.source_format.value == "local"
+    report = convert(tmp_path / "ns", tmp_path / "full.pt", to="full", local=LocalOptions(model=MODEL))
+    assert report.source_format is Format.LOCAL
     saved = torch.load(tmp_path / "ns" / "rank1.pt", weights_only=False)["model"]  # FSDP's tensors, by torch
-    got = torch.load(tmp_path / "full.pt", weights_only=True)
-    assert saved.keys() == got["model"].keys()
-    for k, v in saved.items():
-        assert torch.equal(got["model"][k], v), k
+    got = load_full(tmp_path / "full.pt")
+    assert_same_tree(got["model"], saved, "model")
     reference = torch.load(tmp_path / "reference_optim.pt", weights_only=False)
-    assert got["optim"]["state"].keys() == reference["state"].keys()
-    for name, state in reference["state"].items():
-        for k, v in state.items():
-            assert torch.equal(got["optim"]["state"][name][k], v), (name, k)
+    assert_same_tree(got["optim"]["state"], reference["state"], "optim.state")
     # Without a layout the indices cannot be named: the state is carried as saved, and inspect says so.
     assert "per parameter index" in dict(inspect(tmp_path / "ns").details)["optimizer state"]
