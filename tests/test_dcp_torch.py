@@ -1,7 +1,7 @@
 """ckptkit against torch's own distributed checkpointing, in real gloo process groups on CPU.
 
-One spawned group per world size (1, 2, 3) does every multi-process check of that size, and writes what it
-found to files; the tests below read those files and assert. In each group:
+One group of ranks per world size (1, 2, 3), started by ``run_ranks``, does every multi-process check of that
+size, and each rank returns what it found; the tests below assert on it. In each group:
 
 1. every rank loads ckptkit's DCP for 1, 2 and 3 ranks with ``torch.distributed.checkpoint.load`` into a
    ``Shard(0)`` DTensor state dict;
