@@ -8,6 +8,7 @@ with ckptkit, so a test cannot pass because ckptkit agrees with itself.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -45,6 +46,16 @@ def assert_same_tree(a, b, where: str = "") -> None:
             assert_same_tree(x, y, f"{where}[{i}]")
     else:
         assert type(a) is type(b) and a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def tree_difference(a, b, where: str = "") -> str | None:
+    """What :func:`assert_same_tree` would report, or None: for rank processes, which return their findings
+    for the test process to assert on."""
+    try:
+        assert_same_tree(a, b, where)
+    except AssertionError as e:
+        return str(e)
+    return None
 
 
 def flat_tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -154,3 +165,17 @@ def make_training_state(seed: int = 0) -> dict:
         "step": 7,
         "name": "run-1",
     }
+
+
+# --------------------------------------------------------------------------------------------------------
+# Hostile input
+
+
+class Evil:
+    """Unpickling this runs a shell command that leaves a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"echo hacked > {self.marker}",))

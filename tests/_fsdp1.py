@@ -18,7 +18,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from fixtures_models import Block, tiny
+from fixtures_models import Block, tiny, train_step
 
 AUTO_WRAP = "block:fixtures_models:Block"
 MODEL = "fixtures_models:tiny"
@@ -44,10 +44,7 @@ def train_and_save(rank: int, world: int, out: str, use_orig_params: bool) -> No
     out_dir = Path(out)
     model, optim = wrap(use_orig_params)
     for step in range(2):
-        tokens = torch.randint(0, 13, (4, 9), generator=torch.Generator().manual_seed(10 * step + rank))
-        model(tokens).logsumexp(-1).mean().backward()
-        optim.step()
-        optim.zero_grad()
+        train_step(model, optim, 10 * step + rank)
     full, full_optim = _full(model, optim)
     if rank == 0:
         torch.save(full, out_dir / "full.pt")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Block", "TinyNet", "tiny"]
+__all__ = ["Block", "TinyNet", "tiny", "train_step"]
 
 
 class Block(nn.Module):
@@ -47,3 +47,11 @@ class TinyNet(nn.Module):
 
 def tiny() -> TinyNet:
     return TinyNet()
+
+
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
+    """One optimizer step on a batch of tokens drawn from ``seed`` (any wrapper of a :class:`TinyNet`)."""
+    tokens = torch.randint(0, 13, (4, 9), generator=torch.Generator().manual_seed(seed))
+    model(tokens).logsumexp(-1).mean().backward()
+    optim.step()
+    optim.zero_grad()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from _checks import assert_same_tree, flat_tensors, load_dcp, load_full, load_hf
+from _checks import Evil, assert_same_tree, flat_tensors, load_dcp, load_full, load_hf
 from ckptkit.cli import cli
 from ckptkit.ops.convert import convert
 
@@ -159,8 +159,6 @@ def test_cli_existing_destination_exits_2(tmp_path, full_ckpt):
 
 def test_cli_unsafe_metadata_exits_2(tmp_path, dcp_ckpt):
     import pickle
-
-    from test_errors import Evil
 
     marker = tmp_path / "hacked"
     (dcp_ckpt / ".metadata").write_bytes(pickle.dumps(Evil(marker), protocol=2))

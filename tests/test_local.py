@@ -20,10 +20,7 @@ from click.testing import CliRunner
 from _checks import assert_same_tree, load_dcp, load_full, load_hf
 from _fsdp1 import AUTO_WRAP, MODEL, load_and_gather, train_and_save
 from ckptkit.cli import cli
-from ckptkit.core.boxes import range_boxes
-from ckptkit.core.dtypes import by_name
-from ckptkit.core.manifest import Chunk, Format, Span, TensorEntry
-from ckptkit.core.plan import Copy, Region, plan_copies
+from ckptkit.core.manifest import Format
 from ckptkit.errors import FormatError, IncompleteCheckpointError, UsageError
 from ckptkit.formats import LocalOptions
 from ckptkit.formats.local.layout import LAYOUT_FILE
@@ -31,7 +28,7 @@ from ckptkit.harness.launch import run_ranks
 from ckptkit.ops.convert import convert, reshard
 from ckptkit.ops.inspect import inspect
 from ckptkit.ops.verify import verify
-from fixtures_models import tiny
+from fixtures_models import tiny, train_step
 
 LOCAL = {"model": MODEL, "auto_wrap": AUTO_WRAP}
 
@@ -256,58 +253,13 @@ def test_cli_convert_to_local_then_inspect(saved, tmp_path):
     assert r.exit_code == 2 and "provide --model package.module:factory" in r.output
 
 
-# ------------------------------------------------------------------------------------------------- planning
-
-F32 = by_name("float32")
-
-
-@pytest.mark.parametrize("shape, start, stop, boxes", [
-    ((3, 4), 0, 12, [((0, 0), (3, 4))]),                                          # everything: one box
-    ((3, 4), 4, 12, [((1, 0), (2, 4))]),                                          # whole rows
-    ((3, 4), 1, 3, [((0, 1), (1, 2))]),                                           # inside one row
-    ((3, 4), 2, 11, [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 3))]),      # partial, whole, partial
-    ((3, 4), 6, 12, [((1, 2), (1, 2)), ((2, 0), (1, 4))]),                        # partial first row, then whole
-    ((2, 2, 3), 2, 11, [((0, 0, 2), (1, 1, 1)), ((0, 1, 0), (1, 1, 3)),          # 3-D: at most 2*3-1 boxes
-                        ((1, 0, 0), (1, 1, 3)), ((1, 1, 0), (1, 1, 2))]),
-    ((7,), 3, 5, [((3,), (2,))]),                                                 # 1-D: always one box
-    ((), 0, 1, [((), ())]),                                                       # a scalar
-    ((3, 4), 5, 5, []),                                                           # nothing
-])
-def test_range_boxes_split_a_flat_range_into_row_major_boxes(shape, start, stop, boxes):
-    assert range_boxes(shape, start, stop) == boxes
-
-
-def test_plan_copies_joins_a_parameter_split_mid_row_across_ranks():
-    # A 3x4 parameter whose flat elements 0-5 lie in rank file r0 from byte 100, elements 6-11 in r1 from 0:
-    # r0 holds row 0 and half of row 1, r1 the other half and row 2.
-    chunks, at = [], {"r0": 100, "r1": 0}
-    for file, (a, b) in (("r0", (0, 6)), ("r1", (6, 12))):
-        for offsets, sizes in range_boxes((3, 4), a, b):
-            n = sizes[0] * sizes[1] * 4
-            chunks.append(Chunk(offsets, sizes, Span(file, at[file], n)))
-            at[file] += n
-    w = TensorEntry("w", ("w",), F32, (3, 4), tuple(chunks))
-    w.validate()
-    assert plan_copies(Region.whole(w)) == (
-        Copy(Span("r0", 100, 24), 0),   # r0[100:124] -> dst[0:24]   row 0 and row 1 columns 0-1
-        Copy(Span("r1", 0, 24), 24),    # r1[0:24]    -> dst[24:48]  row 1 columns 2-3 and row 2
-    )
-    assert plan_copies(Region(w, (1, 0), (1, 4))) == (
-        Copy(Span("r0", 116, 8), 0),    # r0[116:124] -> dst[0:8]    row 1 columns 0-1
-        Copy(Span("r1", 0, 8), 8),      # r1[0:8]     -> dst[8:16]   row 1 columns 2-3
-    )
-
-
 def _save_no_shard(rank: int, world: int, d: str) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, StateDictType
 
-    from ckptkit.harness.model import TinyConfig, TinyTransformer, batch, next_token_loss
-
     torch.manual_seed(0)
-    model = FSDP(TinyTransformer(), sharding_strategy=ShardingStrategy.NO_SHARD, device_id=torch.device("cpu"))
+    model = FSDP(tiny(), sharding_strategy=ShardingStrategy.NO_SHARD, device_id=torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters())
-    next_token_loss(model, batch(TinyConfig(), 0)).backward()
-    opt.step()
+    train_step(model, opt, 0)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):  # a collective: every rank takes part
         reference = FSDP.optim_state_dict(model, opt)  # torch's own full view, keyed by parameter name
     if rank == 0:
@@ -317,22 +269,14 @@ def _save_no_shard(rank: int, world: int, d: str) -> None:
 
 
 def test_convert_no_shard_local_unflattens_weights_and_optimizer(tmp_path):
-    from ckptkit.harness.launch import run_ranks
-
     (tmp_path / "ns").mkdir()
     run_ranks(_save_no_shard, 2, str(tmp_path / "ns"))
-    options = LocalOptions(model="ckptkit.harness.model:TinyTransformer")
-    report = convert(tmp_path / "ns", tmp_path / "full.pt", to="full", local=options)
-    assert report.source_format.value == "local"
+    report = convert(tmp_path / "ns", tmp_path / "full.pt", to="full", local=LocalOptions(model=MODEL))
+    assert report.source_format is Format.LOCAL
     saved = torch.load(tmp_path / "ns" / "rank1.pt", weights_only=False)["model"]  # FSDP's tensors, by torch
-    got = torch.load(tmp_path / "full.pt", weights_only=True)
-    assert saved.keys() == got["model"].keys()
-    for k, v in saved.items():
-        assert torch.equal(got["model"][k], v), k
+    got = load_full(tmp_path / "full.pt")
+    assert_same_tree(got["model"], saved, "model")
     reference = torch.load(tmp_path / "reference_optim.pt", weights_only=False)
-    assert got["optim"]["state"].keys() == reference["state"].keys()
-    for name, state in reference["state"].items():
-        for k, v in state.items():
-            assert torch.equal(got["optim"]["state"][name][k], v), (name, k)
+    assert_same_tree(got["optim"]["state"], reference["state"], "optim.state")
     # Without a layout the indices cannot be named: the state is carried as saved, and inspect says so.
     assert "per parameter index" in dict(inspect(tmp_path / "ns").details)["optimizer state"]

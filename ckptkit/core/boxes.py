@@ -9,10 +9,11 @@ __all__ = ["extent", "range_boxes", "row_major", "shard0_boxes"]
 
 
 def row_major(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Contiguous strides as torch gives them: a zero dimension counts as one, so ``(3, 0, 2)`` has ``(2, 2, 1)``."""
     strides, acc = [], 1
     for s in reversed(sizes):
         strides.append(acc)
-        acc *= s
+        acc *= max(s, 1)
     return tuple(reversed(strides))
 
 

@@ -3,9 +3,9 @@ what each returns."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -15,7 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks"]
+__all__ = ["DEFAULT_DEADLINE", "run_ranks"]
+
+DEFAULT_DEADLINE = 300.0
+"""Seconds a group of ranks may run in all before :func:`run_ranks` kills it (tests, the demo)."""
 
 
 def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tuple, results,
@@ -40,25 +43,56 @@ def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tu
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-              timeout: float | None = None) -> list[Any]:
+              timeout: float | None = None, deadline: float | None = DEFAULT_DEADLINE) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results by rank.
 
     ``fn`` must be importable (a module-level function) since ranks are spawned, not forked. ``timeout``
     (seconds) bounds each collective, so a rank stuck waiting on a peer raises instead of hanging for the
-    backend's default 30 minutes.
+    backend's default 30 minutes. ``deadline`` (seconds, None for none) bounds the whole group, start-up
+    included: past it every rank is killed and :class:`TimeoutError` raised, so that no hang outlives it.
+
+    Raises:
+        RuntimeError: a rank raised (its message and traceback are in the error), or died.
+        TimeoutError: the group ran past ``deadline``.
     """
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory(prefix="ckptkit-rdv-") as tmp:
-        rdv = os.path.join(tmp, "rendezvous")
-        with contextlib.suppress(mp.ProcessRaisedException):  # the rank's own message is in results
-            mp.spawn(_entry, args=(fn, world_size, rdv, backend, args, results, timeout), nprocs=world_size, join=True)
-        out: dict[int, Any] = {}
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+
+    def drain() -> None:
+        # Read results as they come: a rank blocks on a full pipe until someone does.
         while not results.empty():
             rank, value, error = results.get()
             if error:
-                raise RuntimeError(f"rank {rank} of {world_size} failed: {error}")
-            out[rank] = value
+                errors.append(f"rank {rank} of {world_size} failed: {error}")
+            else:
+                out[rank] = value
+
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ckptkit-rdv-") as tmp:
+        rdv = os.path.join(tmp, "rendezvous")
+        group = mp.start_processes(_entry, args=(fn, world_size, rdv, backend, args, results, timeout),
+                                   nprocs=world_size, join=False, start_method="spawn")
+        try:
+            while not group.join(timeout=0.5):
+                drain()
+                if deadline is not None and time.monotonic() - start > deadline:
+                    raise TimeoutError(f"{world_size} ranks of {fn.__module__}.{fn.__qualname__} ran past the "
+                                       f"deadline of {deadline:g} s; all of them were killed "
+                                       f"(ranks {sorted(out)} had returned)")
+        except mp.ProcessRaisedException:
+            pass  # join killed the other ranks; the rank's own message is in results
+        except mp.ProcessExitedException as e:
+            errors.append(f"rank {e.error_index} of {world_size} died: {e}")
+        finally:
+            for p in group.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        drain()
+    if errors:
+        raise RuntimeError(errors[0])
     if len(out) != world_size:
         raise RuntimeError(f"only ranks {sorted(out)} of {world_size} reported back")
     return [out[r] for r in range(world_size)]

@@ -150,7 +150,10 @@ def _run_jobs(fn: Callable, jobs: list[_Job], device: str,
         while pending:
             start, error = time.perf_counter(), None
             try:
-                run_ranks(fn, world, tuple(pending), device, backend=_backend(device), timeout=COLLECTIVE_TIMEOUT)
+                # A rank stuck outside a collective never times out on its own: the group gets a collective
+                # timeout per job, then dies and its running job takes the blame.
+                run_ranks(fn, world, tuple(pending), device, backend=_backend(device), timeout=COLLECTIVE_TIMEOUT,
+                          deadline=COLLECTIVE_TIMEOUT * (1 + len(pending)))
             except Exception as e:  # a rank's exception, a crash (signal) or a timeout: attributed below
                 error = e
             say(f"  {len(pending)} job(s) on {world} rank(s): {time.perf_counter() - start:.1f} s")

@@ -77,8 +77,10 @@ class _Writer:
             src_off, dst_off, n = src_off + got, dst_off + got, n - got
 
     def _cast_copy(self, out: int, region: Region, cast: DType, pos: int) -> None:
-        # The source block and its cast copy are both alive at once: give each half the budget.
-        for block in row_blocks(region, max(1, self.max_memory // 2)):
+        # A block's source bytes and their cast copy are alive at once, so a row costs its size in both dtypes;
+        # row_blocks counts the block in the cast dtype alone.
+        both = region.entry.dtype.itemsize + cast.itemsize
+        for block in row_blocks(region, max(1, self.max_memory * cast.itemsize // both)):
             data = _cast(read_region(block, self.files), block.entry.dtype, cast)
             os.pwrite(out, data, pos)
             pos += len(data)

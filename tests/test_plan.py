@@ -1,4 +1,4 @@
-"""The pure planner: manifests of hand-built chunks in, byte-range copies out. No files are opened.
+"""ckptkit.core.plan, pure planning: manifests of hand-built chunks in, byte-range copies out. No files are opened.
 
 Byte offsets are spelled out in comments as ``file[start:end] -> dst[start:end]``; every tensor here is
 float32 (4 bytes an element) unless a test says otherwise.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ckptkit import Chunk, IncompleteCheckpointError, Span, TensorEntry
+from ckptkit.core.boxes import range_boxes
 from ckptkit.core.dtypes import by_name
 from ckptkit.core.plan import Copy, Region, plan_copies, row_blocks
 
@@ -154,6 +155,27 @@ def test_plan_copies_sub_box_inside_present_chunk_needs_no_other_chunk():
     # Rows 0-1 are all there even though rows 2-3 are missing: a box may be planned from what exists.
     w = entry((4, 3), chunk((0, 0), (2, 3), "r0"))
     assert plan_copies(Region(w, (0, 0), (2, 3))) == (cp("r0", 0, 24, 0),)
+
+
+def test_plan_copies_joins_a_parameter_split_mid_row_across_ranks():
+    # A 3x4 parameter whose flat elements 0-5 lie in rank file r0 from byte 100, elements 6-11 in r1 from 0:
+    # r0 holds row 0 and half of row 1, r1 the other half and row 2.
+    chunks, at = [], {"r0": 100, "r1": 0}
+    for file, (a, b) in (("r0", (0, 6)), ("r1", (6, 12))):
+        for offsets, sizes in range_boxes((3, 4), a, b):
+            n = sizes[0] * sizes[1] * 4
+            chunks.append(Chunk(offsets, sizes, Span(file, at[file], n)))
+            at[file] += n
+    w = TensorEntry("w", ("w",), F32, (3, 4), tuple(chunks))
+    w.validate()
+    assert plan_copies(Region.whole(w)) == (
+        Copy(Span("r0", 100, 24), 0),   # r0[100:124] -> dst[0:24]   row 0 and row 1 columns 0-1
+        Copy(Span("r1", 0, 24), 24),    # r1[0:24]    -> dst[24:48]  row 1 columns 2-3 and row 2
+    )
+    assert plan_copies(Region(w, (1, 0), (1, 4))) == (
+        Copy(Span("r0", 116, 8), 0),    # r0[116:124] -> dst[0:8]    row 1 columns 0-1
+        Copy(Span("r1", 0, 8), 8),      # r1[0:8]     -> dst[8:16]   row 1 columns 2-3
+    )
 
 
 # ------------------------------------------------------------------------------------------ validate
