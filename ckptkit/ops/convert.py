@@ -13,6 +13,7 @@ from ..errors import UsageError
 from ..formats import LocalOptions, Target, detect, io_for, is_empty_container
 from ..io.execute import DEFAULT_MAX_MEMORY, execute, execute_distributed
 from ..io.progress import progress_bar
+from .select import select_model
 
 __all__ = ["Report", "convert", "parse_size", "reshard", "write"]
 
@@ -108,7 +109,9 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: i
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``, streaming tensor by tensor.
 
     FULL output is one ``torch.save`` file when ``dst`` ends in .pt/.pth/.bin/.ckpt and no shard size is
-    given, else a directory (``pytorch_model.bin`` or HF-style ``pytorch_model-*.bin`` shards).
+    given, else a directory (``pytorch_model.bin`` or HF-style ``pytorch_model-*.bin`` shards). HF output
+    holds the model part only, found and named as :func:`ckptkit.export_hf` does (use that for casts,
+    config and tokenizer files).
 
     ``local`` (:class:`LocalOptions`) applies to a LOCAL source or output: ``rank_files`` names the rank
     files (``"shard_{rank}.pt"``); ``model`` (``"package.module:factory"``), ``auto_wrap`` and
@@ -118,9 +121,15 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: i
     fmt = io_for(to).format
     local = local or LocalOptions()
     manifest = detect(src, local).read(Path(src))
+    notes: tuple[str, ...] = ()
+    if fmt is Format.HF:
+        # A model file holds the model: the same part, under the same names, as export-hf writes.
+        sel = select_model(manifest)
+        manifest, notes = Manifest(manifest.format, manifest.root, sel.tensors), sel.notes
     target = Target(world_size=world_size, max_shard_size=parse_size(max_shard_size), destination=str(dst),
                     local=local)
-    return write(manifest, fmt, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=progress)
+    return write(manifest, fmt, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
+                 progress=progress, notes=notes)
 
 
 def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: bool = False,
