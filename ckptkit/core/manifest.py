@@ -143,6 +143,9 @@ class ObjectEntry:
     path: Path_
     value: Any = None
     blob: Span | None = None
+    sidecar: str | None = None
+    """The file beside the checkpoint's own files that holds this entry instead (Lightning's ``meta.pt``
+    beside a DCP directory); a writer of the same format puts it back there."""
 
 
 def bytes_entry(span: Span, key: str = "<bytes>") -> TensorEntry:

@@ -39,11 +39,11 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.manifest import Manifest, ObjectEntry, TensorEntry
+from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry
 from ..errors import UsageError
 from .names import strip_names
 
-__all__ = ["MODEL_KEYS", "OPTIMIZER_SLOTS", "ModelSelection", "is_training_state", "select_model"]
+__all__ = ["MODEL_KEYS", "OPTIMIZER_SLOTS", "ModelSelection", "is_training_state", "meta_groups", "select_model"]
 
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
 """Model sections tried, in order, by rule 1."""
@@ -70,6 +70,8 @@ class ModelSelection:
     """Which rule chose the model, as the report says it."""
     section: tuple[str, ...]
     """The dotted key prefix the model sat under (``("model",)``), empty when it sat at the top level."""
+    groups: tuple[str, ...]
+    """The top-level groups the model's tensors came from."""
     sources: tuple[tuple[str, str], ...]
     """(new name, name within the section) pairs: optimizer state names its parameters the second way."""
     renamed: tuple[tuple[str, int], ...]
@@ -94,16 +96,41 @@ def _groups(manifest: Manifest) -> dict[str, list[Entry]]:
     return groups
 
 
-def is_training_state(name: str, entries: list[Entry], tops: set[str]) -> bool:
-    """Whether top-level group ``name`` holding ``entries`` is training state (see the module docstring)."""
-    if _TRAINING_NAMES.fullmatch(name) or (name in ("state", "param_groups") and "param_groups" in tops):
+def _is_optimizer(name: str, entries: list[Entry], tops: set[str]) -> bool:
+    if name.startswith("optim") and _TRAINING_NAMES.fullmatch(name):
+        return True
+    if name in ("state", "param_groups") and "param_groups" in tops:
         return True
     tensors = [e for e in entries if isinstance(e, TensorEntry)]
+    return bool(tensors) and all(str(t.path[-1]).rsplit(".", 1)[-1] in OPTIMIZER_SLOTS for t in tensors)
+
+
+def is_training_state(name: str, entries: list[Entry], tops: set[str]) -> bool:
+    """Whether top-level group ``name`` holding ``entries`` is training state (see the module docstring)."""
+    if _TRAINING_NAMES.fullmatch(name) or _is_optimizer(name, entries, tops):
+        return True
     # A flat key is its own group; its first dotted segment names its section (DCP without planner data).
     first = name.split(".", 1)[0]
-    if len(entries) == 1 and len(entries[0].path) == 1 and first != name and _TRAINING_NAMES.fullmatch(first):
-        return True
-    return bool(tensors) and all(str(t.path[-1]).rsplit(".", 1)[-1] in OPTIMIZER_SLOTS for t in tensors)
+    return len(entries) == 1 and len(entries[0].path) == 1 and first != name and bool(_TRAINING_NAMES.fullmatch(first))
+
+
+def meta_groups(manifest: Manifest) -> tuple[str, ...] | None:
+    """The top-level groups a SHARDED output also writes into Lightning's ``meta.pt``: those that are neither
+    the model part nor optimizer state, as Lightning keeps there all but modules and optimizers.
+
+    None (no ``meta.pt`` beyond what the source carried in one) for a DCP source that has no ``meta.pt``, and
+    for one whose ``meta.pt`` Lightning wrote (its entries go back as they are).
+    """
+    if any(o.sidecar for o in manifest.objects):
+        return None
+    if manifest.format is Format.SHARDED and not any(k == "meta.pt" for k, _ in manifest.details):
+        return None
+    groups = _groups(manifest)
+    try:
+        model = set(select_model(manifest).groups)
+    except UsageError:  # no model part: the groups are state still
+        model = set()
+    return tuple(n for n, es in groups.items() if n not in model and not _is_optimizer(n, es, set(groups)))
 
 
 def _describe(name: str, entries: list[Entry]) -> str:
@@ -196,7 +223,9 @@ def select_model(manifest: Manifest, model_key: str = "auto", strip_prefixes: tu
         if e.key not in taken:
             rest.setdefault(str(e.path[0]), []).append(e)
     left_out = tuple(_describe(n, rest[n]) for n in sorted(rest))
-    return ModelSelection(tuple(out), rule, section, tuple(sources), tuple(sorted(counts.items())), left_out)
+    groups_of = tuple(dict.fromkeys(str(t.path[0]) for t in chosen))
+    return ModelSelection(tuple(out), rule, section, groups_of, tuple(sources), tuple(sorted(counts.items())),
+                          left_out)
 
 
 def _explicit(manifest: Manifest, model_key: str) -> tuple[list[TensorEntry], tuple[str, ...], str]:
