@@ -43,7 +43,8 @@ from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry
 from ..errors import UsageError
 from .names import strip_names
 
-__all__ = ["MODEL_KEYS", "OPTIMIZER_SLOTS", "ModelSelection", "is_training_state", "meta_groups", "select_model"]
+__all__ = ["MODEL_KEYS", "OPTIMIZER_SLOTS", "ModelSelection", "is_training_state", "meta_groups",
+           "optimizer_sections", "select_model"]
 
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
 """Model sections tried, in order, by rule 1."""
@@ -74,6 +75,8 @@ class ModelSelection:
     """The top-level groups the model's tensors came from."""
     sources: tuple[tuple[str, str], ...]
     """(new name, name within the section) pairs: optimizer state names its parameters the second way."""
+    saved_keys: tuple[tuple[str, str], ...]
+    """(new name, key in the checkpoint) pairs."""
     renamed: tuple[tuple[str, int], ...]
     """(what was stripped, how many keys) pairs."""
     left_out: tuple[str, ...]
@@ -112,6 +115,27 @@ def is_training_state(name: str, entries: list[Entry], tops: set[str]) -> bool:
     # A flat key is its own group; its first dotted segment names its section (DCP without planner data).
     first = name.split(".", 1)[0]
     return len(entries) == 1 and len(entries[0].path) == 1 and first != name and bool(_TRAINING_NAMES.fullmatch(first))
+
+
+_LISTED_STATE = re.compile(r"(\d+)\.state\.")
+
+
+def optimizer_sections(manifest: Manifest) -> tuple[str, ...]:
+    """The key prefixes of optimizer state dicts (``<prefix>.state.<param>.<slot>``, ``<prefix>.param_groups``):
+    a top-level optimizer group, or the first element of one that lists them (Lightning's
+    ``optimizer_states.0``). ckptkit's own ``optim`` comes first, then ``optimizer``, ``optimizer_0``, then
+    the others by name."""
+    groups = _groups(manifest)
+    found = []
+    for n, es in groups.items():
+        if n in ("state", "param_groups") or not _is_optimizer(n, es, set(groups)):
+            continue
+        if any(e.key.startswith(n + ".state.") for e in es):
+            found.append(n)
+        elif listed := sorted({int(m.group(1)) for e in es if (m := _LISTED_STATE.match(e.key[len(n) + 1:]))}):
+            found.append(f"{n}.{listed[0]}")
+    preferred = [n for n in ("optim", "optimizer", "optimizer_0") if n in found]
+    return (*preferred, *sorted(n for n in found if n not in preferred))
 
 
 def meta_groups(manifest: Manifest) -> tuple[str, ...] | None:
@@ -224,8 +248,8 @@ def select_model(manifest: Manifest, model_key: str = "auto", strip_prefixes: tu
             rest.setdefault(str(e.path[0]), []).append(e)
     left_out = tuple(_describe(n, rest[n]) for n in sorted(rest))
     groups_of = tuple(dict.fromkeys(str(t.path[0]) for t in chosen))
-    return ModelSelection(tuple(out), rule, section, groups_of, tuple(sources), tuple(sorted(counts.items())),
-                          left_out)
+    return ModelSelection(tuple(out), rule, section, groups_of, tuple(sources), tuple(origin.items()),
+                          tuple(sorted(counts.items())), left_out)
 
 
 def _explicit(manifest: Manifest, model_key: str) -> tuple[list[TensorEntry], tuple[str, ...], str]:
