@@ -50,8 +50,11 @@ def test_accelerate_optimizer_only_is_refused_for_export(saved, tmp_path):
         ckptkit.export_hf(out / "full" / "optimizer.bin", tmp_path / "hf")
 
 
-def test_accelerate_reshard_and_convert(saved, tmp_path):
+def test_accelerate_inspect_reshard_and_convert(saved, tmp_path):
     out, expected = saved
+    sharded = ckptkit.inspect(out / "sharded" / "pytorch_model_fsdp_0")
+    assert (sharded.world_size, len(sharded.tensors)) == (2, 21)
+    assert {t.key for t in ckptkit.inspect(out / "full" / "pytorch_model_fsdp.bin").tensors} == set(expected["model"])
     ckptkit.reshard(out / "sharded" / "pytorch_model_fsdp_0", tmp_path / "model3", world_size=3)
     assert_same_tree(load_dcp(tmp_path / "model3", tmp_path / "m.pt"), {"model": expected["model"]})
     ckptkit.reshard(out / "sharded" / "optimizer_0", tmp_path / "optim3", world_size=3)

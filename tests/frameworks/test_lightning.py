@@ -66,15 +66,16 @@ def test_fabric_inspect_export_and_load(fabric, tmp_path, llama_assets):
     shown = summary(ckptkit.inspect(out / "sharded"))
     assert shown["details"]["meta.pt"] == "Lightning's non-tensor state: 3 entries"
     assert {o["key"] for o in shown["objects"] if o.get("file") == "meta.pt"} == {"scheduler", "step", "hparams"}
+    assert len(ckptkit.inspect(out / "ckpt.pt").tensors) == 21 + 63  # FSDP1's _has_been_cloned tensors read
     for src in (out / "sharded", out / "ckpt.pt"):
         ckptkit.export_hf(src, tmp_path / src.name, hf_assets=llama_assets)
         assert_same_tree(load_hf(tmp_path / src.name), expected["model"])
+        model = tiny_llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        assert ckptkit.load(src, model, optimizer=opt).optimizer_loaded
+        assert_same_tree(model.state_dict(), expected["model"])
+        assert_same_tree({n: opt.state[p] for n, p in model.named_parameters()}, expected["optimizer"]["state"])
     assert_loads_in_transformers(tmp_path / "sharded", expected["model"])
-    model = tiny_llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    assert ckptkit.load(out / "sharded", model, optimizer=opt).optimizer_loaded
-    assert_same_tree(model.state_dict(), expected["model"])
-    assert_same_tree({n: opt.state[p] for n, p in model.named_parameters()}, expected["optimizer"]["state"])
 
 
 # ----------------------------------------------------------------------------------------------- Trainer
@@ -105,7 +106,12 @@ def test_lightning_trainer_resumes_from_ckptkit_reshard_at_another_world_size(tr
     assert resumed["last_epoch"] == trainer["meta"]["lr_schedulers"][0]["last_epoch"]
 
 
-def test_lightning_trainer_export_hf_strips_the_lightningmodule_attribute(trainer, tmp_path, llama_assets):
+def test_lightning_trainer_inspect_and_export_hf_strips_the_lightningmodule_attribute(trainer, tmp_path,
+                                                                                       llama_assets):
+    shown = summary(ckptkit.inspect(trainer["sharded"]))
+    assert shown["details"]["meta.pt"] == "Lightning's non-tensor state: 8 entries"
+    assert {o["key"] for o in shown["objects"] if o.get("file")} == set(trainer["meta"])
+    assert len(ckptkit.inspect(trainer["out"] / "full.ckpt").tensors) == 21 + 63 + 1  # and the callback's kth_value
     for src in (trainer["sharded"], trainer["out"] / "full.ckpt"):
         report = ckptkit.export_hf(src, tmp_path / src.name, hf_assets=llama_assets)
         assert_same_tree(load_hf(tmp_path / src.name), trainer["hf"])

@@ -42,8 +42,10 @@ def test_torchtitan_export_hf_takes_the_model_and_leaves_training_state_out(save
     assert ckptkit.verify(ckpt, tmp_path / "converted", model_only=True).ok
 
 
-def test_torchtitan_reshard_keeps_every_entry(saved, tmp_path):
+def test_torchtitan_inspect_and_reshard_keep_every_entry(saved, tmp_path):
     ckpt, expected = saved
+    manifest = ckptkit.inspect(ckpt)
+    assert (manifest.world_size, len(manifest.tensors)) == (2, 21 + 63)
     ckptkit.reshard(ckpt, tmp_path / "step-2", world_size=3)
     resharded = load_dcp(tmp_path / "step-2", tmp_path / "r.pt")
     assert_same_tree(resharded, load_dcp(ckpt, tmp_path / "s.pt"))

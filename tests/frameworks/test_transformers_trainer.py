@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckptkit
-from _checks import assert_same_tree, load_dcp, load_hf
+from _checks import assert_same_tree, load_dcp, load_full, load_hf
 from _compare import assert_loads_in_transformers
 from _spawn import spawn
 from _workers import tiny_llama, trainer_save
@@ -36,8 +36,12 @@ def test_trainer_export_hf(saved, tmp_path, llama_assets):
         ckptkit.export_hf(ckpt / "optimizer_0", tmp_path / "wrong")
 
 
-def test_trainer_reshard_keeps_both_param_groups(saved, tmp_path):
+def test_trainer_inspect_reshard_and_convert_keep_both_param_groups(saved, tmp_path):
     ckpt, expected = saved
+    optim = ckptkit.inspect(ckpt / "optimizer_0")
+    assert (optim.world_size, len(optim.tensors)) == (2, 63)
+    ckptkit.convert(ckpt / "optimizer_0", tmp_path / "optimizer.pt", to="full")
+    assert_same_tree(load_full(tmp_path / "optimizer.pt")["optimizer"]["state"], expected["optimizer"]["state"])
     ckptkit.reshard(ckpt / "optimizer_0", tmp_path / "optim3", world_size=3)
     optim = load_dcp(tmp_path / "optim3", tmp_path / "o.pt")["optimizer"]
     assert_same_tree(optim["state"], expected["optimizer"]["state"])
