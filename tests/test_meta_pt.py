@@ -18,6 +18,7 @@ from _checks import assert_same_tree, hash_tree, load_dcp, load_full
 from ckptkit.errors import UnsafeCheckpointError
 from ckptkit.ops.convert import convert, reshard
 from ckptkit.ops.inspect import inspect, render, summary
+from ckptkit.ops.verify import verify
 
 META = {"epoch": 0, "global_step": 2, "pytorch-lightning_version": "2.6.6",
         "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 1}}}},
@@ -41,11 +42,15 @@ def _lightning_dir(root: Path, meta=None) -> tuple[Path, dict]:
 
 def test_inspect_shows_meta_pt_entries(tmp_path):
     src, _ = _lightning_dir(tmp_path / "epoch=0-step=2.ckpt")
-    s = summary(inspect(src))
+    manifest = inspect(src)
+    assert {str(e.path[0]) for e in manifest.entries if e.sidecar == "meta.pt"} == set(META)
+    s = summary(manifest)
     assert s["details"]["meta.pt"] == "Lightning's non-tensor state: 7 entries"
-    shown = {o["key"]: o for o in s["objects"]}
-    assert set(META) <= set(shown) and all(shown[k]["file"] == "meta.pt" for k in META)
-    assert "  global_step = 2  (meta.pt)" in render(s).splitlines()
+    lines = render(s).splitlines()
+    assert "  global_step = 2  (meta.pt)" in lines
+    assert "  lr_schedulers.0.last_epoch = 2  (meta.pt)" in lines
+    kth = "callbacks.ModelCheckpoint{'monitor': None}.kth_value"
+    assert any(line.startswith(f"  {kth}") and line.endswith("(meta.pt)") for line in lines)
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
@@ -53,15 +58,25 @@ def test_reshard_carries_meta_pt(tmp_path, world_size):
     src, state = _lightning_dir(tmp_path / "src.ckpt")
     reshard(src, tmp_path / "out.ckpt", world_size=world_size)
     assert_same_tree(torch.load(tmp_path / "out.ckpt" / "meta.pt", weights_only=True), META)
+    assert verify(src, tmp_path / "out.ckpt").ok
     assert_same_tree(load_dcp(tmp_path / "out.ckpt", tmp_path / "c.pt"), state)  # nothing of meta.pt in the DCP
     convert(src, tmp_path / "conv", to="sharded", world_size=2)
     assert_same_tree(torch.load(tmp_path / "conv" / "meta.pt", weights_only=True), META)
+
+
+def test_reshard_keeps_an_empty_meta_pt(tmp_path):
+    # fabric.save of modules and optimizers alone: meta.pt is {}, and Lightning still needs the file
+    src, state = _lightning_dir(tmp_path / "src", meta={})
+    reshard(src, tmp_path / "out", world_size=2)
+    assert torch.load(tmp_path / "out" / "meta.pt", weights_only=True) == {}
+    assert_same_tree(load_dcp(tmp_path / "out", tmp_path / "c.pt"), state)
 
 
 def test_convert_full_merges_meta_pt_at_the_top_level(tmp_path):
     src, state = _lightning_dir(tmp_path / "src")
     convert(src, tmp_path / "full.ckpt", to="full")
     assert_same_tree(load_full(tmp_path / "full.ckpt"), {**state, **META})
+    assert verify(src, tmp_path / "full.ckpt").ok
 
 
 def test_convert_full_to_sharded_writes_meta_pt_and_keeps_it_through_reshard(tmp_path):

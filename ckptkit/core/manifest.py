@@ -65,6 +65,8 @@ class TensorEntry:
     dtype: DType
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
+    sidecar: str | None = None
+    """As for :attr:`ObjectEntry.sidecar`: the file beside the checkpoint's own that holds this tensor."""
 
     @property
     def numel(self) -> int:

@@ -8,14 +8,15 @@ state out as N ranks of FSDP2 would have saved it: rank r's file holds the ``Sha
 tensor (``torch.chunk`` sizes, so the last ranks may hold fewer rows or none).
 
 Lightning's sharded checkpoints add ``meta.pt`` (``torch.save`` of every entry that is neither a module nor an
-optimizer: step, epoch, loops, schedulers); Lightning recognises the directory by it. Its top-level entries
-are read as objects with ``sidecar="meta.pt"`` and written back there. A ``meta.pt`` that ckptkit wrote
+optimizer: step, epoch, loops, schedulers); Lightning recognises the directory by it. Its entries are read
+as a FULL file's are, marked ``sidecar="meta.pt"``, and written back there. A ``meta.pt`` that ckptkit wrote
 beside a DCP holding the same groups (:attr:`Target.meta_groups`) mirrors them; those copies are skipped on
 reading. One whose pickle is off the allow-list is carried as it is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -38,9 +39,9 @@ from ..codecs.torchzip_write import archive_parts
 from ..core import dtypes
 from ..core.boxes import shard0_boxes
 from ..core.dtypes import DType
-from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, bytes_entry
+from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, bytes_entry, key_of
 from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan
-from ..core.tree import dcp_path, from_dcp_path, unflatten
+from ..core.tree import dcp_path, flatten, from_dcp_path, unflatten
 from ..errors import FormatError, IncompleteCheckpointError, UnsafeCheckpointError
 from ..io.sources import Files
 from .base import FormatIO, Target, WriteOptions, cast_for, is_empty_container, object_value, regions_in
@@ -161,8 +162,9 @@ class DcpIO(FormatIO):
         details = [("files", str(len(rank_files))), ("chunks per tensor", ",".join(map(str, sorted(split))))]
         if (root / META).is_file():
             groups = {str(t.path[0]) for t in tensors} | {str(o.path[0]) for o in objects}
-            sidecar, note = _read_meta(root / META, groups)
-            objects += sidecar
+            meta_tensors, meta_objects, note = _read_meta(root / META, groups)
+            tensors += meta_tensors
+            objects += meta_objects
             details.append((META, note))
         return Manifest(Format.SHARDED, str(root), tuple(tensors), tuple(objects), world, tuple(details))
 
@@ -182,6 +184,8 @@ class DcpIO(FormatIO):
             return name, start, sizes[rank] - start
 
         for t in manifest.tensors:
+            if t.sidecar:
+                continue
             cast = cast_for(t.dtype, options.cast)
             chunk_list = []
             for rank, (offsets, box) in shard0_boxes(t.shape, n):
@@ -206,44 +210,49 @@ class DcpIO(FormatIO):
             sd_meta[o.key] = make_record(_DCP_META, "BytesStorageMetadata", {})
             index = make_record(_DCP_META, "MetadataIndex", {"fqn": o.key, "offset": None, "index": None})
             storage[index] = _storage_info(name, start, length)
-        entries: list[TensorEntry | ObjectEntry] = [*manifest.tensors, *objects]
+        entries: list[TensorEntry | ObjectEntry] = [*(t for t in manifest.tensors if not t.sidecar), *objects]
         planner_data = {e.key: dcp_path(e.path) for e in entries}
         md = make_record(_DCP_META, "Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner_data,
                                              "storage_data": storage, "storage_meta": None, "version": "1.0.0"})
         files = [FilePlan(f"__{r}_0.distcp", tuple(parts[r])) for r in range(n)]
         files.append(FilePlan(METADATA, (Bytes(dumps(md, protocol=2)),)))
-        sidecar = [o for o in manifest.objects if o.sidecar == META]
-        if sidecar or options.meta_groups is not None:
-            files.append(FilePlan(META, _meta_parts(manifest, sidecar, options)))
+        if any(e.sidecar == META for e in manifest.entries) or options.meta_groups is not None:
+            files.append(FilePlan(META, _meta_parts(manifest, options)))
         return WritePlan(tuple(files))
 
 
-def _read_meta(path: Path, groups: set[str]) -> tuple[list[ObjectEntry], str]:
-    """``meta.pt``'s top-level entries, less those the DCP holds too, and a line for ``inspect``."""
+def _read_meta(path: Path, groups: set[str]) -> tuple[list[TensorEntry], list[ObjectEntry], str]:
+    """``meta.pt``'s entries, flattened as a FULL file's are, less the groups the DCP holds too; and a line
+    for ``inspect``."""
     try:
         tree = read_archive(str(path))
     except (UnsafeCheckpointError, FormatError) as e:
         opaque = ObjectEntry(META, (META,), blob=Span(str(path), 0, path.stat().st_size), sidecar=META)
-        return [opaque], f"not readable as data, carried as it is ({e})"
+        return [], [opaque], f"not readable as data, carried as it is ({e})"
     if not isinstance(tree, dict):
         raise FormatError(f"{path}: Lightning's meta.pt holds a dict of non-tensor state, found {type(tree).__name__}")
-    entries = [ObjectEntry(str(k), (k,), v, sidecar=META) for k, v in tree.items() if str(k) not in groups]
-    mirrored = len(tree) - len(entries)
-    return entries, (f"Lightning's non-tensor state: {len(entries)} entries"
-                     + (f", and {mirrored} mirrored from the DCP entries" if mirrored else ""))
+    kept = {k: v for k, v in tree.items() if str(k) not in groups}
+    tensors, objects = [], []
+    for p, leaf in flatten(kept, lambda v: isinstance(v, TensorRef)) if kept else ():  # {} flattens to itself
+        if isinstance(leaf, TensorRef):
+            tensors.append(dataclasses.replace(leaf.as_entry(p), sidecar=META))
+        else:
+            objects.append(ObjectEntry(key_of(p), p, leaf, sidecar=META))
+    mirrored = len(tree) - len(kept)
+    return tensors, objects, (f"Lightning's non-tensor state: {len(kept)} entries"
+                              + (f", and {mirrored} mirrored from the DCP entries" if mirrored else ""))
 
 
-def _meta_parts(manifest: Manifest, sidecar: list[ObjectEntry], options: DcpOptions) -> tuple[Part, ...]:
+def _meta_parts(manifest: Manifest, options: DcpOptions) -> tuple[Part, ...]:
     """``meta.pt``: the entries read from one, and the groups :attr:`DcpOptions.meta_groups` names."""
-    blob = next((o.blob for o in sidecar if o.blob is not None), None)
+    blob = next((o.blob for o in manifest.objects if o.sidecar == META and o.blob is not None), None)
     if blob is not None:
         return (Region.whole(bytes_entry(blob, META)),)
     groups = set(options.meta_groups or ())
-    items = [(o.path, regions_in(o.value, options.cast)) for o in sidecar]
-    items += [(t.path, Region.whole(t, cast_for(t.dtype, options.cast)))
-              for t in manifest.tensors if str(t.path[0]) in groups]
+    items = [(t.path, Region.whole(t, cast_for(t.dtype, options.cast)))
+             for t in manifest.tensors if t.sidecar == META or str(t.path[0]) in groups]
     items += [(o.path, regions_in(object_value(o), options.cast))
-              for o in manifest.objects if o.sidecar is None and str(o.path[0]) in groups]
+              for o in manifest.objects if o.sidecar == META or str(o.path[0]) in groups]
     return archive_parts(unflatten(items) if items else {})
 
 

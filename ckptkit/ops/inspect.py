@@ -30,7 +30,8 @@ def summary(m: Manifest) -> dict[str, Any]:
         "details": dict(m.details),
         "entries": [{"key": t.key, "dtype": t.dtype.name, "shape": list(t.shape),
                      "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": Path(c.span.file).name}
-                                for c in t.chunks]} for t in m.tensors],
+                                for c in t.chunks], **({"file": t.sidecar} if t.sidecar else {})}
+                    for t in m.tensors],
         "objects": [{"key": o.key, "value": _value(o), **({"file": o.sidecar} if o.sidecar else {})}
                     for o in m.objects],
     }
@@ -53,6 +54,6 @@ def render(s: dict[str, Any]) -> str:
     for e in s["entries"]:
         chunks = len(e["chunks"])
         lines.append(f"  {e['key']:<{width}}  {e['dtype']:<14} {str(e['shape']):<20} "
-                     f"{chunks} chunk{'s' * (chunks != 1)}")
+                     f"{chunks} chunk{'s' * (chunks != 1)}" + (f"  ({e['file']})" if "file" in e else ""))
     lines += [f"  {o['key']} = {o['value']}" + (f"  ({o['file']})" if "file" in o else "") for o in s["objects"]]
     return "\n".join(lines)

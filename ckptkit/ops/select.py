@@ -145,7 +145,7 @@ def meta_groups(manifest: Manifest) -> tuple[str, ...] | None:
     None (no ``meta.pt`` beyond what the source carried in one) for a DCP source that has no ``meta.pt``, and
     for one whose ``meta.pt`` Lightning wrote (its entries go back as they are).
     """
-    if any(o.sidecar for o in manifest.objects):
+    if any(e.sidecar for e in manifest.entries):
         return None
     if manifest.format is Format.SHARDED and not any(k == "meta.pt" for k, _ in manifest.details):
         return None

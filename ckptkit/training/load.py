@@ -208,7 +208,9 @@ def _optimizer_state(src: _OptimizerSources, osd: dict[str, Any], files: Files, 
 
     state = {n: {slot: value(n, slot, e) for slot, e in slots.items() if slot in osd["state"][n]}
              for n, slots in src.state.items()}
+    # Saved hyperparameters the optimizer has (a scheduler made before the save adds initial_lr; torch's
+    # full-state path refuses keys the optimizer's own groups lack); params stay the optimizer's own names.
     groups = osd["param_groups"] if src.groups is None else [
-        {**{k: _to_torch(object_value(e), files) for k, e in saved.items()}, "params": own["params"]}
+        {**own, **{k: _to_torch(object_value(e), files) for k, e in saved.items() if k in own}, "params": own["params"]}
         for saved, own in zip(src.groups, osd["param_groups"], strict=True)]
     return {"state": state, "param_groups": groups}

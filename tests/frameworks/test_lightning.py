@@ -63,9 +63,9 @@ def test_fabric_lazy_load_reads_ckptkit_full_output(fabric):
 
 def test_fabric_inspect_export_and_load(fabric, tmp_path, llama_assets):
     out, expected = fabric["out"], fabric["expected"]
-    shown = summary(ckptkit.inspect(out / "sharded"))
-    assert shown["details"]["meta.pt"] == "Lightning's non-tensor state: 3 entries"
-    assert {o["key"] for o in shown["objects"] if o.get("file") == "meta.pt"} == {"scheduler", "step", "hparams"}
+    manifest = ckptkit.inspect(out / "sharded")
+    assert summary(manifest)["details"]["meta.pt"] == "Lightning's non-tensor state: 3 entries"
+    assert {str(e.path[0]) for e in manifest.entries if e.sidecar} == {"scheduler", "step", "hparams"}
     assert len(ckptkit.inspect(out / "ckpt.pt").tensors) == 21 + 63  # FSDP1's _has_been_cloned tensors read
     for src in (out / "sharded", out / "ckpt.pt"):
         ckptkit.export_hf(src, tmp_path / src.name, hf_assets=llama_assets)
@@ -108,9 +108,9 @@ def test_lightning_trainer_resumes_from_ckptkit_reshard_at_another_world_size(tr
 
 def test_lightning_trainer_inspect_and_export_hf_strips_the_lightningmodule_attribute(trainer, tmp_path,
                                                                                        llama_assets):
-    shown = summary(ckptkit.inspect(trainer["sharded"]))
-    assert shown["details"]["meta.pt"] == "Lightning's non-tensor state: 8 entries"
-    assert {o["key"] for o in shown["objects"] if o.get("file")} == set(trainer["meta"])
+    manifest = ckptkit.inspect(trainer["sharded"])
+    assert summary(manifest)["details"]["meta.pt"] == "Lightning's non-tensor state: 8 entries"
+    assert {str(e.path[0]) for e in manifest.entries if e.sidecar} == set(trainer["meta"])
     assert len(ckptkit.inspect(trainer["out"] / "full.ckpt").tensors) == 21 + 63 + 1  # and the callback's kth_value
     for src in (trainer["sharded"], trainer["out"] / "full.ckpt"):
         report = ckptkit.export_hf(src, tmp_path / src.name, hf_assets=llama_assets)
@@ -121,6 +121,7 @@ def test_lightning_trainer_inspect_and_export_hf_strips_the_lightningmodule_attr
 
 def test_lightning_trainer_convert_full_keeps_meta_and_load_takes_model_and_optimizer(trainer, tmp_path):
     ckptkit.convert(trainer["sharded"], tmp_path / "full.ckpt", to="full")
+    assert ckptkit.verify(trainer["sharded"], tmp_path / "full.ckpt").ok
     full = load_full(tmp_path / "full.ckpt")
     assert_same_tree({k: full[k] for k in trainer["meta"]}, trainer["meta"])  # global_step, loops, callbacks ...
     assert full["global_step"] == 2 and "fit_loop" in full["loops"]
