@@ -43,7 +43,7 @@ from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry
 from ..errors import UsageError
 from .names import strip_names
 
-__all__ = ["MODEL_KEYS", "OPTIMIZER_SLOTS", "ModelSelection", "is_training_state", "meta_groups",
+__all__ = ["MODEL_KEYS", "OPTIMIZER_SLOTS", "ModelSelection", "meta_groups",
            "optimizer_sections", "select_model"]
 
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
@@ -69,8 +69,6 @@ class ModelSelection:
     """The model's tensors, renamed (``key`` and ``path`` are the new name)."""
     rule: str
     """Which rule chose the model, as the report says it."""
-    section: tuple[str, ...]
-    """The dotted key prefix the model sat under (``("model",)``), empty when it sat at the top level."""
     groups: tuple[str, ...]
     """The top-level groups the model's tensors came from."""
     sources: tuple[tuple[str, str], ...]
@@ -108,7 +106,7 @@ def _is_optimizer(name: str, entries: list[Entry], tops: set[str]) -> bool:
     return bool(tensors) and all(str(t.path[-1]).rsplit(".", 1)[-1] in OPTIMIZER_SLOTS for t in tensors)
 
 
-def is_training_state(name: str, entries: list[Entry], tops: set[str]) -> bool:
+def _is_training_state(name: str, entries: list[Entry], tops: set[str]) -> bool:
     """Whether top-level group ``name`` holding ``entries`` is training state (see the module docstring)."""
     if _TRAINING_NAMES.fullmatch(name) or _is_optimizer(name, entries, tops):
         return True
@@ -197,7 +195,7 @@ def select_model(manifest: Manifest, model_key: str = "auto", strip_prefixes: tu
     """
     groups = _groups(manifest)
     tops = set(groups)
-    training = {n: es for n, es in groups.items() if is_training_state(n, es, tops)}
+    training = {n: es for n, es in groups.items() if _is_training_state(n, es, tops)}
     section: tuple[str, ...] = ()
     lightning = False
     if model_key != "auto":
@@ -248,7 +246,7 @@ def select_model(manifest: Manifest, model_key: str = "auto", strip_prefixes: tu
             rest.setdefault(str(e.path[0]), []).append(e)
     left_out = tuple(_describe(n, rest[n]) for n in sorted(rest))
     groups_of = tuple(dict.fromkeys(str(t.path[0]) for t in chosen))
-    return ModelSelection(tuple(out), rule, section, groups_of, tuple(sources), tuple(origin.items()),
+    return ModelSelection(tuple(out), rule, groups_of, tuple(sources), tuple(origin.items()),
                           tuple(sorted(counts.items())), left_out)
 
 

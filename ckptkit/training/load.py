@@ -150,7 +150,6 @@ def _model_sources(manifest: Manifest, sel: ModelSelection, model: torch.nn.Modu
 class _OptimizerSources:
     """Where the optimizer's state lies in the checkpoint, by the model's parameter names."""
 
-    section: str
     state: dict[str, dict[str, TensorEntry | ObjectEntry]]
     """Parameter name to slot (``exp_avg``, ``step`` ...) to entry."""
     groups: list[dict[str, ObjectEntry]] | None
@@ -195,7 +194,7 @@ def _optimizer_sources(manifest: Manifest, sel: ModelSelection, osd: dict[str, A
                              f"lacks {len(missing)} entries: {_listing(missing)} (pass load_optimizer=False, or "
                              "strict=False to load the model alone)")
         return None
-    return _OptimizerSources(section, {n: state[saved_as.get(n, n)] for n in osd["state"]},
+    return _OptimizerSources({n: state[saved_as.get(n, n)] for n in osd["state"]},
                              [{k: v for k, v in g.items() if k != "params"} for g in groups] if groups else None)
 
 
