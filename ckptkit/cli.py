@@ -132,7 +132,8 @@ def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) 
 @click.argument("src", type=click.Path(exists=True, path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--model-key", default="auto", show_default=True,
-              help="Top-level key holding the model ('auto' tries model, state_dict, model_state_dict, module).")
+              help="Where the model sits, as a dotted path (model, ema.model, state_dict.net); 'auto' finds it: "
+                   "a model/state_dict/model_state_dict/module section, else the tensors beside the training state.")
 @click.option("--dtype", default="keep", show_default=True, type=click.Choice(["keep", "bf16", "fp16", "fp32"]),
               help="Cast floating tensors; integer and bool tensors keep their dtype.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file.")
@@ -141,7 +142,8 @@ def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) 
 @click.option("--keep-wrapper-prefixes", is_flag=True,
               help="Do not strip module., _orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.")
 @click.option("--hf-assets", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="HF model directory to copy config.json and tokenizer files from.")
+              help="HF model directory to copy config.json and tokenizer files from (config.json names the dtype "
+                   "written; its tie_word_embeddings decides whether lm_head.weight is left out).")
 @_local
 @_overwrite
 @_memory
@@ -161,7 +163,8 @@ def export_hf(src, dst, model_key, dtype, max_shard_size, strip_prefixes, keep_w
 @cli.command()
 @click.argument("a", type=click.Path(exists=True, path_type=Path))
 @click.argument("b", type=click.Path(exists=True, path_type=Path))
-@click.option("--model-only", is_flag=True, help="Compare only the model part, named as export-hf names it.")
+@click.option("--model-only", is_flag=True,
+              help="Compare only the model part, found and named as export-hf finds and names it.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_local
 @_memory

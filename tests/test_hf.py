@@ -99,7 +99,7 @@ def test_export_hf_strips_wrapper_prefixes_and_says_so(tmp_path):
         "stripped '_fsdp_wrapped_module.' from 2 keys",
         "stripped '_orig_mod.' from 2 keys",
         "stripped 'module.' from 3 keys",
-        "2 non-model entries (optimizer state, counters) left out",
+        "left out: optimizer (1 other entry); step (a value)",
     )
     assert any("note: stripped 'module.' from 3 keys" in line for line in report.lines())
 
@@ -128,20 +128,22 @@ def test_export_hf_refuses_keys_that_collide_after_stripping(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("model_key, expected", [
-    ("auto", "model"),   # the first of model, state_dict, model_state_dict, module that holds tensors
-    ("ema", "ema"),      # named explicitly
+@pytest.mark.parametrize("model_key, expected, rule", [
+    # the first of model, state_dict, model_state_dict, module that holds tensors
+    ("auto", "model", "model taken from top-level key 'model'"),
+    # named explicitly
+    ("ema", "ema", "model taken from key 'ema' (--model-key)"),
 ])
-def test_export_hf_model_key(tmp_path, model_key, expected):
+def test_export_hf_model_key(tmp_path, model_key, expected, rule):
     state = {"ema": {"w": torch.zeros(2)}, "model": {"w": torch.ones(2)}, "step": 1}
     torch.save(state, tmp_path / "src.pt")
     report = export_hf(tmp_path / "src.pt", tmp_path / "hf", model_key=model_key)
     assert_same_tree(load_hf(tmp_path / "hf"), state[expected])
-    assert report.notes[0] == f"model taken from top-level key {expected!r}"
+    assert report.notes[0] == rule
 
 
 def test_export_hf_unknown_model_key_lists_top_level_keys(tmp_path, full_ckpt):
-    with pytest.raises(UsageError, match=r"no model under top-level key 'net'; top-level keys are "
+    with pytest.raises(UsageError, match=r"no model under key 'net'; top-level keys are "
                                          r"\['model', 'optimizer', 'step', 'name'\]"):
         export_hf(full_ckpt, tmp_path / "hf", model_key="net")
 
@@ -220,7 +222,7 @@ def _lm(head_equal: bool) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("tie, head_equal, head_kept", [
     (True, True, False),    # tied in config and equal: left out, as save_pretrained does
-    (None, True, False),    # config silent: transformers' default is tied
+    (None, True, True),     # config silent: llama's default (LlamaConfig) is untied, so kept though equal
     (False, True, True),    # untied in config: kept even though equal
     (False, False, True),   # untied and different: kept
 ])
@@ -235,7 +237,8 @@ def test_export_hf_assets_tie_word_embeddings(tmp_path, tie, head_equal, head_ke
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     for name in ("config.json", "tokenizer.json"):
         assert (tmp_path / "hf" / name).read_bytes() == (assets / name).read_bytes()
-    tie_note = "lm_head.weight left out: tied to model.embed_tokens.weight (tie_word_embeddings)"
+    tie_note = ("lm_head.weight left out: tied to model.embed_tokens.weight "
+                "(config.json says tie_word_embeddings: true)")
     assert (tie_note in report.notes) == (not head_kept)
     assert "copied config.json, tokenizer.json" in report.notes
 
@@ -244,7 +247,7 @@ def test_export_hf_assets_refuse_tie_when_tensors_differ(tmp_path):
     assets = _assets(tmp_path / "assets", True)
     torch.save(_lm(head_equal=False), tmp_path / "src.pt")
     before = hash_tree(tmp_path / "src.pt")
-    with pytest.raises(UsageError, match=r"config\.json says tie_word_embeddings, but lm_head\.weight and "
+    with pytest.raises(UsageError, match=r"config\.json says tie_word_embeddings: true, but lm_head\.weight and "
                                          r"model\.embed_tokens\.weight differ \(bytes differ from element 0 .*\); "
                                          r"refusing to drop lm_head\.weight"):
         export_hf(tmp_path / "src.pt", tmp_path / "hf", hf_assets=assets)
@@ -276,7 +279,9 @@ def test_export_hf_loads_in_transformers_llama(tmp_path, tie):
 
     report = export_hf(tmp_path / "train.pt", tmp_path / "hf", hf_assets=tmp_path / "assets")
     assert ("lm_head.weight" in load_hf(tmp_path / "hf")) != tie
-    assert ("lm_head.weight left out: tied to model.embed_tokens.weight (tie_word_embeddings)" in report.notes) == tie
+    tie_note = ("lm_head.weight left out: tied to model.embed_tokens.weight "
+                "(config.json says tie_word_embeddings: true)")
+    assert (tie_note in report.notes) == tie
 
     loaded, info = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     loaded.eval()
@@ -299,3 +304,97 @@ def test_convert_reads_transformers_sharded_save_pretrained(tmp_path):
     state = {k: v for k, v in model.state_dict().items()}
     assert_same_tree(load_dcp(tmp_path / "dcp", tmp_path / "c.pt"), state)
     assert verify(tmp_path / "pretrained", tmp_path / "dcp").ok
+
+
+def _tiny(kind: str, tie: bool | None):
+    """A tiny transformers model and its config.json without ``tie_word_embeddings`` when ``tie`` is None."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64,
+                                          intermediate_size=64, tie_word_embeddings=bool(tie))
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=16,
+                                         tie_word_embeddings=True if tie is None else tie)
+        model = transformers.GPT2LMHeadModel(config)
+    return model.eval(), config
+
+
+@pytest.mark.parametrize("kind, tie, head_equals_embedding, dropped", [
+    ("llama", None, True, False),   # llama's default is untied: lm_head kept although it equals the embedding
+    ("llama", False, True, False),  # untied in config.json, equal by construction: kept
+    ("gpt2", None, True, True),     # gpt2's default is tied: lm_head.weight left out, re-tied on load
+    ("llama", True, True, True),    # tied in config.json
+])
+def test_export_hf_ties_by_the_models_semantics_and_loads_with_nothing_missing(tmp_path, kind, tie,
+                                                                               head_equals_embedding, dropped):
+    model, config = _tiny(kind, tie)
+    if kind == "llama" and not tie and head_equals_embedding:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)  # untied, but equal (just after init)
+    state = model.state_dict()
+    torch.save({"model": state, "step": 1}, tmp_path / "train.pt")
+    config.save_pretrained(tmp_path / "assets")
+    saved = json.loads((tmp_path / "assets" / "config.json").read_text())
+    if tie is None:
+        saved.pop("tie_word_embeddings", None)
+        (tmp_path / "assets" / "config.json").write_text(json.dumps(saved))
+
+    report = export_hf(tmp_path / "train.pt", tmp_path / "hf", hf_assets=tmp_path / "assets")
+    assert ("lm_head.weight" in load_hf(tmp_path / "hf")) != dropped, report.notes
+    loaded, info = type(model).from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert_same_tree(loaded.state_dict(), state)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_tensor_identical(loaded.eval()(ids).logits, model(ids).logits, "logits")
+
+
+def test_tie_word_embeddings_without_transformers_uses_the_table(monkeypatch):
+    from ckptkit.ops.export import tie_word_embeddings
+
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # import transformers -> ImportError
+    assert tie_word_embeddings({"model_type": "gpt2"}) == (
+        True, "config.json omits tie_word_embeddings; model_type 'gpt2' defaults to true (ckptkit's table of defaults)")
+    assert tie_word_embeddings({"model_type": "llama"})[0] is False
+    assert tie_word_embeddings({"model_type": "llama", "tie_word_embeddings": True})[0] is True
+
+
+def test_tie_defaults_table_agrees_with_transformers():
+    from transformers import AutoConfig
+
+    from ckptkit.ops.export import TIE_DEFAULTS
+
+    for model_type, tied in TIE_DEFAULTS.items():
+        assert AutoConfig.for_model(model_type).tie_word_embeddings is tied, model_type
+
+
+def test_export_hf_unknown_model_type_keeps_lm_head_and_says_so(tmp_path):
+    (tmp_path / "assets").mkdir()
+    (tmp_path / "assets" / "config.json").write_text(json.dumps({"model_type": "my-own-lm"}))
+    torch.save(_lm(head_equal=True), tmp_path / "src.pt")
+    report = export_hf(tmp_path / "src.pt", tmp_path / "hf", hf_assets=tmp_path / "assets")
+    assert "lm_head.weight" in load_hf(tmp_path / "hf")
+    assert ("lm_head.weight kept: config.json omits tie_word_embeddings and the default of model_type "
+            "'my-own-lm' is unknown") in report.notes
+
+
+@pytest.mark.parametrize("dtype, name", [("bf16", "bfloat16"), ("fp16", "float16")])
+def test_export_hf_cast_writes_the_dtype_into_config_json(tmp_path, dtype, name):
+    from transformers import LlamaForCausalLM
+
+    model, _ = _tiny("llama", False)
+    model.save_pretrained(tmp_path / "pretrained")
+    original = json.loads((tmp_path / "pretrained" / "config.json").read_text())
+    assert original["dtype"] == "float32"
+    report = export_hf(tmp_path / "pretrained", tmp_path / "hf", dtype=dtype, hf_assets=tmp_path / "pretrained")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (written["dtype"], written["torch_dtype"]) == (name, name)
+    assert written == {**original, "dtype": name, "torch_dtype": name}  # nothing else changed
+    assert f"config.json: dtype and torch_dtype set to {name}, the dtype written" in report.notes
+    for kwargs in ({"dtype": "auto"}, {}):  # transformers 5 loads "auto" by default
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf", **kwargs)
+        assert loaded.dtype == getattr(torch, name), kwargs
+    assert_same_tree(load_hf(tmp_path / "hf"), {k: v.to(getattr(torch, name)) for k, v in model.state_dict().items()})

@@ -3,6 +3,12 @@
 The layout mirrors ``torch.save`` with ``compute_crc32=False`` (CRC 0 on tensor records, which torch loads
 as its own), so tensor bytes can move kernel-side without passing through Python: the pickle, the zip
 headers and the central directory are :class:`Bytes` parts, the tensor records are regions.
+
+Tensors are pickled as ``Tensor._reduce_ex_internal`` does (torch 2.13): ``_rebuild_tensor_v2`` over a
+typed storage class (``torch.FloatStorage``, counted in elements) for the dtypes that have one, and
+``_rebuild_tensor_v3`` over ``UntypedStorage`` (counted in bytes, dtype passed along) for the newer ones
+(unsigned 16-64 bit, float8). Loaders that re-implement torch's unpickler rely on this: Lightning's
+``_lazy_load`` builds ``TypedStorage(dtype=cls().dtype)`` from the storage class it is handed.
 """
 
 from __future__ import annotations
@@ -26,10 +32,13 @@ _U32 = 0xFFFFFFFF
 
 
 class _StorageKey:
-    __slots__ = ("key", "nbytes")
+    """A tensor's storage as its persistent id names it: typed storages count elements, untyped ones bytes."""
 
-    def __init__(self, key: str, nbytes: int) -> None:
-        self.key, self.nbytes = key, nbytes
+    __slots__ = ("key", "size", "storage_class")
+
+    def __init__(self, key: str, nbytes: int, dtype: DType) -> None:
+        self.key, self.storage_class = key, dtype.storage_class
+        self.size = nbytes // dtype.itemsize if dtype.storage_class else nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,15 +59,17 @@ class PartsTensor:
 
 
 def _tensorize(tree: Any, records: list[tuple[str, tuple[Part, ...]]]) -> Any:
-    """``tree`` with :class:`Region` / :class:`PartsTensor` leaves turned into ``_rebuild_tensor_v3`` calls on
-    new storage records, looking inside :class:`Call` and :class:`Record` nodes too."""
+    """``tree`` with :class:`Region` / :class:`PartsTensor` leaves turned into tensor-rebuild calls on new
+    storage records, looking inside :class:`Call` and :class:`Record` nodes too."""
     if isinstance(tree, (Region, PartsTensor)):
         key = str(len(records))
         shape = tuple(tree.sizes) if isinstance(tree, Region) else (tree.numel,)
         records.append((f"data/{key}", (tree,) if isinstance(tree, Region) else tree.parts))
-        return Call(ref("torch._utils", "_rebuild_tensor_v3"), (
-            _StorageKey(key, tree.nbytes), 0, shape, row_major(shape), False,
-            Call(ref("collections", "OrderedDict"), ()), tree.dtype))
+        args = (_StorageKey(key, tree.nbytes, tree.dtype), 0, shape, row_major(shape), False,
+                Call(ref("collections", "OrderedDict"), ()))
+        if tree.dtype.storage_class:
+            return Call(ref("torch._utils", "_rebuild_tensor_v2"), args)
+        return Call(ref("torch._utils", "_rebuild_tensor_v3"), (*args, tree.dtype))
     if isinstance(tree, Call):
         return Call(tree.func, tuple(_tensorize(a, records) for a in tree.args))
     if isinstance(tree, Record):
@@ -74,8 +85,8 @@ def _tensorize(tree: Any, records: list[tuple[str, tuple[Part, ...]]]) -> Any:
 
 def _persistent_id(obj: Any) -> Any:
     if isinstance(obj, _StorageKey):
-        # UntypedStorage counts bytes; _rebuild_tensor_v3 carries the dtype. Same for every dtype.
-        return ("storage", ref("torch.storage", "UntypedStorage"), obj.key, "cpu", obj.nbytes)
+        cls = ref("torch", obj.storage_class) if obj.storage_class else ref("torch.storage", "UntypedStorage")
+        return ("storage", cls, obj.key, "cpu", obj.size)
     return None
 
 

@@ -65,6 +65,8 @@ class TensorEntry:
     dtype: DType
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
+    sidecar: str | None = None
+    """As for :attr:`ObjectEntry.sidecar`: the file beside the checkpoint's own that holds this tensor."""
 
     @property
     def numel(self) -> int:
@@ -143,6 +145,9 @@ class ObjectEntry:
     path: Path_
     value: Any = None
     blob: Span | None = None
+    sidecar: str | None = None
+    """The file beside the checkpoint's own files that holds this entry instead (Lightning's ``meta.pt``
+    beside a DCP directory); a writer of the same format puts it back there."""
 
 
 def bytes_entry(span: Span, key: str = "<bytes>") -> TensorEntry:

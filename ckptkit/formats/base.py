@@ -70,6 +70,9 @@ class Target:
     """Where the output goes: FULL writes one ``torch.save`` file when it names one (``model.pt``)."""
     local: LocalOptions = LocalOptions()
     """LOCAL: rank file names and how to derive the flat layout."""
+    meta_groups: tuple[str, ...] | None = None
+    """SHARDED: top-level groups also written into Lightning's ``meta.pt``, which makes the directory a
+    Lightning sharded checkpoint; None writes ``meta.pt`` only for entries read from one."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -6,10 +6,17 @@ classes to plain records, so a hostile file cannot run code (torch's own ``dcp_t
 unrestricted). Each chunk's bytes are a ``torch.save`` archive inside a ``.distcp`` file. Writing lays the
 state out as N ranks of FSDP2 would have saved it: rank r's file holds the ``Shard(0)`` row block r of every
 tensor (``torch.chunk`` sizes, so the last ranks may hold fewer rows or none).
+
+Lightning's sharded checkpoints add ``meta.pt`` (``torch.save`` of every entry that is neither a module nor an
+optimizer: step, epoch, loops, schedulers); Lightning recognises the directory by it. Its entries are read
+as a FULL file's are, marked ``sidecar="meta.pt"``, and written back there. A ``meta.pt`` that ckptkit wrote
+beside a DCP holding the same groups (:attr:`Target.meta_groups`) mirrors them; those copies are skipped on
+reading. One whose pickle is off the allow-list is carried as it is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -32,16 +39,18 @@ from ..codecs.torchzip_write import archive_parts
 from ..core import dtypes
 from ..core.boxes import shard0_boxes
 from ..core.dtypes import DType
-from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, bytes_entry
+from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, bytes_entry, key_of
 from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan
-from ..core.tree import dcp_path, from_dcp_path
-from ..errors import FormatError, IncompleteCheckpointError
+from ..core.tree import dcp_path, flatten, from_dcp_path, unflatten
+from ..errors import FormatError, IncompleteCheckpointError, UnsafeCheckpointError
 from ..io.sources import Files
-from .base import FormatIO, Target, WriteOptions, cast_for, is_empty_container, regions_in
+from .base import FormatIO, Target, WriteOptions, cast_for, is_empty_container, object_value, regions_in
 
 __all__ = ["DcpIO", "DcpOptions"]
 
 METADATA = ".metadata"
+META = "meta.pt"
+"""Lightning's file of non-tensor state beside a sharded checkpoint's DCP files."""
 _DCP_META = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 _RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
@@ -73,6 +82,8 @@ def _tensor_dtype(props: Record, where: str) -> DType:
 class DcpOptions(WriteOptions):
     world_size: int = 1
     """Ranks the output is laid out for: rank r's file holds row block r of every tensor."""
+    meta_groups: tuple[str, ...] | None = None
+    """Top-level groups also written into ``meta.pt`` (see :attr:`Target.meta_groups`)."""
 
 
 class DcpIO(FormatIO):
@@ -96,7 +107,9 @@ class DcpIO(FormatIO):
             offset = None if getattr(idx, "offset", None) is None else tuple(idx.offset)
             storage[(idx.fqn, offset)] = info
         paths = getattr(md, "planner_data", None) or {}
-        tensors, objects, rank_files = [], [], set()
+        tensors: list[TensorEntry] = []
+        objects: list[ObjectEntry] = []
+        rank_files: set[str] = set()
 
         def locate(key: str, offset: tuple | None) -> Span:
             info = storage.get((key, offset))
@@ -146,11 +159,17 @@ class DcpIO(FormatIO):
         ranks = [int(m.group(1)) for f in rank_files | on_disk if (m := _RANK_FILE.search(f))]
         world = max(ranks) + 1 if ranks else None
         split = {len(t.chunks) for t in tensors if t.numel}
-        details = (("files", str(len(rank_files))), ("chunks per tensor", ",".join(map(str, sorted(split)))))
-        return Manifest(Format.SHARDED, str(root), tuple(tensors), tuple(objects), world, details)
+        details = [("files", str(len(rank_files))), ("chunks per tensor", ",".join(map(str, sorted(split))))]
+        if (root / META).is_file():
+            groups = {str(t.path[0]) for t in tensors} | {str(o.path[0]) for o in objects}
+            meta_tensors, meta_objects, note = _read_meta(root / META, groups)
+            tensors += meta_tensors
+            objects += meta_objects
+            details.append((META, note))
+        return Manifest(Format.SHARDED, str(root), tuple(tensors), tuple(objects), world, tuple(details))
 
     def options(self, target: Target, manifest: Manifest) -> DcpOptions:
-        return DcpOptions(cast=target.cast, world_size=target.world_size)
+        return DcpOptions(cast=target.cast, world_size=target.world_size, meta_groups=target.meta_groups)
 
     def plan(self, manifest: Manifest, options: DcpOptions) -> WritePlan:
         n = options.world_size
@@ -165,6 +184,8 @@ class DcpIO(FormatIO):
             return name, start, sizes[rank] - start
 
         for t in manifest.tensors:
+            if t.sidecar:
+                continue
             cast = cast_for(t.dtype, options.cast)
             chunk_list = []
             for rank, (offsets, box) in shard0_boxes(t.shape, n):
@@ -181,7 +202,7 @@ class DcpIO(FormatIO):
                                          {"properties": props, "size": _size(t.shape), "chunks": chunk_list})
         # torch never writes an empty container into DCP, and its loader trips over one (it falls back to a
         # pre-2.4 key scheme), so they are left out here too; convert() reports them.
-        objects = [o for o in manifest.objects if not is_empty_container(o)]
+        objects = [o for o in manifest.objects if not is_empty_container(o) and o.sidecar is None]
         for o in objects:
             blob = ((Region.whole(bytes_entry(o.blob, o.key)),) if o.blob
                     else archive_parts(regions_in(o.value, options.cast)))
@@ -189,13 +210,50 @@ class DcpIO(FormatIO):
             sd_meta[o.key] = make_record(_DCP_META, "BytesStorageMetadata", {})
             index = make_record(_DCP_META, "MetadataIndex", {"fqn": o.key, "offset": None, "index": None})
             storage[index] = _storage_info(name, start, length)
-        entries: list[TensorEntry | ObjectEntry] = [*manifest.tensors, *objects]
+        entries: list[TensorEntry | ObjectEntry] = [*(t for t in manifest.tensors if not t.sidecar), *objects]
         planner_data = {e.key: dcp_path(e.path) for e in entries}
         md = make_record(_DCP_META, "Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner_data,
                                              "storage_data": storage, "storage_meta": None, "version": "1.0.0"})
         files = [FilePlan(f"__{r}_0.distcp", tuple(parts[r])) for r in range(n)]
         files.append(FilePlan(METADATA, (Bytes(dumps(md, protocol=2)),)))
+        if any(e.sidecar == META for e in manifest.entries) or options.meta_groups is not None:
+            files.append(FilePlan(META, _meta_parts(manifest, options)))
         return WritePlan(tuple(files))
+
+
+def _read_meta(path: Path, groups: set[str]) -> tuple[list[TensorEntry], list[ObjectEntry], str]:
+    """``meta.pt``'s entries, flattened as a FULL file's are, less the groups the DCP holds too; and a line
+    for ``inspect``."""
+    try:
+        tree = read_archive(str(path))
+    except (UnsafeCheckpointError, FormatError) as e:
+        opaque = ObjectEntry(META, (META,), blob=Span(str(path), 0, path.stat().st_size), sidecar=META)
+        return [], [opaque], f"not readable as data, carried as it is ({e})"
+    if not isinstance(tree, dict):
+        raise FormatError(f"{path}: Lightning's meta.pt holds a dict of non-tensor state, found {type(tree).__name__}")
+    kept = {k: v for k, v in tree.items() if str(k) not in groups}
+    tensors, objects = [], []
+    for p, leaf in flatten(kept, lambda v: isinstance(v, TensorRef)) if kept else ():  # {} flattens to itself
+        if isinstance(leaf, TensorRef):
+            tensors.append(dataclasses.replace(leaf.as_entry(p), sidecar=META))
+        else:
+            objects.append(ObjectEntry(key_of(p), p, leaf, sidecar=META))
+    mirrored = len(tree) - len(kept)
+    return tensors, objects, (f"Lightning's non-tensor state: {len(kept)} entries"
+                              + (f", and {mirrored} mirrored from the DCP entries" if mirrored else ""))
+
+
+def _meta_parts(manifest: Manifest, options: DcpOptions) -> tuple[Part, ...]:
+    """``meta.pt``: the entries read from one, and the groups :attr:`DcpOptions.meta_groups` names."""
+    blob = next((o.blob for o in manifest.objects if o.sidecar == META and o.blob is not None), None)
+    if blob is not None:
+        return (Region.whole(bytes_entry(blob, META)),)
+    groups = set(options.meta_groups or ())
+    items = [(t.path, Region.whole(t, cast_for(t.dtype, options.cast)))
+             for t in manifest.tensors if t.sidecar == META or str(t.path[0]) in groups]
+    items += [(o.path, regions_in(object_value(o), options.cast))
+              for o in manifest.objects if o.sidecar == META or str(o.path[0]) in groups]
+    return archive_parts(unflatten(items) if items else {})
 
 
 def _size(v: tuple[int, ...]) -> Any:

@@ -13,6 +13,7 @@ from ..errors import UsageError
 from ..formats import LocalOptions, Target, detect, io_for, is_empty_container
 from ..io.execute import DEFAULT_MAX_MEMORY, execute, execute_distributed
 from ..io.progress import progress_bar
+from .select import meta_groups, select_model
 
 __all__ = ["Report", "convert", "parse_size", "reshard", "write"]
 
@@ -95,7 +96,7 @@ def _left_out(manifest: Manifest, fmt: Format) -> tuple[str, ...]:
     if fmt is Format.HF and manifest.objects:
         return (f"{len(manifest.objects)} non-tensor entries not written (safetensors holds tensors only): "
                 + ", ".join(o.key for o in manifest.objects[:5]) + (" ..." if len(manifest.objects) > 5 else ""),)
-    empty = [o.key for o in manifest.objects if is_empty_container(o)]
+    empty = [o.key for o in manifest.objects if is_empty_container(o) and not o.sidecar]
     if fmt is Format.SHARDED and empty:
         return (f"empty containers not written (torch's DCP does not store them): {', '.join(empty[:5])}",)
     return ()
@@ -108,7 +109,10 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: i
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``, streaming tensor by tensor.
 
     FULL output is one ``torch.save`` file when ``dst`` ends in .pt/.pth/.bin/.ckpt and no shard size is
-    given, else a directory (``pytorch_model.bin`` or HF-style ``pytorch_model-*.bin`` shards).
+    given, else a directory (``pytorch_model.bin`` or HF-style ``pytorch_model-*.bin`` shards). HF output
+    holds the model part only, found and named as :func:`ckptkit.export_hf` does (use that for casts,
+    config and tokenizer files). SHARDED output from another form carries Lightning's ``meta.pt`` (the groups
+    that are neither the model nor optimizer state, also kept in the DCP), so Lightning loads it too.
 
     ``local`` (:class:`LocalOptions`) applies to a LOCAL source or output: ``rank_files`` names the rank
     files (``"shard_{rank}.pt"``); ``model`` (``"package.module:factory"``), ``auto_wrap`` and
@@ -118,9 +122,15 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: i
     fmt = io_for(to).format
     local = local or LocalOptions()
     manifest = detect(src, local).read(Path(src))
+    notes: tuple[str, ...] = ()
+    if fmt is Format.HF:
+        # A model file holds the model: the same part, under the same names, as export-hf writes.
+        sel = select_model(manifest)
+        manifest, notes = Manifest(manifest.format, manifest.root, sel.tensors), sel.notes
     target = Target(world_size=world_size, max_shard_size=parse_size(max_shard_size), destination=str(dst),
-                    local=local)
-    return write(manifest, fmt, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=progress)
+                    local=local, meta_groups=meta_groups(manifest) if fmt is Format.SHARDED else None)
+    return write(manifest, fmt, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
+                 progress=progress, notes=notes)
 
 
 def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: bool = False,
@@ -128,12 +138,14 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: boo
             local: LocalOptions | None = None) -> Report:
     """Re-lay-out a sharded checkpoint for ``world_size`` ranks, in its own format; no GPU or process group.
 
-    ``local`` is as for :func:`convert`; the output keeps the source's rank file names and layout.
+    ``local`` is as for :func:`convert`; the output keeps the source's rank file names and layout, and a
+    DCP source's Lightning ``meta.pt``.
     """
     reader = detect(src, local)
     if reader.format not in (Format.SHARDED, Format.LOCAL):
         raise UsageError(f"{src}: is a {reader.format.value} checkpoint, not a sharded one; "
                          f"use 'ckptkit convert {src} DST --to sharded --world-size {world_size}'")
     manifest = reader.read(Path(src))
-    return write(manifest, reader.format, dst, Target(world_size=world_size), overwrite=overwrite,
+    groups = meta_groups(manifest) if reader.format is Format.SHARDED else None
+    return write(manifest, reader.format, dst, Target(world_size=world_size, meta_groups=groups), overwrite=overwrite,
                  max_memory=max_memory, fsync=fsync, progress=progress)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..core.dtypes import parse_cast
+from ..core.dtypes import DType, parse_cast
 from ..core.manifest import Format, Manifest, TensorEntry
 from ..core.plan import Bytes, FilePlan
 from ..errors import FormatError, UsageError
@@ -13,10 +13,10 @@ from ..formats import LocalOptions, Target, detect
 from ..io.execute import DEFAULT_MAX_MEMORY
 from ..io.sources import Files
 from .convert import Report, parse_size, write
-from .names import select_model
+from .select import select_model
 from .verify import first_difference
 
-__all__ = ["ASSET_FILES", "export_hf"]
+__all__ = ["ASSET_FILES", "TIE_DEFAULTS", "export_hf", "tie_word_embeddings"]
 
 ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
@@ -26,6 +26,7 @@ _MAX_ASSET = 256 << 20
 
 
 def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict]:
+    """The asset files to copy, and the parsed config."""
     if not (directory / "config.json").is_file():
         raise UsageError(f"--hf-assets {directory}: no config.json there; expected a Hugging Face model directory")
     plans = []
@@ -39,26 +40,81 @@ def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict]:
         config = json.loads((directory / "config.json").read_text())
     except ValueError as e:
         raise FormatError(f"{directory / 'config.json'}: not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise FormatError(f"{directory / 'config.json'}: expected a JSON object, found {type(config).__name__}")
     return tuple(plans), config
 
 
+TIE_DEFAULTS = {
+    "llama": False, "llama4": False, "mistral": False, "mixtral": False, "qwen2": False, "qwen2_moe": False,
+    "qwen3": False, "qwen3_moe": False, "phi": False, "phi3": False, "gpt_neox": False, "deepseek_v3": False,
+    "olmo2": False, "gemma": True, "gemma2": True, "gemma3": True, "gemma3_text": True, "gpt2": True, "opt": True,
+    "t5": True, "falcon": True,
+}
+"""``tie_word_embeddings`` when config.json omits it, per ``model_type`` (the config classes of transformers
+5.23); used where transformers is not installed to ask."""
+
+
+def _transformers_default(model_type: str) -> bool | None:
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return None
+    try:
+        value = getattr(AutoConfig.for_model(model_type), "tie_word_embeddings", None)
+    except (KeyError, ValueError):  # a model type this transformers does not know
+        return None
+    return value if isinstance(value, bool) else None
+
+
+def tie_word_embeddings(config: dict) -> tuple[bool | None, str]:
+    """Whether the model ties ``lm_head`` to its input embedding, and why: as config.json states it; else the
+    default of its ``model_type``, from transformers' config class when transformers is importable, else
+    from :data:`TIE_DEFAULTS`; else None (unknown)."""
+    stated = config.get("tie_word_embeddings")
+    if isinstance(stated, bool):
+        return stated, f"config.json says tie_word_embeddings: {str(stated).lower()}"
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        return None, "config.json states neither tie_word_embeddings nor a model_type"
+    default, source = _transformers_default(model_type), "transformers' config class"
+    if default is None:
+        default, source = TIE_DEFAULTS.get(model_type), "ckptkit's table of defaults"
+    if default is None:
+        return None, f"config.json omits tie_word_embeddings and the default of model_type {model_type!r} is unknown"
+    return default, (f"config.json omits tie_word_embeddings; model_type {model_type!r} defaults to "
+                     f"{str(default).lower()} ({source})")
+
+
 def _untie(tensors: list[TensorEntry], config: dict, max_memory: int) -> tuple[list[TensorEntry], str | None]:
-    """Leave out ``lm_head.weight`` when the config ties it to the input embedding, as ``save_pretrained`` does."""
-    # transformers' PretrainedConfig defaults tie_word_embeddings to True when a config omits it.
-    tied = config.get("tie_word_embeddings", True)
-    by_key = {t.key: t for t in tensors}
-    head = by_key.get("lm_head.weight")
-    if not tied or head is None:
+    """Leave out ``lm_head.weight`` when the model ties it to the input embedding, as ``save_pretrained`` does."""
+    head = next((t for t in tensors if t.key == "lm_head.weight"), None)
+    if head is None:
+        return tensors, None
+    tied, why = tie_word_embeddings(config)
+    if tied is None:
+        return tensors, f"lm_head.weight kept: {why}"
+    if not tied:
         return tensors, None
     embed = next((t for t in tensors if t.key.endswith(_EMBEDDINGS)), None)
     if embed is None:
-        return tensors, "config ties word embeddings but no input embedding was found; lm_head.weight kept"
+        return tensors, f"lm_head.weight kept: {why}, but no input embedding was found to tie it to"
     with Files() as files:
         diff = first_difference(head, embed, files, max_memory)
     if diff:
-        raise UsageError(f"config.json says tie_word_embeddings, but lm_head.weight and {embed.key} differ ({diff}); "
-                         "refusing to drop lm_head.weight: use assets whose config says tie_word_embeddings: false")
-    return [t for t in tensors if t is not head], f"lm_head.weight left out: tied to {embed.key} (tie_word_embeddings)"
+        raise UsageError(f"{why}, but lm_head.weight and {embed.key} differ ({diff}); refusing to drop "
+                         "lm_head.weight: use assets whose config says tie_word_embeddings: false")
+    return [t for t in tensors if t is not head], f"lm_head.weight left out: tied to {embed.key} ({why})"
+
+
+def _config_with_dtype(config: dict, dtype: DType) -> bytes:
+    """config.json naming ``dtype``, which ``from_pretrained(dtype="auto")`` then loads in: ``dtype`` for
+    transformers 5, ``torch_dtype`` for 4.x. Other keys keep their order and values."""
+    out = {**config, "dtype": dtype.name, "torch_dtype": dtype.name}
+    text = out.get("text_config")
+    if isinstance(text, dict) and ("dtype" in text or "torch_dtype" in text):
+        out["text_config"] = {**text, "dtype": dtype.name, "torch_dtype": dtype.name}
+    return (json.dumps(out, indent=2) + "\n").encode()
 
 
 def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: str = "keep",
@@ -69,8 +125,11 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     """Write the model tensors of ``src`` as HF safetensors at ``dst`` (with the index file when sharded).
 
     ``dtype`` is ``keep`` or one of ``bf16``/``fp16``/``fp32``; a cast touches floating tensors only.
-    Wrapper prefixes are stripped unless ``strip_wrappers=False``; ``hf_assets`` copies config and
-    tokenizer files and applies the config's ``tie_word_embeddings``.
+    The model part is found by :mod:`ckptkit.ops.select`'s rule (``model_key`` names it explicitly, as a
+    dotted path); a checkpoint of training state alone is refused. Wrapper prefixes are stripped unless
+    ``strip_wrappers=False``. ``hf_assets`` copies config and tokenizer files; ``lm_head.weight`` is left out
+    only when the model ties it (the config's ``tie_word_embeddings``, else its ``model_type``'s default)
+    and it equals the input embedding. After a cast, the copied config.json names the dtype written.
 
     In a save hook, call it from rank 0 alone, or with ``distributed=True`` from every rank of the default
     process group: each rank then writes its share of the output files and rank 0 publishes the result.
@@ -78,13 +137,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     cast = parse_cast(dtype)
     manifest = detect(src, local).read(Path(src))
     sel = select_model(manifest, model_key, tuple(strip_prefixes), strip_wrappers)
-    if not sel.tensors:
-        raise UsageError(f"{src}: no model tensors found (model key {model_key!r})")
-    notes = [f"model taken from top-level key {sel.model_key!r}" if sel.model_key
-             else "checkpoint is a flat model state dict"]
-    notes += [f"stripped {prefix!r} from {n} keys" for prefix, n in sel.renamed]
-    if sel.left_out:
-        notes.append(f"{sel.left_out} non-model entries (optimizer state, counters) left out")
+    notes = list(sel.notes)
     tensors = list(sel.tensors)
     assets: tuple[FilePlan, ...] = ()
     if hf_assets is not None:
@@ -92,6 +145,10 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         tensors, tie_note = _untie(tensors, config, max_memory)
         notes += [tie_note] if tie_note else []
         notes.append("copied " + ", ".join(p.relpath for p in assets))
+        if cast:
+            assets = tuple(FilePlan(p.relpath, (Bytes(_config_with_dtype(config, cast)),))
+                           if p.relpath == "config.json" else p for p in assets)
+            notes.append(f"config.json: dtype and torch_dtype set to {cast}, the dtype written")
     if cast:
         n = sum(1 for t in tensors if t.dtype.is_floating and t.dtype != cast)
         notes.append(f"cast {n} floating tensors to {cast}; others kept their dtype")

@@ -6,7 +6,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..core.manifest import Manifest
+from ..core.manifest import Manifest, ObjectEntry
+from ..errors import CheckpointError
 from ..formats import LocalOptions, detect, object_value
 
 __all__ = ["inspect", "render", "summary"]
@@ -29,9 +30,18 @@ def summary(m: Manifest) -> dict[str, Any]:
         "details": dict(m.details),
         "entries": [{"key": t.key, "dtype": t.dtype.name, "shape": list(t.shape),
                      "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": Path(c.span.file).name}
-                                for c in t.chunks]} for t in m.tensors],
-        "objects": [{"key": o.key, "value": repr(object_value(o))[:200]} for o in m.objects],
+                                for c in t.chunks], **({"file": t.sidecar} if t.sidecar else {})}
+                    for t in m.tensors],
+        "objects": [{"key": o.key, "value": _value(o), **({"file": o.sidecar} if o.sidecar else {})}
+                    for o in m.objects],
     }
+
+
+def _value(entry: ObjectEntry) -> str:
+    try:
+        return repr(object_value(entry))[:200]
+    except CheckpointError as e:  # a Lightning meta.pt with classes off the allow-list: shown, not run
+        return f"<not readable as data: {e}>"
 
 
 def render(s: dict[str, Any]) -> str:
@@ -44,6 +54,6 @@ def render(s: dict[str, Any]) -> str:
     for e in s["entries"]:
         chunks = len(e["chunks"])
         lines.append(f"  {e['key']:<{width}}  {e['dtype']:<14} {str(e['shape']):<20} "
-                     f"{chunks} chunk{'s' * (chunks != 1)}")
-    lines += [f"  {o['key']} = {o['value']}" for o in s["objects"]]
+                     f"{chunks} chunk{'s' * (chunks != 1)}" + (f"  ({e['file']})" if "file" in e else ""))
+    lines += [f"  {o['key']} = {o['value']}" + (f"  ({o['file']})" if "file" in o else "") for o in s["objects"]]
     return "\n".join(lines)

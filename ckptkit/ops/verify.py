@@ -12,7 +12,7 @@ from ..formats import LocalOptions, detect, object_value
 from ..io.execute import DEFAULT_MAX_MEMORY
 from ..io.progress import progress_bar
 from ..io.sources import Files, read_region
-from .names import select_model
+from .select import select_model
 
 __all__ = ["Difference", "VerifyReport", "first_difference", "verify"]
 

@@ -11,14 +11,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from ..core.manifest import Format, Manifest, Path_, TensorEntry, map_tensor_refs
+from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry, map_tensor_refs
 from ..core.plan import Region
-from ..core.tree import flatten, unflatten
+from ..core.tree import unflatten
 from ..errors import UsageError
 from ..formats import detect, object_value
 from ..io import publish as rotation
 from ..io.sources import Files, read_region
 from ..ops.names import strip_wrapper_names
+from ..ops.select import ModelSelection, optimizer_sections, select_model
 from .save import SIDE_KEYS
 
 __all__ = ["LoadResult", "load"]
@@ -30,6 +31,8 @@ class LoadResult:
     """The checkpoint directory that was loaded (``latest`` resolved)."""
     step: int | None
     extra_state: Any
+    optimizer_loaded: bool = False
+    """Whether optimizer state was loaded (an HF folder or a model-only checkpoint has none)."""
 
 
 def _tensor(entry: TensorEntry, files: Files) -> torch.Tensor:
@@ -61,33 +64,47 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
          load_scheduler: bool = True) -> LoadResult:
     """Load a checkpoint of any form, saved at any world size, into ``model`` (+ optimizer, scheduler).
 
-    ``path`` may be a root: ``latest`` (or the newest complete step) is used. Returns the step and
-    ``extra_state`` that were saved. Call on every rank.
+    ``path`` may be a root: ``latest`` (or the newest complete step) is used. The model part is found by
+    the rule :func:`ckptkit.export_hf` uses (:mod:`ckptkit.ops.select`), so a plain ``model.state_dict()``
+    file, an HF folder and other frameworks' checkpoints load too. Optimizer state is loaded when the
+    checkpoint has some (``optim``, ``optimizer``, ``optimizer_0`` ...) keyed by the model's parameter names;
+    ``LoadResult.optimizer_loaded`` says whether it was. Returns the step and ``extra_state`` that were
+    saved. Call on every rank.
+
+    Raises :class:`ckptkit.CheckpointError` listing the keys when, under ``strict``, the model needs keys the
+    checkpoint lacks or the checkpoint holds model keys the model does not have, or the optimizer state
+    present does not fit the optimizer.
     """
     ckpt = rotation.resolve(Path(path))
     manifest = detect(ckpt).read(ckpt)  # once: for DCP this reads every chunk's header
     fmt = manifest.format
     optimizer = optimizer if load_optimizer else None
     side = _read_all(manifest, SIDE_KEYS) if fmt is not Format.HF else {}
-    if fmt is Format.SHARDED:
-        msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
-        target: dict[str, Any] = {"model": msd}
-        if optimizer is not None:
-            target["optim"] = osd
-        _check_keys(manifest, target, strict)
-        dcp.load(target, checkpoint_id=str(ckpt))
-        options = StateDictOptions(strict=strict)
-        set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=target["model"],
-                       optim_state_dict=target.get("optim", {}), options=options)
-    else:
-        state = {"model": _read_all(manifest, None)} if fmt is Format.HF else _read_all(manifest, ("model", "optim"))
-        model_sd = _with_tied_aliases(model, state.get("model", {}))
-        options = StateDictOptions(full_state_dict=True, strict=strict)
-        set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=model_sd,
-                       optim_state_dict=state.get("optim", {}) if optimizer is not None else {}, options=options)
+    msd, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
+    osd: dict[str, Any] = dict(optim_state)  # {"state": {param name: {slot: value}}, "param_groups": [...]}
+    sel = select_model(manifest)
+    model_src = _model_sources(manifest, sel, model, msd, strict)
+    optim_src = _optimizer_sources(manifest, sel, osd, strict) if optimizer is not None else None
+    with Files() as files:
+        if fmt is Format.SHARDED:
+            # DCP reads each rank's part of every tensor into the tensors get_state_dict gave, keyed as saved.
+            saved_key = dict(sel.saved_keys)
+            target = {saved_key[e.key]: msd[n] for n, e in model_src.items()}
+            if optim_src is not None:
+                target.update({e.key: osd["state"][n][slot] for n, slots in optim_src.state.items()
+                               for slot, e in slots.items() if isinstance(e, TensorEntry)})
+            dcp.load(target, checkpoint_id=str(ckpt))
+            model_sd = {n: msd[n] for n in model_src}
+            options = StateDictOptions(strict=strict)
+        else:
+            model_sd = {n: _tensor(e, files) for n, e in model_src.items()}
+            options = StateDictOptions(full_state_dict=True, strict=strict)
+        optim_sd = _optimizer_state(optim_src, osd, files, fmt is Format.SHARDED) if optim_src else {}
+    optimizers = [optimizer] if optimizer is not None and optim_src is not None else []
+    set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
     if scheduler is not None and load_scheduler and "scheduler" in side:
         scheduler.load_state_dict(side["scheduler"])
-    return LoadResult(ckpt, side.get("step"), side.get("extra"))
+    return LoadResult(ckpt, side.get("step"), side.get("extra"), optim_src is not None)
 
 
 def _with_tied_aliases(model: torch.nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:
@@ -105,20 +122,94 @@ def _with_tied_aliases(model: torch.nn.Module, model_sd: dict[str, Any]) -> dict
     return out
 
 
-def _check_keys(manifest: Manifest, target: dict[str, Any], strict: bool) -> None:
-    """DCP raises on the first missing key; list them all (strict), or drop them from the target (not)."""
-    have = set(manifest.keys)
-    missing: list[Path_] = []
-    for path, _ in flatten(target, lambda v: isinstance(v, torch.Tensor)):
-        name = ".".join(map(str, path))
-        if name not in have and not any(key.startswith(name + ".") for key in have):
-            missing.append(path)
-    if missing and strict:
-        names = [".".join(map(str, p)) for p in missing]
-        raise UsageError(f"{manifest.root}: checkpoint lacks {len(names)} keys the model/optimizer needs: "
-                         f"{', '.join(names[:10])}{' ...' if len(names) > 10 else ''} (pass strict=False to skip them)")
-    for path in missing:
-        node = target
-        for part in path[:-1]:
-            node = node[part]
-        del node[path[-1]]
+def _listing(names: list[str]) -> str:
+    return ", ".join(names[:10]) + (" ..." if len(names) > 10 else "")
+
+
+def _model_sources(manifest: Manifest, sel: ModelSelection, model: torch.nn.Module, msd: dict[str, Any],
+                   strict: bool) -> dict[str, TensorEntry]:
+    """The checkpoint entry for each key of the model's state dict; under ``strict``, every key must have
+    one and every model key of the checkpoint must be used, else the error lists them all."""
+    have = _with_tied_aliases(model, {t.key: t for t in sel.tensors})
+    missing = [n for n in msd if n not in have]
+    unexpected = [t.key for t in sel.tensors if t.key not in msd]
+    if strict and (missing or unexpected):
+        problems = [f"checkpoint lacks {len(missing)} keys the model needs: {_listing(missing)}"] if missing else []
+        problems += [f"it holds {len(unexpected)} model keys the model does not have: {_listing(unexpected)}"
+                     ] if unexpected else []
+        raise UsageError(f"{manifest.root}: " + "; ".join(problems) + f" ({sel.rule}; pass strict=False to skip "
+                         "them)")
+    found = {n: have[n] for n in msd if n in have}
+    if not found:
+        raise UsageError(f"{manifest.root}: none of its {len(sel.tensors)} model keys ({_listing(list(have))}) "
+                         f"is a key of the model ({_listing(list(msd))}); {sel.rule}")
+    return found
+
+
+@dataclass(frozen=True)
+class _OptimizerSources:
+    """Where the optimizer's state lies in the checkpoint, by the model's parameter names."""
+
+    state: dict[str, dict[str, TensorEntry | ObjectEntry]]
+    """Parameter name to slot (``exp_avg``, ``step`` ...) to entry."""
+    groups: list[dict[str, ObjectEntry]] | None
+    """Each param group's hyperparameters (``params`` aside), in the optimizer's group order; None keeps the
+    optimizer's own."""
+
+
+def _optimizer_sources(manifest: Manifest, sel: ModelSelection, osd: dict[str, Any],
+                       strict: bool) -> _OptimizerSources | None:
+    """The optimizer state in the checkpoint that fits ``osd`` (``get_state_dict``'s, keyed by parameter name);
+    None when there is none, or (not ``strict``) when it does not fit."""
+    sections = optimizer_sections(manifest)
+    if not sections:
+        return None
+    section = sections[0]
+    state: dict[str, dict[str, TensorEntry | ObjectEntry]] = {}
+    numbered: dict[int, dict[str, ObjectEntry]] = {}
+    by_param: dict[str, dict[str, ObjectEntry]] = {}  # torchtitan flattens param groups per parameter
+    for e in manifest.entries:
+        rest = e.key[len(section) + 1:] if e.key.startswith(section + ".") else ""
+        if rest.startswith("state.") and "." in rest[6:]:
+            fqn, slot = rest[6:].rsplit(".", 1)
+            state.setdefault(fqn, {})[slot] = e
+        elif rest.startswith("param_groups.") and "." in rest[13:] and isinstance(e, ObjectEntry):
+            head, field = rest[13:].rsplit(".", 1)
+            (numbered.setdefault(int(head), {}) if head.isdigit() else by_param.setdefault(head, {}))[field] = e
+    saved_as = dict(sel.sources)
+    missing = [f"{section}.state.{saved_as.get(n, n)}.{slot}" for n, slots in osd["state"].items()
+               for slot in slots if slot not in state.get(saved_as.get(n, n), {})]
+    groups: list[dict[str, ObjectEntry]] | None = None
+    if numbered:
+        groups = [numbered[i] for i in sorted(numbered)]
+        if len(groups) != len(osd["param_groups"]):
+            missing.append(f"{section}.param_groups: {len(groups)} saved, the optimizer has {len(osd['param_groups'])}")
+    elif by_param:
+        firsts = [saved_as.get(g["params"][0], g["params"][0]) for g in osd["param_groups"] if g["params"]]
+        missing += [f"{section}.param_groups.{p}" for p in firsts if p not in by_param]
+        groups = [by_param.get(p, {}) for p in firsts]
+    if missing:
+        if strict:
+            raise UsageError(f"{manifest.root}: the optimizer state in {section!r} does not fit the optimizer: it "
+                             f"lacks {len(missing)} entries: {_listing(missing)} (pass load_optimizer=False, or "
+                             "strict=False to load the model alone)")
+        return None
+    return _OptimizerSources({n: state[saved_as.get(n, n)] for n in osd["state"]},
+                             [{k: v for k, v in g.items() if k != "params"} for g in groups] if groups else None)
+
+
+def _optimizer_state(src: _OptimizerSources, osd: dict[str, Any], files: Files, loaded: bool) -> dict[str, Any]:
+    """``osd`` with the saved values: tensors read here, or (``loaded``) already read into ``osd`` by DCP."""
+    def value(n: str, slot: str, e: TensorEntry | ObjectEntry) -> Any:
+        if isinstance(e, TensorEntry):
+            return osd["state"][n][slot] if loaded else _tensor(e, files)
+        return _to_torch(object_value(e), files)
+
+    state = {n: {slot: value(n, slot, e) for slot, e in slots.items() if slot in osd["state"][n]}
+             for n, slots in src.state.items()}
+    # Saved hyperparameters the optimizer has (a scheduler made before the save adds initial_lr; torch's
+    # full-state path refuses keys the optimizer's own groups lack); params stay the optimizer's own names.
+    groups = osd["param_groups"] if src.groups is None else [
+        {**own, **{k: _to_torch(object_value(e), files) for k, e in saved.items() if k in own}, "params": own["params"]}
+        for saved, own in zip(src.groups, osd["param_groups"], strict=True)]
+    return {"state": state, "param_groups": groups}
