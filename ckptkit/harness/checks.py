@@ -38,7 +38,7 @@ BF16_RTOL = 5e-4
 
 
 def loss_rtol(cell: Cell) -> float:
-    return BF16_RTOL if cell.bf16 else FP32_RTOL
+    return BF16_RTOL if cell.low_precision else FP32_RTOL
 
 
 def _leaves(state: Any) -> dict[str, Any]:

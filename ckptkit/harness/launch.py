@@ -19,14 +19,15 @@ __all__ = ["run_ranks"]
 
 
 def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tuple, results,
-           timeout: float | None) -> None:
+           timeout: float | None, cuda: bool) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    if cuda:
+        # A GPU of its own where there are enough; else ranks share them, which gloo allows and NCCL does not.
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"file://{rdv}", rank=rank, world_size=world,
                             timeout=None if timeout is None else timedelta(seconds=timeout))
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
         results.put((rank, fn(rank, world, *args), None))
         dist.barrier()
     except BaseException as e:  # report, then let spawn see the failure too
@@ -40,19 +41,21 @@ def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tu
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-              timeout: float | None = None) -> list[Any]:
+              timeout: float | None = None, cuda: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results by rank.
 
     ``fn`` must be importable (a module-level function) since ranks are spawned, not forked. ``timeout``
     (seconds) bounds each collective, so a rank stuck waiting on a peer raises instead of hanging for the
-    backend's default 30 minutes.
+    backend's default 30 minutes. ``cuda`` (implied by NCCL) makes GPU ``rank % device_count()`` each
+    rank's current device before the group starts.
     """
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="ckptkit-rdv-") as tmp:
         rdv = os.path.join(tmp, "rendezvous")
         with contextlib.suppress(mp.ProcessRaisedException):  # the rank's own message is in results
-            mp.spawn(_entry, args=(fn, world_size, rdv, backend, args, results, timeout), nprocs=world_size, join=True)
+            mp.spawn(_entry, args=(fn, world_size, rdv, backend, args, results, timeout, cuda or backend == "nccl"),
+                     nprocs=world_size, join=True)
         out: dict[int, Any] = {}
         while not results.empty():
             rank, value, error = results.get()
