@@ -291,6 +291,12 @@ def test_fsdp1_offload_is_skipped_with_torchs_reason_where_pinning_is_refused():
         assert runner._pinning_refused() == "Cannot access accelerator device when none is available."
 
 
+def test_backend_is_nccl_only_where_every_rank_has_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [runner._backend("cuda", world) for world in (1, 2, 3)] == ["nccl", "nccl", "gloo"]
+    assert runner._backend("cpu", 1) == "gloo"
+
+
 # --------------------------------------------------------------------------------------------------------
 # Runs on real ranks
 
