@@ -18,10 +18,10 @@ from click.testing import CliRunner
 from _checks import assert_same_tree, load_dcp, load_full, load_hf
 from _fsdp1 import AUTO_WRAP, MODEL, load_and_gather, train_and_save
 from ckptkit.cli import cli
-from ckptkit.errors import UsageError
+from ckptkit.errors import FormatError, UsageError
 from ckptkit.formats import LocalOptions
 from ckptkit.formats.local.derive import derive_layout
-from ckptkit.formats.local.layout import LAYOUT_FILE, FlatLayout
+from ckptkit.formats.local.layout import LAYOUT_FILE, FlatLayout, FlatParam, FlatUnit
 from ckptkit.harness.launch import run_ranks
 from ckptkit.ops.convert import convert, reshard
 from test_local import expected_optim, joined_optim
@@ -140,3 +140,15 @@ def test_cli_param_dtype(runs, tmp_path):
     assert "param dtype: float16" in result.output and "use_orig_params: true" in result.output, result.output
     result = CliRunner().invoke(cli, [*args, "--param-dtype", "int8"])
     assert result.exit_code == 2 and "'int8' is not one of 'bf16'" in result.output, result.output
+
+
+def test_flat_layout_json_param_dtype_is_optional_and_checked():
+    units = (FlatUnit("_flat_param", (FlatParam("w", (3,), 0), FlatParam("b", (2,), 8))),)
+    old = FlatLayout(units, True).to_json()  # as ckptkit wrote it before the field: no key, version 1
+    assert b"param_dtype" not in old and b'"version": 1' in old
+    assert FlatLayout.from_json(old, where="old").param_dtype is None
+    new = FlatLayout(units, True, param_dtype="bfloat16").to_json()
+    assert FlatLayout.from_json(new, where="new") == FlatLayout(units, True, param_dtype="bfloat16")
+    with pytest.raises(FormatError, match=r"bad: not a ckptkit flat layout \(TypeError: expected a floating dtype "
+                                          r"name .*found 'int8'\)"):
+        FlatLayout.from_json(new.replace(b'"bfloat16"', b'"int8"'), where="bad")
