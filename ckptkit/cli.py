@@ -60,6 +60,10 @@ _LOCAL = (
     click.option("--use-orig-params/--no-use-orig-params", default=None,
                  help="LOCAL: whether FSDP wraps --model with use_orig_params (default: told by the saved sizes; "
                       "off for output)."),
+    click.option("--param-dtype", type=click.Choice(["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),
+                 help="LOCAL: the dtype FSDP computes --model in: MixedPrecision(param_dtype=...), else the "
+                      "parameters' dtype at wrap time. With use_orig_params FSDP aligns parameters to 16 bytes "
+                      "of it (default: the dtype --model builds)."),
 )
 
 
@@ -69,10 +73,11 @@ def _local(f):
     return f
 
 
-def _local_options(rank_files, model, auto_wrap, use_orig_params):
+def _local_options(rank_files, model, auto_wrap, use_orig_params, param_dtype):
     from .formats import LocalOptions
 
-    return LocalOptions(rank_files=rank_files, model=model, auto_wrap=auto_wrap, use_orig_params=use_orig_params)
+    return LocalOptions(rank_files=rank_files, model=model, auto_wrap=auto_wrap, use_orig_params=use_orig_params,
+                        param_dtype=param_dtype)
 
 
 def _report(report, quiet: bool) -> None:

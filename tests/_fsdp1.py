@@ -14,6 +14,7 @@ from torch.distributed.fsdp import (
     FullyShardedDataParallel as FSDP,
     LocalOptimStateDictConfig,
     LocalStateDictConfig,
+    MixedPrecision,
     StateDictType,
 )
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -24,10 +25,16 @@ AUTO_WRAP = "block:fixtures_models:Block"
 MODEL = "fixtures_models:tiny"
 
 
-def wrap(use_orig_params: bool) -> tuple[FSDP, torch.optim.Optimizer]:
+def wrap(use_orig_params: bool, param_dtype: str | None = None) -> tuple[FSDP, torch.optim.Optimizer]:
+    """``param_dtype`` (``bfloat16``, ``float16``) runs under ``MixedPrecision`` as real configurations set it:
+    low-precision parameters, fp32 gradient reduction and buffers. ``cast_forward_inputs`` because the fp32
+    buffer ``scale`` makes the root's activations fp32, which a bf16 LayerNorm in a block refuses on CPU."""
     torch.manual_seed(0)  # the same initial weights on every rank
+    mixed = None if param_dtype is None else MixedPrecision(
+        param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32, buffer_dtype=torch.float32,
+        cast_forward_inputs=True)
     model = FSDP(tiny(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=use_orig_params,
-                 device_id=torch.device("cpu"))
+                 device_id=torch.device("cpu"), mixed_precision=mixed)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -37,18 +44,22 @@ def _full(model: FSDP, optim: torch.optim.Optimizer) -> tuple[dict, dict]:
         return model.state_dict(), FSDP.optim_state_dict(model, optim)
 
 
-def train_and_save(rank: int, world: int, out: str, use_orig_params: bool) -> None:
+def train_and_save(rank: int, world: int, out: str, use_orig_params: bool, param_dtype: str | None = None) -> None:
     """Two AdamW steps, then save: ``full.pt`` and ``full_optim.pt`` (what torch gathers, taken first),
     ``model/rank{r}.pt`` (the bare LOCAL state dict), ``train/model_rank_{r}.pt`` (model, the flat
-    ``optimizer.state_dict()`` and a step counter) and ``optim{r}.pt`` (that optimizer state alone)."""
+    ``optimizer.state_dict()`` and a step counter), ``optim{r}.pt`` (that optimizer state alone) and
+    ``layout_of.json`` (what ``ckptkit.save`` records of the live model)."""
+    from ckptkit.formats.local.derive import layout_of
+
     out_dir = Path(out)
-    model, optim = wrap(use_orig_params)
+    model, optim = wrap(use_orig_params, param_dtype)
     for step in range(2):
         train_step(model, optim, 10 * step + rank)
     full, full_optim = _full(model, optim)
     if rank == 0:
         torch.save(full, out_dir / "full.pt")
         torch.save(full_optim, out_dir / "full_optim.pt")
+        (out_dir / "layout_of.json").write_bytes(layout_of(model).to_json())
     with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
         local = model.state_dict()
     (out_dir / "model").mkdir(exist_ok=True)
@@ -59,14 +70,15 @@ def train_and_save(rank: int, world: int, out: str, use_orig_params: bool) -> No
     _settle()
 
 
-def load_and_gather(rank: int, world: int, jobs: list[tuple[str, str, bool, bool, str]]) -> None:
+def load_and_gather(rank: int, world: int, jobs: list[tuple[str, str, bool, bool, str]],
+                    param_dtype: str | None = None) -> None:
     """For each ``(directory, file pattern, use_orig_params, with_optim, out)``: load this rank's file into a
     fresh FSDP1 model (and optimizer) under LOCAL_STATE_DICT, then save to ``out`` what torch's
     FULL_STATE_DICT gathers (``{"model": ..., "optim": ...}``) and this rank's own ``optimizer.state_dict()``
     to ``out`` with ``.rank{r}`` appended. (Tensors cannot be returned: the queue shares their storage with a
     process that is gone by the time the parent reads it.)"""
     for directory, pattern, use_orig_params, with_optim, out in jobs:
-        model, optim = wrap(use_orig_params)
+        model, optim = wrap(use_orig_params, param_dtype)
         saved = torch.load(Path(directory) / pattern.format(rank=rank), weights_only=False)
         with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT, LocalStateDictConfig(),
                                   LocalOptimStateDictConfig()):

@@ -14,6 +14,16 @@ import torch
 from _checks import make_training_state, make_zoo
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """``cuda``-marked tests skip, with the reason, where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def zoo() -> dict[str, torch.Tensor]:
     return make_zoo()

@@ -50,8 +50,9 @@ def tiny() -> TinyNet:
 
 
 def train_step(model: nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
-    """One optimizer step on a batch of tokens drawn from ``seed`` (any wrapper of a :class:`TinyNet`)."""
+    """One optimizer step on a batch of tokens drawn from ``seed`` (any wrapper of a :class:`TinyNet`, mixed
+    precision included: the loss is taken in fp32)."""
     tokens = torch.randint(0, 13, (4, 9), generator=torch.Generator().manual_seed(seed))
-    model(tokens).logsumexp(-1).mean().backward()
+    model(tokens).float().logsumexp(-1).mean().backward()
     optim.step()
     optim.zero_grad()

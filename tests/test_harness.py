@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from itertools import product
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from ckptkit.harness.configs import (
     Cell,
     ConfigError,
     Format,
+    ParamDtype,
     Sharding,
     TrainConfig,
     Wrapper,
@@ -46,6 +48,12 @@ from ckptkit.harness.matrix import QUICK, full, select
      r"sharding is an fsdp1 option, but wrapper is ddp"),
     (lambda: TrainConfig(wrapper=Wrapper.FSDP1, world_size=2, sharding=Sharding.FULL_SHARD, auto_wrap=AutoWrap.NONE,
                          use_orig_params=False, bf16=True), r"bf16 is an fsdp2 option, but wrapper is fsdp1"),
+    (lambda: TrainConfig(wrapper=Wrapper.FSDP2, world_size=2, hsdp=False, bf16=True, cpu_offload=False,
+                         reshard_after_forward=True, param_dtype=ParamDtype.BF16),
+     r"param_dtype is an fsdp1 option, but wrapper is fsdp2"),
+    # offloading belongs to both FSDPs
+    (lambda: TrainConfig(wrapper=Wrapper.DDP, world_size=2, cpu_offload=True),
+     r"cpu_offload is an fsdp1 or fsdp2 option, but wrapper is ddp"),
     (lambda: ddp(2, form=Format.LOCAL), r"form local is FSDP1's LOCAL_STATE_DICT, but wrapper is ddp"),
     (lambda: fsdp2(2, form=Format.LOCAL), r"form local is FSDP1's LOCAL_STATE_DICT, but wrapper is fsdp2"),
     # hybrid layouts are 2 x k
@@ -66,6 +74,8 @@ def test_train_config_names_and_meshes():
     hybrid = fsdp1(4, sharding=Sharding.HYBRID_SHARD, use_orig_params=True)
     assert hybrid.name == "fsdp1(hybrid_shard,wrap=block,orig)@4:sharded"
     assert hybrid.mesh_shape == (2, 2)
+    mixed = fsdp1(2, form=Format.LOCAL, use_orig_params=True, param_dtype=ParamDtype.FP16, cpu_offload=True)
+    assert mixed.name == "fsdp1(full_shard,wrap=block,orig,fp16,offload)@2:local"
     hsdp = fsdp2(6, form=Format.FULL, hsdp=True, bf16=True, cpu_offload=True, reshard_after_forward=False)
     assert hsdp.name == "fsdp2(2d,bf16,offload,no-reshard)@6:full"
     assert hsdp.mesh_shape == (2, 3)
@@ -77,7 +87,10 @@ def test_train_config_names_and_meshes():
     # LOCAL output is re-laid from a LOCAL input with the same flat parameters
     (lambda: Cell(fsdp2(2), fsdp1(3, form=Format.LOCAL)), r"a LOCAL target needs a LOCAL source"),
     (lambda: Cell(fsdp1(2, form=Format.LOCAL), fsdp1(3, form=Format.LOCAL, auto_wrap=AutoWrap.SIZE)),
-     r"same auto_wrap and use_orig_params"),
+     r"same auto_wrap, use_orig_params and param_dtype"),
+    # FSDP aligns flat parameters in the param dtype
+    (lambda: Cell(fsdp1(2, form=Format.LOCAL, param_dtype=ParamDtype.BF16), fsdp1(3, form=Format.LOCAL)),
+     r"same auto_wrap, use_orig_params and param_dtype"),
     (lambda: Cell(fsdp1(2, form=Format.LOCAL, sharding=Sharding.NO_SHARD),
                   fsdp1(3, form=Format.LOCAL, sharding=Sharding.NO_SHARD)), r"NO_SHARD ranks hold them whole"),
 ])
@@ -122,6 +135,22 @@ def test_full_matrix_covers_every_option_as_source_and_as_target():
     assert len(fsdp2_targets) == 2 ** 4 * 3
     assert {(c.wrapper, c.form) for c in sources | targets} >= {(w, f) for w in (Wrapper.PLAIN, Wrapper.DDP)
                                                                  for f in (Format.FULL, Format.SHARDED)}
+
+
+def test_full_matrix_covers_fsdp1_mixed_precision_and_offload():
+    cells = full()
+    mixed = (ParamDtype.BF16, ParamDtype.FP16)
+    for side, forms in (("source", (Format.FULL, Format.SHARDED, Format.LOCAL)),
+                        ("target", (Format.FULL, Format.SHARDED, Format.LOCAL, Format.HF))):
+        configs = {getattr(c, side) for c in cells}
+        # bf16 and fp16 under every wrap, both use_orig_params, in every form
+        assert {(c.param_dtype, c.auto_wrap, c.use_orig_params, c.form) for c in configs
+                if c.param_dtype in mixed} == set(product(mixed, AutoWrap, (False, True), forms))
+        assert {(c.use_orig_params, c.form) for c in configs
+                if c.wrapper is Wrapper.FSDP1 and c.cpu_offload} == set(product((False, True), forms))
+    # LOCAL under mixed precision is re-laid N -> M with the same param dtype
+    assert any(c.source.param_dtype is c.target.param_dtype is ParamDtype.FP16 and c.target.form is Format.LOCAL
+               and c.source.world_size != c.target.world_size for c in cells)
 
 
 def test_matrices_change_world_size_where_they_can():
@@ -208,6 +237,8 @@ def test_compare_losses():
 def test_loss_rtol_follows_precision():
     assert loss_rtol(Cell(fsdp2(2), fsdp2(3))) == FP32_RTOL
     assert loss_rtol(Cell(fsdp2(2, bf16=True), fsdp2(3))) == BF16_RTOL
+    assert loss_rtol(Cell(fsdp2(2), fsdp1(3, form=Format.FULL, param_dtype=ParamDtype.FP16))) == BF16_RTOL
+    assert loss_rtol(Cell(fsdp1(2, param_dtype=ParamDtype.FP32), fsdp2(3))) == FP32_RTOL
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -249,6 +280,23 @@ def test_cli_exits_1_when_a_cell_fails(monkeypatch):
                                    "reason": "ckptkit reshard: boom", "detail": "boom\ntraceback"}
 
 
+def test_fsdp1_offload_is_skipped_with_torchs_reason_where_pinning_is_refused():
+    offload = Cell(fsdp1(2, cpu_offload=True), fsdp2(3))
+    reason = runner._skip_reason(offload, "Cannot access accelerator device when none is available.")
+    assert reason is not None and reason.startswith("FSDP1 CPUOffload(offload_params=True) pins the offloaded shards")
+    assert reason.endswith("which torch refuses here: Cannot access accelerator device when none is available.")
+    assert runner._skip_reason(offload, None) is None  # where torch pins (beside a GPU), the cell runs
+    assert runner._skip_reason(Cell(fsdp2(2, cpu_offload=True), fsdp2(3)), "refused") is None  # FSDP2 pins nothing here
+    if not torch.cuda.is_available():
+        assert runner._pinning_refused() == "Cannot access accelerator device when none is available."
+
+
+def test_backend_is_nccl_only_where_every_rank_has_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [runner._backend("cuda", world) for world in (1, 2, 3)] == ["nccl", "nccl", "gloo"]
+    assert runner._backend("cpu", 1) == "gloo"
+
+
 # --------------------------------------------------------------------------------------------------------
 # Runs on real ranks
 
@@ -279,5 +327,11 @@ def quick_results(tmp_path_factory):
 @pytest.mark.parametrize("cell", QUICK, ids=[c.name for c in QUICK])
 def test_quick_matrix_cell_passes(quick_results, cell):
     result = quick_results[cell.name]
-    # On CPU no cell is skipped (only --device cuda skips, for want of GPUs): a skip here is a failure.
-    assert result.status is runner.Status.PASS, f"{result.status.value}: {result.reason}\n{result.detail}"
+    # A cell skips only where torch itself refuses what it needs: FSDP1 CPU offload pins memory, which torch
+    # refuses without an accelerator. Every other skip, and that one beside a GPU, is a failure.
+    refused = runner._pinning_refused()
+    expected = runner._skip_reason(cell, refused)
+    if expected is None:
+        assert result.status is runner.Status.PASS, f"{result.status.value}: {result.reason}\n{result.detail}"
+    else:
+        assert (result.status, result.reason) == (runner.Status.SKIP, expected)

@@ -69,13 +69,13 @@ def joined_optim(paths: list[Path]) -> dict:
     return state
 
 
-def expected_optim(d: Path, use_orig_params: bool) -> dict:
+def expected_optim(d: Path, use_orig_params: bool, world: int = 2) -> dict:
     """The full optimizer state. FSDP's own gather serves without use_orig_params; with it, torch 2.13 on CPU
     gathers exp_avg equal to exp_avg_sq, so the state is joined from the ranks' own parts instead."""
     full = load_full(d / "full_optim.pt")
     if not use_orig_params:
         return full
-    return {"state": joined_optim([d / f"optim{r}.pt" for r in range(2)]), "param_groups": full["param_groups"]}
+    return {"state": joined_optim([d / f"optim{r}.pt" for r in range(world)]), "param_groups": full["param_groups"]}
 
 
 # ------------------------------------------------------------------------------------------------- reading

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import FormatError, UsageError
 
-__all__ = ["DTYPES", "DType", "by_name", "by_safetensors", "parse_cast"]
+__all__ = ["DTYPES", "DType", "by_name", "by_safetensors", "parse_cast", "parse_floating"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,3 +84,10 @@ def parse_cast(value: str) -> DType | None:
         return _BY_NAME[_CASTS[value]]
     except KeyError:
         raise UsageError(f"--dtype must be one of keep, bf16, fp16, fp32; got {value!r}") from None
+
+
+def parse_floating(value: str, option: str) -> DType:
+    """``bf16``, ``fp16`` or ``fp32``, or as torch names them (``bfloat16``, ``float16``, ``float32``)."""
+    if value not in _CASTS:
+        raise UsageError(f"{option} must be one of bf16, fp16, fp32 (or bfloat16, float16, float32); got {value!r}")
+    return _BY_NAME[_CASTS[value]]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..codecs.torchzip_read import load_blob
-from ..core.dtypes import DType
+from ..core.dtypes import DType, parse_floating
 from ..core.manifest import Format, Manifest, ObjectEntry, TensorRef, map_tensor_refs
 from ..core.plan import Region, WritePlan
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
@@ -37,10 +37,17 @@ class LocalOptions:
     """The wrap policy FSDP was given: ``none``, ``size:<min_num_params>`` or ``block:<module.path:Class>``."""
     use_orig_params: bool | None = None
     """How FSDP wrapped the model; None tries both against a checkpoint's sizes, and means False for output."""
+    param_dtype: str | None = None
+    """The dtype FSDP ran the model in: ``MixedPrecision(param_dtype=...)``, else the parameters' own dtype when
+    FSDP wrapped them. With ``use_orig_params`` FSDP aligns every parameter to 16 bytes of it, so it moves the
+    offsets. ``bf16``, ``fp16``, ``fp32`` or torch's names, kept as torch's (``bfloat16``); None: the dtype the
+    factory builds the model in."""
 
     def __post_init__(self) -> None:
         if self.rank_files is not None:
             rank_pattern(self.rank_files)
+        if self.param_dtype is not None:
+            object.__setattr__(self, "param_dtype", parse_floating(self.param_dtype, "--param-dtype").name)
 
 
 RANK = "{rank}"

@@ -28,7 +28,8 @@ def _render(results) -> str:
 @click.option("--matrix", "matrix_name", type=click.Choice(["quick", "full"]), default="quick", show_default=True,
               help="quick: a handful of representative cells (CI). full: every option as source and as target.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="cpu runs gloo ranks; cuda runs NCCL ranks, one GPU each (cells needing more GPUs are skipped).")
+              help="cpu runs gloo ranks; cuda runs NCCL ranks with a GPU each, or gloo ranks sharing the GPUs where "
+                   "a cell needs more ranks than there are GPUs.")
 @click.option("--cells", "pattern", default=None, metavar="PATTERN",
               help="Only cells whose name matches this shell-style pattern anywhere, e.g. 'fsdp1(hybrid*'.")
 @click.option("--list", "list_only", is_flag=True, help="Print the selected cells and exit without running them.")

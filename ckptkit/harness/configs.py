@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from ..core.manifest import Format
 
-__all__ = ["WRAP_MIN_NUM_PARAMS", "AutoWrap", "Cell", "ConfigError", "Format", "Sharding", "TrainConfig", "Wrapper",
-           "ddp", "fsdp1", "fsdp2", "plain"]
+__all__ = ["WRAP_MIN_NUM_PARAMS", "AutoWrap", "Cell", "ConfigError", "Format", "ParamDtype", "Sharding", "TrainConfig",
+           "Wrapper", "ddp", "fsdp1", "fsdp2", "plain"]
 
 
 class ConfigError(ValueError):
@@ -51,6 +51,20 @@ class AutoWrap(str, enum.Enum):
     BLOCK = "block"
 
 
+class ParamDtype(str, enum.Enum):
+    """What FSDP1 computes in: FP32 runs without ``MixedPrecision``; BF16 and FP16 run under
+    ``MixedPrecision(param_dtype=..., reduce_dtype=float32, buffer_dtype=float32)``, as real configurations
+    (Oumi's ``FSDPParams.mixed_precision``) set it."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def torch_name(self) -> str:
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.value]
+
+
 WRAP_MIN_NUM_PARAMS = 10_000
 """``size_based_auto_wrap_policy(min_num_params=...)`` for AutoWrap.SIZE: with the tiny model's defaults it
 wraps each attention and MLP (16k and 18k parameters) and leaves norms to their parents."""
@@ -72,12 +86,14 @@ class TrainConfig:
     """FSDP1 auto-wrap policy."""
     use_orig_params: bool | None = None
     """FSDP1 ``use_orig_params``."""
+    param_dtype: ParamDtype | None = None
+    """FSDP1 ``MixedPrecision``: see :class:`ParamDtype`."""
     hsdp: bool | None = None
     """FSDP2 on a 2-D (replicate, shard) mesh rather than a 1-D one."""
     bf16: bool | None = None
     """FSDP2 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``."""
     cpu_offload: bool | None = None
-    """FSDP2 ``CPUOffloadPolicy``."""
+    """FSDP2 ``CPUOffloadPolicy``; FSDP1 ``CPUOffload(offload_params=True)``, which needs an accelerator."""
     reshard_after_forward: bool | None = None
     """FSDP2 ``reshard_after_forward``."""
 
@@ -85,14 +101,13 @@ class TrainConfig:
         problems = []
         if not isinstance(self.world_size, int) or self.world_size < 1:
             problems.append(f"world_size must be an int >= 1, got {self.world_size!r}")
-        for names, owner in ((("sharding", "auto_wrap", "use_orig_params"), Wrapper.FSDP1),
-                             (("hsdp", "bf16", "cpu_offload", "reshard_after_forward"), Wrapper.FSDP2)):
-            for name in names:
-                value = getattr(self, name)
-                if self.wrapper is owner and value is None:
-                    problems.append(f"{owner.value} needs {name} (use {owner.value}(...) for the defaults)")
-                elif self.wrapper is not owner and value is not None:
-                    problems.append(f"{name} is an {owner.value} option, but wrapper is {self.wrapper.value}")
+        for name, owners in _OPTIONS.items():
+            value = getattr(self, name)
+            if self.wrapper in owners and value is None:
+                problems.append(f"{self.wrapper.value} needs {name} (use {self.wrapper.value}(...) for the defaults)")
+            elif self.wrapper not in owners and value is not None:
+                problems.append(f"{name} is an {' or '.join(o.value for o in owners)} option, "
+                                f"but wrapper is {self.wrapper.value}")
         if self.wrapper is Wrapper.PLAIN and self.world_size != 1:
             problems.append(f"a plain model syncs no gradients, so world_size must be 1, got {self.world_size}; "
                             "use ddp for data parallel")
@@ -131,12 +146,21 @@ class TrainConfig:
         opts: list[str] = []
         if self.wrapper is Wrapper.FSDP1:
             sharding, auto_wrap, use_orig_params = self.fsdp1_options
-            opts = [sharding.name.lower(), f"wrap={auto_wrap.value}"] + (["orig"] if use_orig_params else [])
+            mixed = self.param_dtype if self.param_dtype is not ParamDtype.FP32 else None
+            opts = [sharding.name.lower(), f"wrap={auto_wrap.value}"] + (["orig"] if use_orig_params else []) + \
+                   ([mixed.value] if mixed else []) + (["offload"] if self.cpu_offload else [])
         elif self.wrapper is Wrapper.FSDP2:
             opts = (["2d"] if self.hsdp else []) + (["bf16"] if self.bf16 else []) + \
                    (["offload"] if self.cpu_offload else []) + ([] if self.reshard_after_forward else ["no-reshard"])
         label = f"({','.join(opts)})" if opts else ""
         return f"{self.wrapper.value}{label}@{self.world_size}:{self.form.value}"
+
+
+_OPTIONS: dict[str, tuple[Wrapper, ...]] = {
+    "sharding": (Wrapper.FSDP1,), "auto_wrap": (Wrapper.FSDP1,), "use_orig_params": (Wrapper.FSDP1,),
+    "param_dtype": (Wrapper.FSDP1,), "hsdp": (Wrapper.FSDP2,), "bf16": (Wrapper.FSDP2,),
+    "cpu_offload": (Wrapper.FSDP1, Wrapper.FSDP2), "reshard_after_forward": (Wrapper.FSDP2,)}
+"""Each wrapper-specific option of :class:`TrainConfig` and the wrappers it belongs to."""
 
 
 def plain(*, form: Format = Format.FULL) -> TrainConfig:
@@ -148,9 +172,11 @@ def ddp(world_size: int, *, form: Format = Format.FULL) -> TrainConfig:
 
 
 def fsdp1(world_size: int, *, form: Format = Format.SHARDED, sharding: Sharding = Sharding.FULL_SHARD,
-          auto_wrap: AutoWrap = AutoWrap.BLOCK, use_orig_params: bool = False) -> TrainConfig:
+          auto_wrap: AutoWrap = AutoWrap.BLOCK, use_orig_params: bool = False,
+          param_dtype: ParamDtype = ParamDtype.FP32, cpu_offload: bool = False) -> TrainConfig:
     return TrainConfig(wrapper=Wrapper.FSDP1, world_size=world_size, form=form, sharding=sharding,
-                       auto_wrap=auto_wrap, use_orig_params=use_orig_params)
+                       auto_wrap=auto_wrap, use_orig_params=use_orig_params, param_dtype=param_dtype,
+                       cpu_offload=cpu_offload)
 
 
 def fsdp2(world_size: int, *, form: Format = Format.SHARDED, hsdp: bool = False, bf16: bool = False,
@@ -172,10 +198,11 @@ class Cell:
             raise ConfigError(f"{self.name}: HF is a target form only (it holds no optimizer state to train on from)")
         if self.target.form is Format.LOCAL:
             s, t = self.source, self.target
-            if s.form is not Format.LOCAL or (s.auto_wrap, s.use_orig_params) != (t.auto_wrap, t.use_orig_params):
-                raise ConfigError(f"{self.name}: a LOCAL target needs a LOCAL source with the same auto_wrap and "
-                                  "use_orig_params: ckptkit re-lays flat parameters for a new world size, "
-                                  "it does not re-wrap them")
+            same = ("auto_wrap", "use_orig_params", "param_dtype")  # what the flat layout depends on
+            if s.form is not Format.LOCAL or any(getattr(s, name) != getattr(t, name) for name in same):
+                raise ConfigError(f"{self.name}: a LOCAL target needs a LOCAL source with the same auto_wrap, "
+                                  "use_orig_params and param_dtype: ckptkit re-lays flat parameters for a new "
+                                  "world size, it does not re-wrap them")
             if t.sharding is Sharding.NO_SHARD:
                 raise ConfigError(f"{self.name}: ckptkit writes LOCAL as sharded FSDP1 ranks hold it (a slice of "
                                   "each flat parameter per rank); NO_SHARD ranks hold them whole")
@@ -194,5 +221,6 @@ class Cell:
         return "reshard" if s is t and s in (Format.SHARDED, Format.LOCAL) else "convert"
 
     @property
-    def bf16(self) -> bool:
-        return bool(self.source.bf16 or self.target.bf16)
+    def low_precision(self) -> bool:
+        """Either side computes in bf16 or fp16 (FSDP2 ``bf16``, FSDP1 ``MixedPrecision``)."""
+        return any(c.bf16 or c.param_dtype not in (None, ParamDtype.FP32) for c in (self.source, self.target))

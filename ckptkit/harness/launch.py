@@ -22,14 +22,15 @@ DEFAULT_DEADLINE = 300.0
 
 
 def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tuple, results,
-           timeout: float | None) -> None:
+           timeout: float | None, cuda: bool) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    if cuda:
+        # A GPU of its own where there are enough; else ranks share them, which gloo allows and NCCL does not.
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"file://{rdv}", rank=rank, world_size=world,
                             timeout=None if timeout is None else timedelta(seconds=timeout))
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
         results.put((rank, fn(rank, world, *args), None))
         dist.barrier()
     except BaseException as e:  # report, then let spawn see the failure too
@@ -43,13 +44,16 @@ def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tu
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-              timeout: float | None = None, deadline: float | None = DEFAULT_DEADLINE) -> list[Any]:
+              timeout: float | None = None, deadline: float | None = DEFAULT_DEADLINE,
+              cuda: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results by rank.
 
     ``fn`` must be importable (a module-level function) since ranks are spawned, not forked. ``timeout``
     (seconds) bounds each collective, so a rank stuck waiting on a peer raises instead of hanging for the
     backend's default 30 minutes. ``deadline`` (seconds, None for none) bounds the whole group, start-up
     included: past it every rank is killed and :class:`TimeoutError` raised, so that no hang outlives it.
+    ``cuda`` (implied by NCCL) makes GPU ``rank % device_count()`` each rank's current device before the group
+    starts.
 
     Raises:
         RuntimeError: a rank raised (its message and traceback are in the error), or died.
@@ -72,7 +76,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ckptkit-rdv-") as tmp:
         rdv = os.path.join(tmp, "rendezvous")
-        group = mp.start_processes(_entry, args=(fn, world_size, rdv, backend, args, results, timeout),
+        group = mp.start_processes(_entry, args=(fn, world_size, rdv, backend, args, results, timeout,
+                                                        cuda or backend == "nccl"),
                                    nprocs=world_size, join=False, start_method="spawn")
         try:
             while not group.join(timeout=0.5):

@@ -8,7 +8,7 @@ from fnmatch import fnmatchcase
 from itertools import product
 from typing import TypeVar
 
-from .configs import AutoWrap, Cell, ConfigError, Format, Sharding, TrainConfig, ddp, fsdp1, fsdp2, plain
+from .configs import AutoWrap, Cell, ConfigError, Format, ParamDtype, Sharding, TrainConfig, ddp, fsdp1, fsdp2, plain
 
 __all__ = ["MATRICES", "QUICK", "full", "select"]
 
@@ -32,10 +32,15 @@ QUICK: tuple[Cell, ...] = (
     # FSDP1 LOCAL_STATE_DICT at 2 to DCP for FSDP2 at 3, and re-laid as LOCAL for FSDP1 at 3.
     Cell(fsdp1(2, form=Format.LOCAL), fsdp2(3)),
     Cell(fsdp1(2, form=Format.LOCAL), fsdp1(3, form=Format.LOCAL)),
+    # The same under MixedPrecision(param_dtype=bfloat16) with use_orig_params: FSDP aligns to 8 elements.
+    Cell(fsdp1(2, form=Format.LOCAL, use_orig_params=True, param_dtype=ParamDtype.BF16),
+         fsdp1(3, form=Format.LOCAL, use_orig_params=True, param_dtype=ParamDtype.BF16)),
     # One rank on each side (what a one-GPU machine runs with --device cuda): FSDP2 with CPUOffloadPolicy
     # saves a torch.save file, FSDP1 resumes from it as DCP; FSDP2 bf16 without resharding after forward.
     Cell(fsdp2(1, form=Format.FULL, cpu_offload=True), fsdp1(1)),
     Cell(fsdp2(1, bf16=True, reshard_after_forward=False), fsdp2(1, form=Format.FULL, bf16=True)),
+    # FSDP1 with CPUOffload(offload_params=True), which needs an accelerator: skipped on CPU, with torch's reason.
+    Cell(fsdp1(1, cpu_offload=True), fsdp1(1, form=Format.FULL, use_orig_params=True, cpu_offload=True)),
 )
 
 
@@ -56,6 +61,11 @@ def _configs(forms: tuple[Format, ...], one_d: int, two_d: int) -> list[TrainCon
         candidates += [_valid(fsdp1, two_d if sharding.hybrid else one_d, form=form, sharding=sharding,
                               auto_wrap=wrap, use_orig_params=orig)
                        for sharding, wrap, orig in product(Sharding, AutoWrap, both)]
+        # FSDP1 FULL_SHARD under MixedPrecision, every wrap (each moves the alignment padding differently), and
+        # with CPUOffload (CUDA only).
+        candidates += [_valid(fsdp1, one_d, form=form, auto_wrap=wrap, use_orig_params=orig, param_dtype=dtype)
+                       for dtype, wrap, orig in product((ParamDtype.BF16, ParamDtype.FP16), AutoWrap, both)]
+        candidates += [_valid(fsdp1, one_d, form=form, use_orig_params=orig, cpu_offload=True) for orig in both]
         candidates += [_valid(fsdp2, two_d if hsdp else one_d, form=form, hsdp=hsdp, bf16=bf16, cpu_offload=offload,
                               reshard_after_forward=reshard)
                        for hsdp, bf16, offload, reshard in product(both, both, both, both)]
@@ -75,7 +85,8 @@ def full() -> tuple[Cell, ...]:
         if target.form is Format.LOCAL:
             sharding, auto_wrap, use_orig_params = target.fsdp1_options
             source = fsdp1(2, form=Format.LOCAL, sharding=sharding, auto_wrap=auto_wrap,
-                           use_orig_params=use_orig_params)
+                           use_orig_params=use_orig_params, param_dtype=target.param_dtype or ParamDtype.FP32,
+                           cpu_offload=bool(target.cpu_offload))
         cells.append(_valid(Cell, source, target))
     return tuple({c.name: c for c in cells if c is not None}.values())
 

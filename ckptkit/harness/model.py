@@ -92,7 +92,10 @@ class _Decoder(nn.Module):
         self.register_buffer("pos_table", table / math.sqrt(cfg.dim))  # persistent: it is in the state dict
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(tokens) + self.pos_table[: tokens.shape[1]]
+        x = self.embed_tokens(tokens)
+        # In the activations' dtype, as LLaMA casts its rotary tables: under FSDP1 MixedPrecision with fp32
+        # buffers, an fp32 table would make x fp32 for bf16 layers that share the root's unit (no auto-wrap).
+        x = x + self.pos_table[: tokens.shape[1]].to(x.dtype)
         for layer in self.layers:
             x = layer(x)
         return self.norm(x)

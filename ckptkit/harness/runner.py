@@ -31,7 +31,7 @@ from ..ops.convert import convert, reshard
 from ..ops.export import export_hf
 from ..ops.verify import verify
 from .checks import compare_losses, compare_states, loss_rtol
-from .configs import Cell, Format, TrainConfig
+from .configs import Cell, Format, TrainConfig, Wrapper
 from .launch import run_ranks
 from .states import checkpoint_path, full_state, load, save, write_flat_layout
 from .training import MODEL, build, train
@@ -88,8 +88,10 @@ def check_device(device: str) -> None:
         raise ValueError(f"device 'cuda': torch {torch.__version__} sees no CUDA device here; use --device cpu")
 
 
-def _backend(device: str) -> str:
-    return "nccl" if device == "cuda" else "gloo"
+def _backend(device: str, world: int) -> str:
+    """NCCL where every rank has a GPU of its own. Else gloo, on CUDA tensors for ``cuda``: it runs allreduce,
+    allgather and broadcast on them, and reduce-scatter as an allreduce (torch 2.13 ProcessGroupGloo.cpp)."""
+    return "nccl" if device == "cuda" and world <= torch.cuda.device_count() else "gloo"
 
 
 def _start_rank(device: str) -> torch.device:
@@ -116,10 +118,10 @@ def _source_rank(rank: int, world: int, jobs: tuple[_Job, ...], device: str) -> 
         model, optimizer = build(job.config, dev)
         train(model, optimizer, start=0, steps=STEPS, device=dev)
         # Taken before saving: FSDP1 takes no full state after a sharded one.
-        reference = full_state(model, optimizer, STEPS, dev)
+        reference = full_state(model, optimizer, STEPS)
         if rank == 0:
             torch.save(reference, Path(job.directory) / REFERENCE)
-        save(job.config.form, model, optimizer, STEPS, job.checkpoint, dev)
+        save(job.config.form, model, optimizer, STEPS, job.checkpoint)
         _record_outcome(job, {"losses": train(model, optimizer, start=STEPS, steps=RESUME_STEPS, device=dev)})
 
 
@@ -128,7 +130,7 @@ def _target_rank(rank: int, world: int, jobs: tuple[_Job, ...], device: str) -> 
     for job in jobs:
         model, optimizer = build(job.config, dev)
         step = load(job.config.form, model, optimizer, job.checkpoint)
-        loaded = full_state(model, None if job.config.form is Format.HF else optimizer, step, dev)
+        loaded = full_state(model, None if job.config.form is Format.HF else optimizer, step)
         if rank == 0:
             torch.save(loaded, Path(job.directory) / LOADED)
         losses = train(model, optimizer, start=STEPS, steps=RESUME_STEPS, device=dev)
@@ -152,8 +154,9 @@ def _run_jobs(fn: Callable, jobs: list[_Job], device: str,
             try:
                 # A rank stuck outside a collective never times out on its own: the group gets a collective
                 # timeout per job, then dies and its running job takes the blame.
-                run_ranks(fn, world, tuple(pending), device, backend=_backend(device), timeout=COLLECTIVE_TIMEOUT,
-                          deadline=COLLECTIVE_TIMEOUT * (1 + len(pending)))
+                run_ranks(fn, world, tuple(pending), device, backend=_backend(device, world),
+                          timeout=COLLECTIVE_TIMEOUT, deadline=COLLECTIVE_TIMEOUT * (1 + len(pending)),
+                          cuda=device == "cuda")
             except Exception as e:  # a rank's exception, a crash (signal) or a timeout: attributed below
                 error = e
             say(f"  {len(pending)} job(s) on {world} rank(s): {time.perf_counter() - start:.1f} s")
@@ -198,10 +201,20 @@ def _judge(cell: Cell, source: dict, target: dict, reference: Path, loaded: Path
     return CellResult(cell, Status.PASS if losses.ok else Status.FAIL, f"{state.summary}; {losses.summary}")
 
 
-def _skip_reason(cell: Cell, gpus: int | None) -> str | None:
-    need = max(cell.source.world_size, cell.target.world_size)
-    if gpus is not None and need > gpus:
-        return f"needs {need} GPUs, found {gpus}"
+def _pinning_refused() -> str | None:
+    """torch's reason for refusing pinned host memory in this process, or None where it pins."""
+    try:
+        torch.empty(1).pin_memory()
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def _skip_reason(cell: Cell, pinning_refused: str | None) -> str | None:
+    if pinning_refused and any(c.wrapper is Wrapper.FSDP1 and c.cpu_offload for c in (cell.source, cell.target)):
+        return ("FSDP1 CPUOffload(offload_params=True) pins the offloaded shards (torch 2.13 fsdp/_flat_param.py, "
+                f"FlatParamHandle.init_flat_param_attributes: pin_memory()), which torch refuses here: "
+                f"{pinning_refused}")
     return None
 
 
@@ -226,10 +239,10 @@ def _fail(cell: Cell, what: str, error: BaseException) -> CellResult:
 
 def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], None]) -> list[CellResult]:
     results: dict[int, CellResult] = {}
-    gpus = torch.cuda.device_count() if device == "cuda" else None
+    pinning_refused = _pinning_refused()
     runnable = []
     for i, cell in enumerate(cells):
-        reason = _skip_reason(cell, gpus)
+        reason = _skip_reason(cell, pinning_refused)
         if reason:
             results[i] = CellResult(cell, Status.SKIP, reason)
         else:

@@ -44,16 +44,17 @@ def checkpoint_path(directory: Path | str, form: Format) -> Path:
     return Path(directory) / CHECKPOINT_NAMES[form]
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int | None,
-               device: torch.device) -> dict[str, Any]:
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int | None) -> dict[str, Any]:
     """``{"model", "optim", "step"}`` with every tensor whole and copied to the CPU (complete on rank 0).
 
     ``optimizer=None`` captures the model alone: asking torch for the state of an optimizer that has not
     stepped makes it take a zero step first, which would start AdamW's step count early.
     """
-    # cpu_offload only beside an accelerator: on CPU, FSDP1's offload_to_cpu frees the unsharded storage it
-    # is about to read (torch 2.13: "storage of size 0"), and there is nothing to offload anyway.
-    options = StateDictOptions(full_state_dict=True, cpu_offload=device.type == "cuda")
+    # No cpu_offload, on any device: on CPU, FSDP1's offload_to_cpu frees the unsharded storage it is about to
+    # read (torch 2.13: "storage of size 0"); on CUDA it refuses NO_SHARD ("offload_to_cpu=True and NO_SHARD is
+    # not supported yet", fsdp/_unshard_param_utils.py). The tiny model's full state fits any GPU; the copies
+    # below bring it to the CPU.
+    options = StateDictOptions(full_state_dict=True)
     if optimizer is None:
         msd, osd = get_model_state_dict(model, options=options), None
     else:
@@ -63,11 +64,10 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: 
     return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), state)
 
 
-def save(form: Format, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, path: Path,
-         device: torch.device) -> None:
+def save(form: Format, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, path: Path) -> None:
     """Write this rank's part of a ``form`` checkpoint at ``path`` (a file for FULL, else a directory)."""
     if form is Format.FULL:
-        state = full_state(model, optimizer, step, device)
+        state = full_state(model, optimizer, step)
         if dist.get_rank() == 0:
             torch.save(state, path)
     elif form is Format.SHARDED:
@@ -136,7 +136,8 @@ def write_flat_layout(config: TrainConfig, path: Path) -> None:
             AutoWrap.BLOCK: f"block:{Block.__module__}:{Block.__qualname__}"}[auto_wrap]
     # The factory is called with no arguments: TinyTransformer() is the model training.build makes (MODEL).
     layout = derive_layout(f"{TinyTransformer.__module__}:{TinyTransformer.__qualname__}", wrap,
-                           world_size=config.world_size, use_orig_params=use_orig_params)
+                           world_size=config.world_size, use_orig_params=use_orig_params,
+                           param_dtype=config.param_dtype.torch_name if config.param_dtype else None)
     (path / LAYOUT_FILE).write_bytes(layout.to_json())
 
 

@@ -15,8 +15,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
+    CPUOffload,
     CPUOffloadPolicy,
     FullyShardedDataParallel,
+    MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardingStrategy,
@@ -25,7 +27,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 from torch.nn.parallel import DistributedDataParallel
 
-from .configs import WRAP_MIN_NUM_PARAMS, AutoWrap, TrainConfig, Wrapper
+from .configs import WRAP_MIN_NUM_PARAMS, AutoWrap, ParamDtype, TrainConfig, Wrapper
 from .model import Block, TinyConfig, TinyTransformer, batch, next_token_loss
 
 __all__ = ["GLOBAL_BATCH", "LR", "MODEL", "SEED", "build", "train"]
@@ -85,10 +87,15 @@ def _fsdp1(model: TinyTransformer, config: TrainConfig, device: torch.device) ->
     sharding, auto_wrap, use_orig_params = config.fsdp1_options
     policy = {AutoWrap.NONE: None, AutoWrap.BLOCK: ModuleWrapPolicy({Block}),
               AutoWrap.SIZE: functools.partial(size_based_auto_wrap_policy, min_num_params=WRAP_MIN_NUM_PARAMS)}
+    mixed = None
+    if config.param_dtype not in (None, ParamDtype.FP32):
+        mixed = MixedPrecision(param_dtype=getattr(torch, config.param_dtype.torch_name), reduce_dtype=torch.float32,
+                               buffer_dtype=torch.float32)
     # device_id is needed on CPU too: without it FSDP1 looks for an accelerator and refuses to start.
     return FullyShardedDataParallel(
         model, sharding_strategy=ShardingStrategy[sharding.value], auto_wrap_policy=policy[auto_wrap],
-        use_orig_params=use_orig_params, device_id=device,
+        use_orig_params=use_orig_params, device_id=device, mixed_precision=mixed,
+        cpu_offload=CPUOffload(offload_params=bool(config.cpu_offload)),
         device_mesh=_mesh(config, device) if sharding.hybrid else None)
 
 

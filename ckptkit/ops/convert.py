@@ -115,9 +115,9 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: i
     that are neither the model nor optimizer state, also kept in the DCP), so Lightning loads it too.
 
     ``local`` (:class:`LocalOptions`) applies to a LOCAL source or output: ``rank_files`` names the rank
-    files (``"shard_{rank}.pt"``); ``model`` (``"package.module:factory"``), ``auto_wrap`` and
-    ``use_orig_params`` say how FSDP wraps the model, from which the flat-parameter layout is derived where
-    no ``flat_layout.json`` has it.
+    files (``"shard_{rank}.pt"``); ``model`` (``"package.module:factory"``), ``auto_wrap``,
+    ``use_orig_params`` and ``param_dtype`` (``MixedPrecision(param_dtype=...)``) say how FSDP wraps the
+    model, from which the flat-parameter layout is derived where no ``flat_layout.json`` has it.
     """
     fmt = io_for(to).format
     local = local or LocalOptions()

@@ -54,7 +54,7 @@ class LocalIO(FormatIO):
         layout = manifest.layout if isinstance(manifest, LocalManifest) else None
         if layout is None and local.model is not None:
             layout = derive_layout(local.model, local.auto_wrap, world_size=target.world_size,
-                                   use_orig_params=bool(local.use_orig_params))
+                                   use_orig_params=bool(local.use_orig_params), param_dtype=local.param_dtype)
         names = local.rank_files or (manifest.rank_files if isinstance(manifest, LocalManifest) else DEFAULT_RANK_FILES)
         return LocalWriteOptions(cast=target.cast, world_size=target.world_size, layout=layout, rank_files=names)
 
@@ -62,7 +62,7 @@ class LocalIO(FormatIO):
         if options.layout is None:
             raise UsageError(f"{manifest.root}: writing LOCAL needs the model's flat-parameter layout; pass --model "
                              "package.module:factory with --auto-wrap (and --use-orig-params if FSDP wraps the model "
-                             "with use_orig_params=True)")
+                             "with use_orig_params=True, --param-dtype under mixed precision)")
         rank_pattern(options.rank_files)
         writer = RankWriter(manifest, options.layout, options.world_size, options.cast)
         files = []

@@ -15,20 +15,25 @@ from .layout import FLAT_PARAM, FlatLayout, FlatParam, FlatUnit
 __all__ = ["derive_layout", "layout_of"]
 
 
-def derive_layout(model: str, auto_wrap: str = "none", *, world_size: int, use_orig_params: bool) -> FlatLayout:
+def derive_layout(model: str, auto_wrap: str = "none", *, world_size: int, use_orig_params: bool,
+                  param_dtype: str | None = None) -> FlatLayout:
     """The layout FSDP1 gives ``model`` (``"package.module:factory"``, called with no arguments) wrapped with
     ``auto_wrap`` at ``world_size`` ranks, read from the FlatParameters FSDP builds.
 
     ``auto_wrap`` is ``none`` (one unit, FSDP's default), ``size:<min_num_params>``
     (``size_based_auto_wrap_policy``) or ``block:<module.path:ClassName>[,...]`` (``ModuleWrapPolicy``). The
     model is built under a fake tensor mode (no parameter memory) and wrapped under a fake process group of
-    ``world_size`` ranks, so no real ranks are needed. A mixed-precision ``param_dtype`` changes FSDP's
-    alignment padding; derived layouts assume none.
+    ``world_size`` ranks, so no real ranks are needed.
+
+    ``param_dtype`` (torch's name, ``bfloat16``) is the dtype the run computed in; None is the dtype the
+    factory builds. It is handed to FSDP as ``MixedPrecision(param_dtype=...)``: the parameters keep their
+    dtype, and FSDP aligns them as it did in the run (see :mod:`.layout`). That also covers a model that was
+    cast to bf16 before wrapping, which the fake tensor mode cannot do to a model with tied weights.
     """
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     factory = _import(model, "--model")
@@ -45,12 +50,13 @@ def derive_layout(model: str, auto_wrap: str = "none", *, world_size: int, use_o
                 raise UsageError(f"--model {model}: the factory returned {type(module).__name__}, "
                                  "not a torch.nn.Module")
             order = tuple(name for name, _ in module.named_parameters())
+            mixed = None if param_dtype is None else MixedPrecision(param_dtype=getattr(torch, param_dtype))
             wrapped = FSDP(module, auto_wrap_policy=policy, use_orig_params=use_orig_params,
-                           device_id=torch.device("cpu"))
-        units = _units(wrapped)
+                           device_id=torch.device("cpu"), mixed_precision=mixed)
+        layout = _layout(wrapped, use_orig_params, order)
     finally:
         dist.destroy_process_group()
-    return FlatLayout(units, use_orig_params, order)
+    return layout
 
 
 def layout_of(wrapped: Any) -> FlatLayout:
@@ -58,14 +64,20 @@ def layout_of(wrapped: Any) -> FlatLayout:
     use_orig = bool(getattr(wrapped, "_use_orig_params", False))
     # With use_orig_params the optimizer holds the original parameters, in the wrapped model's order.
     order = tuple(_clean(name) for name, _ in wrapped.named_parameters()) if use_orig else ()
-    return FlatLayout(_units(wrapped), use_orig, order)
+    return _layout(wrapped, use_orig, order)
 
 
-def _units(wrapped: Any) -> tuple[FlatUnit, ...]:
+def _layout(wrapped: Any, use_orig_params: bool, order: tuple[str, ...]) -> FlatLayout:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    return tuple(_unit(_clean(name), sub._handle.flat_param) for name, sub in wrapped.named_modules()
-                 if isinstance(sub, FSDP) and sub._handle is not None)
+    handles = [(_clean(name), sub._handle) for name, sub in wrapped.named_modules()
+               if isinstance(sub, FSDP) and sub._handle is not None]
+    # The dtype FSDP aligned in (torch 2.13, _flat_param.py, FlatParamHandle._init_param_reduce_dtypes):
+    # MixedPrecision.param_dtype, else the parameters' dtype at wrap time. A model whose units differ in it
+    # (built in several dtypes, no MixedPrecision) records none: the offsets carry the alignment anyway.
+    dtypes = {str(handle._fwd_bwd_param_dtype).removeprefix("torch.") for _, handle in handles}
+    return FlatLayout(tuple(_unit(name, handle.flat_param) for name, handle in handles), use_orig_params, order,
+                      dtypes.pop() if len(dtypes) == 1 else None)
 
 
 def _clean(name: str) -> str:

@@ -9,6 +9,15 @@ FSDP1 concatenates the parameters of each wrapped module (a *unit*) into one 1-D
 flat parameter with that end padding (so its size depends on the world size) but without the padding
 ``torch.chunk`` needs on the last ranks.
 
+The padding rule, from torch 2.13's ``torch/distributed/fsdp/_flat_param.py``: ``FlatParamHandle.__init__``
+aligns only when ``use_orig_params`` (``align_addresses = use_orig_params``), to
+``_get_aligned_numel(unsharded_dtype=self._fwd_bwd_param_dtype)`` = ``16 // itemsize`` elements (4 in fp32,
+8 in bf16 or fp16). ``_fwd_bwd_param_dtype`` is ``MixedPrecision.param_dtype`` if given, else the
+parameters' dtype at wrap time (``_init_param_reduce_dtypes``): under mixed precision the saved flat
+parameter stays float32 but its offsets follow the 2-byte alignment. ``_init_flat_param_and_metadata`` pads
+before every parameter but the first to a multiple of that (tied aliases take no space), then, only when
+aligning, the end to a multiple of the world size.
+
 A :class:`FlatLayout` holds what does not depend on the world size: the units, the parameters in each and
 their offsets. ckptkit writes it as ``flat_layout.json`` beside every LOCAL checkpoint; for one saved by FSDP
 itself, :func:`derive_layout` reads it from the FlatParameters FSDP builds for the model.
@@ -23,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...core.boxes import range_boxes
-from ...core.dtypes import DType
+from ...core.dtypes import DTYPES, DType
 from ...core.manifest import Chunk, Path_, Span, TensorEntry, key_of
 from ...errors import FormatError
 
@@ -33,6 +42,7 @@ FLAT_PARAM = "_flat_param"
 LAYOUT_FILE = "flat_layout.json"
 _FORMAT = "ckptkit.flat_layout"
 _MAX_JSON = 64 << 20
+_FLOATING = frozenset(d.name for d in DTYPES if d.is_floating)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +107,10 @@ class FlatLayout:
     param_order: tuple[str, ...] = ()
     """Original parameter names in ``model.parameters()`` order, which with ``use_orig_params=True`` are the
     indices of ``optimizer.state_dict()``; empty when unknown."""
+    param_dtype: str | None = None
+    """The dtype FSDP aligned the parameters in (``bfloat16`` under ``MixedPrecision(param_dtype=bfloat16)``),
+    as torch names it; None when unknown (files of older ckptkit). The offsets already carry the alignment:
+    it is a record of how the layout was made, and readers need not know it."""
 
     _units_by_key: dict[str, FlatUnit] = field(init=False, repr=False, compare=False)
     _owners: dict[str, tuple[FlatUnit, FlatParam]] = field(init=False, repr=False, compare=False)
@@ -171,8 +185,10 @@ class FlatLayout:
             + ",\n".join(f'    {json.dumps({"fqn": p.fqn, "shape": list(p.shape), "offset": p.offset})}'
                          for p in u.params)
             + "]}" for u in self.units)
+        # param_dtype is optional and the version stays 1: a reader that ignores it still reads the offsets right.
+        dtype = f' "param_dtype": {json.dumps(self.param_dtype)},\n' if self.param_dtype is not None else ""
         return (f'{{"format": "{_FORMAT}", "version": 1, "use_orig_params": {json.dumps(self.use_orig_params)},\n'
-                f' "param_order": {json.dumps(list(self.param_order))},\n "units": [\n{units}]}}\n').encode()
+                f'{dtype} "param_order": {json.dumps(list(self.param_order))},\n "units": [\n{units}]}}\n').encode()
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> FlatLayout:
@@ -191,7 +207,9 @@ class FlatLayout:
                                for param in unit["params"]),
                          tuple((_str(alias), _str(fqn)) for alias, fqn in unit.get("shared", ())))
                 for unit in doc["units"])
-            return cls(units, _bool(doc["use_orig_params"]), tuple(_str(name) for name in doc.get("param_order", ())))
+            dtype = doc.get("param_dtype")
+            return cls(units, _bool(doc["use_orig_params"]), tuple(_str(name) for name in doc.get("param_order", ())),
+                       None if dtype is None else _floating(dtype))
         except FormatError as e:
             raise FormatError(f"{where}: {e}") from e
         except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -207,6 +225,12 @@ def _str(v: Any) -> str:
 def _int(v: Any) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise TypeError(f"expected a non-negative integer, found {v!r}")
+    return v
+
+
+def _floating(v: Any) -> str:
+    if v not in _FLOATING:
+        raise TypeError(f"expected a floating dtype name ({', '.join(sorted(_FLOATING))}), found {v!r}")
     return v
 
 

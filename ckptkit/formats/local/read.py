@@ -74,7 +74,7 @@ def read_local(path: Path, options: LocalOptions) -> LocalManifest:
     reader = _ShardedReader(layout, next(iter(parents)), files, ranks)
     details: tuple[tuple[str, str], ...] = (
         ("rank files", template), ("flat layout", source), ("use_orig_params", str(layout.use_orig_params).lower()),
-        ("flat units", str(len(layout.units))))
+        ("param dtype", layout.param_dtype or "not recorded"), ("flat units", str(len(layout.units))))
     others = sorted({f.name for f in root.iterdir() if f.is_file()} - {f.name for f in files} - {LAYOUT_FILE})
     if others:
         details += (("not read", ", ".join(others)),)
@@ -96,12 +96,28 @@ def resolve_layout(root: Path, options: LocalOptions, world: int,
         return layout, LAYOUT_FILE, accept(layout)
     if options.model is None:
         return None, f"no {LAYOUT_FILE} and no --model", False
-    source = f"derived from {options.model} (auto-wrap {options.auto_wrap})"
+    dtype = f", param dtype {options.param_dtype}" if options.param_dtype else ""
+    source = f"derived from {options.model} (auto-wrap {options.auto_wrap}{dtype})"
     for uop in [options.use_orig_params] if options.use_orig_params is not None else [False, True]:
-        layout = derive_layout(options.model, options.auto_wrap, world_size=world, use_orig_params=uop)
+        layout = derive_layout(options.model, options.auto_wrap, world_size=world, use_orig_params=uop,
+                               param_dtype=options.param_dtype)
         if accept(layout):
             return layout, source, True
+    if options.param_dtype is None and options.use_orig_params is not False:
+        _suggest_param_dtype(root, options.model, options.auto_wrap, world, accept)
     return layout, source, False
+
+
+def _suggest_param_dtype(root: Path, model: str, auto_wrap: str, world: int,
+                         accept: Callable[[FlatLayout], bool]) -> None:
+    """Raise the error that names ``--param-dtype`` when the checkpoint fits the layout FSDP gives under
+    ``MixedPrecision(param_dtype=bf16 or fp16)``: that layout aligns to 8 elements where fp32 aligns to 4, so
+    the saved sizes differ while the dtype (float32 either way) does not."""
+    mixed = derive_layout(model, auto_wrap, world_size=world, use_orig_params=True, param_dtype="bfloat16")
+    if accept(mixed):
+        raise UsageError(f"{root}: the flat parameters fit the layout FSDP1 gives {model} (auto-wrap {auto_wrap}) "
+                         "with use_orig_params under mixed precision, not in the model's own dtype; "
+                         "pass --param-dtype bf16 (fp16 lays out the same) with --use-orig-params")
 
 
 def _read_replicated(root: Path, template: str, files: list[Path], ranks: list[dict],
@@ -172,8 +188,9 @@ def _check_layout(layout: FlatLayout, shards: dict[str, list[ShardedTensorData]]
         u, want = units[key], layout.total(units[key], world)
         for r, st in enumerate(shards[key]):
             if st.size != (want,) or st.dtype != shards[key][0].dtype:
+                dtype = f", param dtype {layout.param_dtype}" if layout.param_dtype else ""
                 problems.append(f"{files[r].name}: {key!r} is {st.dtype} of size {list(st.size)}, the layout "
-                                f"(use_orig_params={str(layout.use_orig_params).lower()}) gives "
+                                f"(use_orig_params={str(layout.use_orig_params).lower()}{dtype}) gives "
                                 f"{shards[key][0].dtype} of size [{want}]")
                 break
             lo, hi = layout.shard_ranges(u, world)[r]
