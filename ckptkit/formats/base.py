@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..codecs.torchzip_read import load_blob
 from ..core.dtypes import DType
@@ -21,8 +21,8 @@ from ..core.manifest import Format, Manifest, ObjectEntry, TensorRef, map_tensor
 from ..core.plan import Region, WritePlan
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
 
-__all__ = ["RANK", "FormatIO", "LocalOptions", "Target", "WriteOptions", "rank_pattern", "cast_for", "index_json",
-           "is_empty_container", "read_index", "regions_in", "split_files"]
+__all__ = ["RANK", "FormatIO", "LocalOptions", "ReadOnlyIO", "Target", "WriteOptions", "rank_pattern", "cast_for",
+           "index_json", "is_empty_container", "read_index", "regions_in", "split_files"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,6 +86,8 @@ class WriteOptions:
 
 class FormatIO(abc.ABC):
     format: Format
+    writable: ClassVar[bool] = True
+    """False for another framework's own layout, which ckptkit reads but does not write (:class:`ReadOnlyIO`)."""
 
     @classmethod
     @abc.abstractmethod
@@ -103,6 +105,23 @@ class FormatIO(abc.ABC):
     @abc.abstractmethod
     def plan(self, manifest: Manifest, options: Any) -> WritePlan:
         """The files that represent ``manifest`` in this format, given options of this format's type. No I/O."""
+
+
+class ReadOnlyIO(FormatIO):
+    """A format ckptkit reads but does not write: converting it writes one of ckptkit's own formats, and
+    re-sharding it writes SHARDED."""
+
+    writable = False
+
+    def options(self, target: Target, manifest: Manifest) -> WriteOptions:
+        raise self._not_written()
+
+    def plan(self, manifest: Manifest, options: Any) -> WritePlan:
+        raise self._not_written()
+
+    def _not_written(self) -> UsageError:
+        return UsageError(f"ckptkit reads {self.format.value} checkpoints but does not write them; convert to "
+                          "full, sharded, local or hf")
 
 
 def cast_for(dtype: DType, cast: DType | None) -> DType | None:

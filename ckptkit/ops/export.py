@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..core.dtypes import parse_cast
+from ..core.dtypes import DType, parse_cast
 from ..core.manifest import Format, Manifest, TensorEntry
 from ..core.plan import Bytes, FilePlan
 from ..errors import FormatError, UsageError
@@ -42,6 +42,25 @@ def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict]:
     return tuple(plans), config
 
 
+def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: list[TensorEntry],
+                        cast: DType | None) -> tuple[tuple[FilePlan, ...], str | None]:
+    """``config.json`` naming the floating dtype written, as ``save_pretrained`` does: ``from_pretrained``'s
+    default ``dtype="auto"`` loads the weights as the config says (verl's config says bfloat16 over fp32
+    masters). With several floating dtypes, the widest holds every value exactly."""
+    written = {cast or t.dtype for t in tensors if t.dtype.is_floating}
+    keys = [k for k in ("torch_dtype", "dtype") if k in config]
+    if not written or not keys:
+        return assets, None
+    dtype = max(written, key=lambda d: d.itemsize).name
+    if all(config[k] == dtype for k in keys):
+        return assets, None
+    said = ", ".join(f"{k} {config[k]!r}" for k in keys)
+    config = {**config, **dict.fromkeys(keys, dtype)}
+    data = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    assets = tuple(FilePlan(p.relpath, (Bytes(data),)) if p.relpath == "config.json" else p for p in assets)
+    return assets, f"config.json names the dtype written, {dtype} (it said {said})"
+
+
 def _untie(tensors: list[TensorEntry], config: dict, max_memory: int) -> tuple[list[TensorEntry], str | None]:
     """Leave out ``lm_head.weight`` when the config ties it to the input embedding, as ``save_pretrained`` does."""
     # transformers' PretrainedConfig defaults tie_word_embeddings to True when a config omits it.
@@ -70,7 +89,8 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
 
     ``dtype`` is ``keep`` or one of ``bf16``/``fp16``/``fp32``; a cast touches floating tensors only.
     Wrapper prefixes are stripped unless ``strip_wrappers=False``; ``hf_assets`` copies config and
-    tokenizer files and applies the config's ``tie_word_embeddings``.
+    tokenizer files (by default those the checkpoint carries: verl's ``huggingface/``), applies the config's
+    ``tie_word_embeddings`` and makes its ``dtype`` name the dtype written.
 
     In a save hook, call it from rank 0 alone, or with ``distributed=True`` from every rank of the default
     process group: each rank then writes its share of the output files and rank 0 publishes the result.
@@ -87,10 +107,14 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         notes.append(f"{sel.left_out} non-model entries (optimizer state, counters) left out")
     tensors = list(sel.tensors)
     assets: tuple[FilePlan, ...] = ()
+    if hf_assets is None and manifest.hf_assets is not None:
+        hf_assets = manifest.hf_assets
+        notes.append(f"config and tokenizer from the checkpoint's {Path(hf_assets).name}/")
     if hf_assets is not None:
         assets, config = _assets(Path(hf_assets))
         tensors, tie_note = _untie(tensors, config, max_memory)
-        notes += [tie_note] if tie_note else []
+        assets, dtype_note = _with_written_dtype(assets, config, tensors, cast)
+        notes += [n for n in (tie_note, dtype_note) if n]
         notes.append("copied " + ", ".join(p.relpath for p in assets))
     if cast:
         n = sum(1 for t in tensors if t.dtype.is_floating and t.dtype != cast)
