@@ -8,6 +8,7 @@ from ..core.manifest import Format, Manifest
 from ..errors import CheckpointError, FormatError, UsageError
 from .base import FormatIO, LocalOptions, Target, is_empty_container, object_value
 from .dcp import DcpIO
+from .deepspeed import DeepSpeedIO
 from .full import FullIO
 from .hf import HfIO
 from .local import LocalIO, is_rank_file
@@ -16,9 +17,10 @@ from .verl import VerlIO
 __all__ = ["FormatIO", "LocalOptions", "Target", "detect", "io_for", "is_empty_container", "object_value", "read"]
 
 # Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides. Other
-# frameworks' layouts (verl) are told by their file names, before FULL (their files are torch.save archives
-# too) and LOCAL, which comes last: telling its rank files apart from other numbered files means opening them.
-_ALL: tuple[type[FormatIO], ...] = (DcpIO, HfIO, VerlIO, FullIO, LocalIO)
+# frameworks' layouts (verl, DeepSpeed) are told by their file names, before FULL (their files are torch.save
+# archives too) and LOCAL, which comes last: telling its rank files apart from other numbered files means
+# opening them.
+_ALL: tuple[type[FormatIO], ...] = (DcpIO, HfIO, VerlIO, DeepSpeedIO, FullIO, LocalIO)
 
 def io_for(fmt: Format | str) -> FormatIO:
     try:
