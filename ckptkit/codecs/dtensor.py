@@ -223,10 +223,17 @@ def _slots(state: Any) -> dict:
     raise ValueError(f"DTensor state should be (dict, slots), found {type(state).__name__}")
 
 
+_STRIDED = Call(ref("torch.serialization", "_get_layout"), ("torch.strided",))
+
+
 def _dtensor(args: tuple, state: Any) -> DTensorData:
-    dtype, shape = args[1], _ints(args[2], "global size")
+    cls, dtype, shape, layout = args[0], args[1], _ints(args[2], "global size"), args[5]
+    if cls is not _DTENSOR:
+        raise ValueError(f"the wrapper's class should be DTensor, found {cls!r}")
     if not isinstance(dtype, DType):
         raise ValueError(f"dtype should be a torch dtype, found {dtype!r}")
+    if layout != _STRIDED:  # a sparse DTensor's local tensor is no dense box
+        raise ValueError(f"layout should be torch.strided, found {layout!r}")
     slots = _slots(state)
     local, spec = slots["_local_tensor"], slots["_spec"]
     if not isinstance(local, TensorRef):
