@@ -81,8 +81,8 @@ class DeepSpeedIO(ReadOnlyIO):
             zero = m is not None and (m.group(1) is not None or any(_OPTIM.fullmatch(f.name)
                                                                     for f in path.parent.iterdir()))
             return zero or _OPTIM.fullmatch(path.name) is not None
-        return path.is_dir() and (_is_tag_dir(path) or (path / LATEST).is_file()
-                                  and any(_is_tag_dir(p) for p in path.iterdir()))
+        # A save directory: its `latest` names the tag; without one, read() lists the tags to choose from.
+        return path.is_dir() and (_is_tag_dir(path) or any(_is_tag_dir(p) for p in path.iterdir()))
 
     def read(self, path: Path) -> Manifest:
         if path.is_file():
@@ -322,6 +322,13 @@ class _Zero:
         if any(v.dtype.is_floating and v.dtype.name != "float32" for _, v in buffers):
             self.details.append(("buffers", "floating buffers keep their saved dtype (zero_to_fp32 casts them to "
                                             "float32)"))
+        if self.stage <= 2:  # module holds each parameter whole (stage 3: 0-element placeholders)
+            for name, slot in trainable.items():
+                v = module.get(name)
+                if not isinstance(v, TensorRef) or v.shape != slot.param.shape:
+                    found = list(v.shape) if isinstance(v, TensorRef) else type(v).__name__
+                    raise FormatError(f"{f0}: param_shapes gives {name!r} shape {list(slot.param.shape)}, its module "
+                                      f"entry is {found}")
         entries.update(self._frozen(module, buffer_names, trainable))
         fp32_key = "fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"
         for g in range(len(self.param_shapes)):
@@ -410,9 +417,9 @@ class _Zero:
             rest = [k for k in module if k not in buffer_names and k not in trainable and k not in shared]
             if not rest:
                 return {}
-            if self.stage == 3:
-                self.left_out.append(f"{len(rest)} module entries without fragments ({', '.join(rest[:3])})")
-                return {}
+            if self.stage == 3:  # their module entries are 0-element placeholders: the values are nowhere
+                raise FormatError(f"{f0}: module holds {', '.join(rest[:4])}, which are neither buffers, trained "
+                                  "parameters nor tied, and no frozen_param_fragments hold their values")
             # Stage 1 saves no frozen_param_fragments, and zero_to_fp32 leaves these out; module holds them whole.
             out = {}
             for k in rest:
