@@ -88,6 +88,28 @@ def test_deepspeed_export_hf_and_reshard_to_dcp(ckpt, tmp_path):
         assert_tensor_identical(dcp["model"][k], v, k)
 
 
+@pytest.mark.parametrize("name", ["stage1-bf16-ws2", "stage2-fp32-ws3", "stage3-fp32-ws3"])
+def test_deepspeed_resharded_resumes_a_torch_adam_through_ckptkit_load(tmp_path, name):
+    import ckptkit
+    from _deepspeed import Net
+
+    truth = write_checkpoint(tmp_path / "ckpt", CONFIGS[name])
+    reshard(tmp_path / "ckpt", tmp_path / "dcp", world_size=2)
+    net = Net()
+    groups = [[net.embed.weight, net.fc1.weight, net.fc2.weight],
+              [net.gate, net.fc1.bias, net.norm.weight, net.norm.bias, net.fc2.bias]]
+    optim = torch.optim.Adam([{"params": g} for g in groups], lr=1.0)
+    ckptkit.load(tmp_path / "dcp", net, optimizer=optim)
+    names = {id(p): n for n, p in net.named_parameters()}
+    for n, p in net.named_parameters():
+        want = truth.fp32.get(n, truth.frozen.get(n))
+        assert_tensor_identical(p.detach(), want.float() if n in truth.frozen else want, n)
+    for p in (p for g in groups for p in g):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert_tensor_identical(optim.state[p][k], getattr(truth, k)[names[id(p)]], f"{names[id(p)]}.{k}")
+    assert [g["lr"] for g in optim.param_groups] == [0.01, 0.01]
+
+
 def test_deepspeed_inspect_names_stage_ranks_and_ties(tmp_path):
     write_checkpoint(tmp_path / "ckpt", Config(3, 2))
     m = inspect(tmp_path / "ckpt")

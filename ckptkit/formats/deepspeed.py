@@ -40,8 +40,8 @@ from ..codecs.pickle_read import Call, EnumStandIn, Record, allow_records, safe_
 from ..codecs.torchzip_read import read_archive
 from ..core.manifest import Format, Manifest, ObjectEntry, Path_, TensorEntry, TensorRef, key_of
 from ..core.tree import flatten
-from ..errors import FormatError, IncompleteCheckpointError, UsageError
-from .base import ReadOnlyIO
+from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, UsageError
+from .base import ReadOnlyIO, plain_object
 from .local.layout import FlatParam, param_entry
 
 __all__ = ["DEEPSPEED_GLOBALS", "DeepSpeedIO", "read_zero"]
@@ -263,7 +263,20 @@ def _partitioned(n: int, ws: int) -> tuple[int, tuple[tuple[int, int], ...]]:
 
 def read_zero(tag: Path) -> Manifest:
     """The manifest of the ZeRO checkpoint in tag directory ``tag`` (see the module docstring)."""
-    return _Zero(tag).manifest()
+    try:
+        return _Zero(tag).manifest()
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        # Every structure read is checked on its way in; this catches the combination no check foresaw.
+        raise FormatError(f"{tag}: malformed DeepSpeed checkpoint ({type(e).__name__}: {e})") from e
+
+
+def _names_to(value: Any, kind: type, where: str) -> dict:
+    """``value`` checked to be a dict from names (str) to values of ``kind``."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, kind) for k, v in value.items()):
+        raise FormatError(f"{where}: expected a dict of names to {kind.__name__}, found {value!r:.80}")
+    return value
 
 
 class _Zero:
@@ -310,8 +323,8 @@ class _Zero:
 
     def manifest(self) -> Manifest:
         m0, f0 = self.models[0], self.files.models[0]
-        module = _get(m0, "module", f0, dict)
-        buffer_names = set(_get(m0, "buffer_names", f0, list))
+        module = _names_to(_get(m0, "module", f0, dict), object, f"{f0}: module")
+        buffer_names = set(_get(m0, "buffer_names", f0, list))  # a TypeError if unhashable: read_zero reports it
         trainable, need = self._slots()
         entries: dict[str, TensorEntry] = {}
         buffers = [(k, v) for k, v in module.items() if k in buffer_names]
@@ -329,15 +342,20 @@ class _Zero:
                     found = list(v.shape) if isinstance(v, TensorRef) else type(v).__name__
                     raise FormatError(f"{f0}: param_shapes gives {name!r} shape {list(slot.param.shape)}, its module "
                                       f"entry is {found}")
-        entries.update(self._frozen(module, buffer_names, trainable))
+        shared = _names_to(_get(m0, "shared_params", f0, dict), str, f"{f0}: shared_params")
+        entries.update(self._frozen(module, buffer_names, trainable, shared))
         fp32_key = "fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"
         for g in range(len(self.param_shapes)):
             vectors = self._group_vectors(fp32_key, g, need[g], [o.get(fp32_key) for o in self.osds])
             for name, slot in trainable.items():
                 if slot.group == g:
                     entries[name] = _entry(("model", name), slot, vectors)
-        shared = _get(m0, "shared_params", f0, dict)
-        tied = [(alias, owner) for alias, owner in shared.items() if owner in entries and alias not in entries]
+        # An alias the module holds is part of the model: its owner must be too. (Not in module: both were left
+        # out of the save, with exclude_frozen_parameters.)
+        tied = [(alias, owner) for alias, owner in shared.items() if alias in module and alias not in entries]
+        lost = [f"{alias} -> {owner}" for alias, owner in tied if owner not in entries]
+        if lost:
+            raise FormatError(f"{f0}: shared_params ties {', '.join(lost[:3])}, but no such parameter was saved")
         for alias, owner in tied:  # zero_to_fp32 adds each alias last, as the owner's tensor
             entries[alias] = dataclasses.replace(entries[owner], key=key_of(("model", alias)), path=("model", alias))
         if tied:
@@ -407,28 +425,33 @@ class _Zero:
             leaves.append(value[g])
         return _vectors(leaves, need, f"{self.tag}: {key}[{g}]")
 
-    def _frozen(self, module: dict, buffer_names: set[str],
-                trainable: dict[str, _Slot]) -> dict[str, TensorEntry]:
-        """Parameters the optimizer does not own, in their module dtype."""
+    def _frozen(self, module: dict, buffer_names: set[str], trainable: dict[str, _Slot],
+                shared: dict[str, str]) -> dict[str, TensorEntry]:
+        """Parameters the optimizer does not own, in their module dtype. Every ``module`` entry must be a buffer,
+        a trained, frozen or tied parameter: one that is none of these would go missing from the model."""
         m0, f0 = self.models[0], self.files.models[0]
         shapes_value = m0.get("frozen_param_shapes")
+        listed = {*buffer_names, *trainable, *shared, *(shapes_value or ())}
+        rest = [k for k in module if k not in listed]
+        if rest and (shapes_value is not None or self.stage == 3):
+            raise FormatError(f"{f0}: module holds {', '.join(rest[:4])}, which buffer_names, param_shapes, "
+                              "frozen_param_shapes and shared_params do not list")
         if shapes_value is None:
-            shared = m0.get("shared_params") or {}
-            rest = [k for k in module if k not in buffer_names and k not in trainable and k not in shared]
-            if not rest:
-                return {}
-            if self.stage == 3:  # their module entries are 0-element placeholders: the values are nowhere
-                raise FormatError(f"{f0}: module holds {', '.join(rest[:4])}, which are neither buffers, trained "
-                                  "parameters nor tied, and no frozen_param_fragments hold their values")
-            # Stage 1 saves no frozen_param_fragments, and zero_to_fp32 leaves these out; module holds them whole.
+            # Stage 1 saves no frozen_param_fragments, and zero_to_fp32 leaves these out; module holds them whole,
+            # each in a storage of its own (a trained parameter's entry is a view of its group's flat buffer).
+            trained = {(v.span.file, v.span.offset): k for k, v in module.items() if k in trainable}
             out = {}
             for k in rest:
                 v = module[k]
                 if not isinstance(v, TensorRef):
                     raise FormatError(f"{f0}: module[{k!r}] is a {type(v).__name__}, not a tensor")
+                if (v.span.file, v.span.offset) in trained:
+                    raise FormatError(f"{f0}: module[{k!r}] is parameter {trained[(v.span.file, v.span.offset)]!r} "
+                                      "under another name, which shared_params does not list")
                 out[k] = v.as_entry(("model", k))
-            self.details.append(("frozen parameters", f"{len(out)} taken whole from module, in their module dtype "
-                                                      "(zero_to_fp32 leaves them out)"))
+            if out:
+                self.details.append(("frozen parameters", f"{len(out)} taken whole from module, in their module "
+                                                          "dtype (zero_to_fp32 leaves them out)"))
             return out
         frozen = _shapes(shapes_value, f"{f0}: frozen_param_shapes")
         out = {}
@@ -499,7 +522,7 @@ class _Zero:
         objects: list[ObjectEntry] = []
         kinds: Counter[str] = Counter()
         for g, shapes in enumerate(self.param_shapes):
-            per_rank = [s["state"].get(g, {}) for s in states]
+            per_rank = [_names_to(s["state"].get(g, {}), object, f"{self.tag}: {inner}['state'][{g}]") for s in states]
             for key, leaf in per_rank[0].items():
                 leaves = [p.get(key) for p in per_rank]
                 where = f"{self.tag}: {inner}['state'][{g}][{key!r}]"
@@ -511,14 +534,15 @@ class _Zero:
                     tensors += [leaf.as_entry(("optim", "state", name, key)) for name in shapes]
                 else:
                     paths = [("optim", "state", name, key) for name in shapes]
-                    objects += [ObjectEntry(key_of(p), p, leaf) for p in paths]
+                    objects += [plain_object(p, leaf, str(self.files.optims[0])) for p in paths]
         groups = states[0]["param_groups"]
         if len(groups) != len(self.param_shapes):
             raise FormatError(f"{self.files.optims[0]}: {len(groups)} param groups for {len(self.param_shapes)} "
                               "param_shapes groups")
         named = [{**g, "params": list(shapes)} if isinstance(g, dict) else g
                  for g, shapes in zip(groups, self.param_shapes, strict=True)]
-        objects += [ObjectEntry(key_of(p), p, v) for p, v in flatten(named, _is_tensor, ("optim", "param_groups"))]
+        objects += [plain_object(p, v, str(self.files.optims[0]))
+                    for p, v in flatten(named, _is_tensor, ("optim", "param_groups"))]
         self.details.append(("optimizer", ", ".join(f"{k} of {n} parameters" for k, n in kinds.items())
                              + f" in {len(groups)} groups"))
         return tensors, objects

@@ -33,7 +33,7 @@ from ..codecs.torchzip_read import read_archive
 from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Path_, TensorEntry, TensorRef, key_of
 from ..core.tree import flatten
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, UsageError
-from .base import ReadOnlyIO
+from .base import ReadOnlyIO, plain_object
 
 __all__ = ["VerlIO", "read_verl"]
 
@@ -74,6 +74,16 @@ class VerlIO(ReadOnlyIO):
 
 def read_verl(root: Path) -> Manifest:
     """The manifest of the verl checkpoint directory ``root`` (see the module docstring)."""
+    try:
+        return _read(root)
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        # Every structure read is checked on its way in; this catches the combination no check foresaw.
+        raise FormatError(f"{root}: malformed verl checkpoint ({type(e).__name__}: {e})") from e
+
+
+def _read(root: Path) -> Manifest:
     files, world = _rank_files(root)
     details: list[tuple[str, str]] = [("rank files", f"model_world_size_{world}_rank_{{rank}}.pt")]
     details += _fsdp_config(root, world)
@@ -168,6 +178,10 @@ def _is_leaf(v: Any) -> bool:
 def _aligned(trees: list[Any], files: list[Path]) -> list[tuple[Path_, list[Any]]]:
     """Each leaf path of rank 0's tree with the leaf of every rank; all ranks must hold the same paths."""
     ranks = [dict(flatten(t, _is_leaf)) for t in trees]
+    for f, leaves in zip(files, ranks, strict=True):
+        odd = next((p for p in leaves if not all(isinstance(k, (str, int)) for k in p)), None)
+        if odd is not None:
+            raise FormatError(f"{f}: a state-dict key is {odd!r:.80}, not a name or index; is the file corrupt?")
     for f, leaves in zip(files[1:], ranks[1:], strict=True):
         if leaves.keys() != ranks[0].keys():
             diff = sorted(map(key_of, leaves.keys() ^ ranks[0].keys()))
@@ -193,7 +207,7 @@ class _Ranks:
                     raise FormatError(f"{f}: {key_of(path[1:])!r} is {_kind(leaf)}, but {_kind(first)} in "
                                       f"{self.files[0].name}")
             return first.as_entry(path)
-        return ObjectEntry(key_of(path), path, first)
+        return plain_object(path, first, str(self.files[0]))
 
     def _sharded(self, path: Path_, leaves: list[Any]) -> TensorEntry:
         first, key = leaves[0], key_of(path[1:])
@@ -272,7 +286,8 @@ class _Optimizer:
             else:
                 self.objects.append(entry)
         groups = [{**g, "params": [names[p] for p in g["params"]]} if names else g for g in first["param_groups"]]
-        self.objects += [ObjectEntry(key_of(p), p, v) for p, v in flatten(groups, _is_leaf, ("optim", "param_groups"))]
+        group_leaves = flatten(groups, _is_leaf, ("optim", "param_groups"))
+        self.objects += [plain_object(p, v, str(files[0])) for p, v in group_leaves]
 
     def _names(self, optim: dict, params: dict[str, TensorEntry]) -> dict[Any, str]:
         """Parameter index to name, where the model's parameter order gives it beyond doubt: ``state_dict()``
