@@ -48,13 +48,13 @@ def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: lis
     default ``dtype="auto"`` loads the weights as the config says (verl's config says bfloat16 over fp32
     masters). With several floating dtypes, the widest holds every value exactly."""
     written = {cast or t.dtype for t in tensors if t.dtype.is_floating}
-    keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype", "dtype"]
-    if not written:
+    keys = [k for k in ("torch_dtype", "dtype") if k in config]  # none: "auto" takes the weights' own dtype
+    if not written or not keys:
         return assets, None
     dtype = max(written, key=lambda d: d.itemsize).name
-    if all(config.get(k) == dtype for k in keys):
+    if all(config[k] == dtype for k in keys):
         return assets, None
-    said = ", ".join(f"{k} {config[k]!r}" for k in keys if k in config) or "no dtype"
+    said = ", ".join(f"{k} {config[k]!r}" for k in keys)
     config = {**config, **dict.fromkeys(keys, dtype)}
     data = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
     assets = tuple(FilePlan(p.relpath, (Bytes(data),)) if p.relpath == "config.json" else p for p in assets)
