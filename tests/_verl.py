@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 VOCAB = {"<s>": 0, "</s>": 1, "<pad>": 2, "a": 3, "b": 4, "c": 5, "<unk>": 6}
 
@@ -154,4 +154,10 @@ def save_like_verl(rank: int, world: int, jobs: list[tuple[str, int, int, bool]]
         partial = DTensor.from_local(torch.ones(2, 3), mesh, [Partial()] * mesh.ndim)
         (out / "partial").mkdir(exist_ok=True)
         torch.save({"w": partial}, out / "partial" / f"model_world_size_{world}_rank_{rank}.pt")
+        # A parameter beside a persistent buffer, which FSDP leaves a plain tensor on every rank.
+        placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+        sharded = distribute_tensor(torch.arange(35.0).reshape(7, 5), mesh, placements)
+        (out / "buffers").mkdir(exist_ok=True)
+        torch.save({"w": sharded, "scale": torch.linspace(0.5, 1.5, 3)},
+                   out / "buffers" / f"model_world_size_{world}_rank_{rank}.pt")
         dist.barrier()

@@ -198,6 +198,14 @@ def test_verl_refuses_a_world_size_the_meshes_contradict(saved, tmp_path):
         inspect(src)
 
 
+def test_verl_reads_buffers_beside_sharded_parameters(saved, tmp_path):
+    for name in ("fsdp2-ws3-tied", "fsdp2-hsdp-2x2"):
+        convert(saved[name] / "buffers", tmp_path / f"{name}.pt", to="full")
+        got = load_full(tmp_path / f"{name}.pt")["model"]
+        assert_tensor_identical(got["w"], torch.arange(35.0).reshape(7, 5), "w")
+        assert_tensor_identical(got["scale"], torch.linspace(0.5, 1.5, 3), "scale")
+
+
 def test_verl_refuses_partial_placements(saved):
     with pytest.raises(FormatError, match=r"'w': placement Partial\(sum\) on mesh dim 0: each rank holds an addend"):
         inspect(saved["fsdp2-ws2"] / "partial")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..codecs.pickle_read import Call, Record, Ref
+from ..codecs.pickle_read import Call, Record
 from ..codecs.torchzip_read import load_blob
 from ..core.dtypes import DType
 from ..core.manifest import Format, Manifest, ObjectEntry, Path_, TensorRef, key_of, map_tensor_refs
@@ -137,7 +137,7 @@ def object_value(entry: ObjectEntry) -> Any:
     return load_blob(entry.blob, where=f"object {entry.key!r}")
 
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, TensorRef, DType, Ref)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, TensorRef, DType)
 
 
 def plain_object(path: Path_, value: Any, where: str) -> ObjectEntry:

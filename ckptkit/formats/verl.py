@@ -96,18 +96,19 @@ def _read(root: Path) -> Manifest:
     seen: set[tuple] = set()
     for path, leaves in _aligned(models, files["model"]):
         entry = reader.entry(("model", *path), leaves)
-        if isinstance(entry, TensorEntry):
-            tensors.append(entry)
+        if not isinstance(entry, TensorEntry):
+            objects.append(entry)
+            continue
+        tensors.append(entry)
+        if isinstance(leaves[0], DTensorData):  # a parameter (buffers stay plain tensors under FSDP)
             # A tied parameter is one DTensor under two names; its local tensors are the same bytes.
             where = tuple((leaf.local.span.file, leaf.local.span.offset) for leaf in leaves)
-            if isinstance(leaves[0], DTensorData) and where not in seen:
+            if where not in seen:
                 seen.add(where)
                 params[key_of(path)] = entry
-        else:
-            objects.append(entry)
     details.append(("placements", "; ".join(f"{layout} ({n} tensors)" for layout, n in reader.layouts.items())))
     if "optim" in files:
-        optim = _Optimizer(reader, files["optim"], params)
+        optim = _Optimizer(_Ranks(files["optim"], world), params)
         tensors += optim.tensors
         objects += optim.objects
         details.append(("optimizer", optim.summary))
@@ -257,7 +258,8 @@ def _kind(leaf: Any) -> str:
 class _Optimizer:
     """The ranks' ``optimizer.state_dict()`` files as ``optim.*`` entries, or what was left out and why."""
 
-    def __init__(self, ranks: _Ranks, files: list[Path], params: dict[str, TensorEntry]) -> None:
+    def __init__(self, ranks: _Ranks, params: dict[str, TensorEntry]) -> None:
+        files = ranks.files
         self.tensors: list[TensorEntry] = []
         self.objects: list[ObjectEntry] = []
         self.left_out: list[str] = []

@@ -134,7 +134,7 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: boo
     """Re-lay-out a sharded checkpoint for ``world_size`` ranks, in its own format; no GPU or process group.
 
     ``local`` is as for :func:`convert`; the output keeps the source's rank file names and layout. Another
-    framework's sharded layout that ckptkit reads but does not write (verl) becomes SHARDED (DCP).
+    framework's sharded layout that ckptkit reads but does not write (verl, DeepSpeed) becomes SHARDED (DCP).
     """
     reader = detect(src, local)
     fmt = reader.format
