@@ -152,6 +152,16 @@ def test_deepspeed_zero3_model_files_without_optimizer_files_are_refused(tmp_pat
     assert not (tmp_path / "hf").exists()
 
 
+def test_deepspeed_truncated_optimizer_file_fails_with_one_line(tmp_path):
+    write_checkpoint(tmp_path / "ckpt", Config(2, 2))
+    f = tmp_path / "ckpt" / TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    f.write_bytes(f.read_bytes()[:-700])
+    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--to", "sharded"])
+    assert result.exit_code == 2 and result.output.startswith("ckptkit: error: ")
+    assert result.output.count("\n") == 1 and f.name in result.output
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("extra, match", [
     ("mp_rank_01_model_states.pt", "model-parallel ranks other than 00 .*tensor-parallel"),
     ("layer_01-model_00-model_states.pt", "pipeline-parallel layer files"),
