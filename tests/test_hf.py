@@ -183,7 +183,8 @@ def test_convert_hf_says_what_it_leaves_out(tmp_path):
     torch.save({"w": torch.ones(2), "step": 5, "rng": (torch.arange(3), 1)}, tmp_path / "src.pt")
     report = convert(tmp_path / "src.pt", tmp_path / "hf", to="hf")
     assert_same_tree(load_hf(tmp_path / "hf"), {"w": torch.ones(2)})
-    assert report.notes == ("2 non-tensor entries not written (safetensors holds tensors only): step, rng",)
+    assert report.notes == ("model taken from the top-level tensors beside the training state",
+                            "left out: rng (a value); step (a value)")
 
 
 def test_export_hf_cast_reads_strided_views(tmp_path):
@@ -393,7 +394,7 @@ def test_export_hf_cast_writes_the_dtype_into_config_json(tmp_path, dtype, name)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (written["dtype"], written["torch_dtype"]) == (name, name)
     assert written == {**original, "dtype": name, "torch_dtype": name}  # nothing else changed
-    assert f"config.json: dtype and torch_dtype set to {name}, the dtype written" in report.notes
+    assert f"config.json: dtype and torch_dtype set to {name}, the dtype written (it said float32)" in report.notes
     for kwargs in ({"dtype": "auto"}, {}):  # transformers 5 loads "auto" by default
         loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf", **kwargs)
         assert loaded.dtype == getattr(torch, name), kwargs

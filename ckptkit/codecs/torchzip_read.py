@@ -16,7 +16,7 @@ import zipfile
 from typing import Any
 
 from ..core import dtypes
-from ..core.boxes import row_major
+from ..core.boxes import extent, row_major
 from ..core.dtypes import DType
 from ..core.manifest import Span, TensorRef
 from ..errors import FormatError
@@ -88,6 +88,11 @@ def _tensor(storage: _Storage, offset: int, size: Any, stride: Any, dtype: DType
         raise FormatError(f"{storage.span.file}: a tensor of shape {list(shape)} has strides {list(stride)}, "
                           "not one per dimension")
     skip = offset * dtype.itemsize
+    # What torch checks on load ("Trying to resize storage that is not resizable"): the view lies in its storage.
+    if (not isinstance(offset, int) or offset < 0 or any(not isinstance(n, int) or n < 0 for n in (*shape, *stride))
+            or skip + extent(shape, stride) * dtype.itemsize > storage.span.length):
+        raise FormatError(f"{storage.span.file}: a tensor of shape {list(shape)}, strides {list(stride)} at element "
+                          f"{offset} runs past its storage of {storage.span.length} bytes")
     span = Span(storage.span.file, storage.span.offset + skip, storage.span.length - skip)
     strides = None if shape == () or stride == row_major(shape) else stride
     return TensorRef(dtype, shape, span, strides)

@@ -29,6 +29,8 @@ class Format(str, enum.Enum):
     SHARDED = "sharded"
     LOCAL = "local"
     HF = "hf"
+    VERL = "verl"
+    DEEPSPEED = "deepspeed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +169,11 @@ class Manifest:
     objects: tuple[ObjectEntry, ...] = ()
     world_size: int | None = None
     details: tuple[tuple[str, str], ...] = ()
-    """Format-specific facts for ``inspect`` (e.g. ``("layout", "FSDP2 Shard(0)")``)."""
+    """Format-specific facts for ``inspect`` (e.g. ``("layout", "FSDP2 Shard(0)")``); a ``"left out"`` fact
+    names what the reader did not read, and conversions repeat it in their report."""
+    hf_assets: str | None = None
+    """A directory of Hugging Face config and tokenizer files the checkpoint carries (verl's ``huggingface/``),
+    which ``export_hf`` copies when it is given none."""
     _by_key: dict[str, TensorEntry | ObjectEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -8,21 +8,32 @@ from ..core.manifest import Format, Manifest
 from ..errors import CheckpointError, FormatError, UsageError
 from .base import FormatIO, LocalOptions, Target, is_empty_container, object_value
 from .dcp import DcpIO
+from .deepspeed import DeepSpeedIO
 from .full import FullIO
 from .hf import HfIO
 from .local import LocalIO, is_rank_file
+from .verl import VerlIO
 
-__all__ = ["FormatIO", "LocalOptions", "Target", "detect", "io_for", "is_empty_container", "object_value", "read"]
+__all__ = ["WRITABLE", "FormatIO", "LocalOptions", "Target", "detect", "io_for", "is_empty_container", "object_value",
+           "read"]
 
-# Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides. LOCAL
-# comes last: telling its rank files apart from other numbered files means opening them.
-_ALL: tuple[type[FormatIO], ...] = (DcpIO, HfIO, FullIO, LocalIO)
+# Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides. Other
+# frameworks' layouts (verl, DeepSpeed) are told by their file names, before FULL (their files are torch.save
+# archives too) and LOCAL, which comes last: telling its rank files apart from other numbered files means
+# opening them.
+_ALL: tuple[type[FormatIO], ...] = (DcpIO, HfIO, VerlIO, DeepSpeedIO, FullIO, LocalIO)
+
+WRITABLE: tuple[Format, ...] = tuple(cls.format for cls in _ALL if cls.writable)
+"""The formats ckptkit writes (``convert --to``); the others it reads only."""
+
 
 def io_for(fmt: Format | str) -> FormatIO:
+    """The reader and writer of ``fmt``, one of :data:`WRITABLE` for writing."""
     try:
         fmt = Format(fmt)
     except ValueError:
-        raise UsageError(f"unknown format {fmt!r}; expected one of {', '.join(f.value for f in Format)}") from None
+        choices = ", ".join(f.value for f in sorted(WRITABLE, key=list(Format).index))
+        raise UsageError(f"unknown format {fmt!r}; expected one of {choices}") from None
     for cls in _ALL:
         if cls.format == fmt:
             return cls()

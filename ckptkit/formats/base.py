@@ -13,16 +13,17 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from ..codecs.pickle_read import Call, Record
 from ..codecs.torchzip_read import load_blob
 from ..core.dtypes import DType, parse_floating
-from ..core.manifest import Format, Manifest, ObjectEntry, TensorRef, map_tensor_refs
+from ..core.manifest import Format, Manifest, ObjectEntry, Path_, TensorRef, key_of, map_tensor_refs
 from ..core.plan import Region, WritePlan
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
 
-__all__ = ["RANK", "FormatIO", "LocalOptions", "Target", "WriteOptions", "rank_pattern", "cast_for", "index_json",
-           "is_empty_container", "read_index", "regions_in", "split_files"]
+__all__ = ["RANK", "FormatIO", "LocalOptions", "ReadOnlyIO", "Target", "WriteOptions", "rank_pattern", "cast_for",
+           "index_json", "is_empty_container", "plain_object", "read_index", "regions_in", "split_files"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,6 +97,8 @@ class WriteOptions:
 
 class FormatIO(abc.ABC):
     format: Format
+    writable: ClassVar[bool] = True
+    """False for another framework's own layout, which ckptkit reads but does not write (:class:`ReadOnlyIO`)."""
 
     @classmethod
     @abc.abstractmethod
@@ -115,6 +118,23 @@ class FormatIO(abc.ABC):
         """The files that represent ``manifest`` in this format, given options of this format's type. No I/O."""
 
 
+class ReadOnlyIO(FormatIO):
+    """A format ckptkit reads but does not write: converting it writes one of ckptkit's own formats, and
+    re-sharding it writes SHARDED."""
+
+    writable = False
+
+    def options(self, target: Target, manifest: Manifest) -> WriteOptions:
+        raise self._not_written()
+
+    def plan(self, manifest: Manifest, options: Any) -> WritePlan:
+        raise self._not_written()
+
+    def _not_written(self) -> UsageError:
+        return UsageError(f"ckptkit reads {self.format.value} checkpoints but does not write them; convert to "
+                          "full, sharded, local or hf")
+
+
 def cast_for(dtype: DType, cast: DType | None) -> DType | None:
     """The cast to apply to a tensor of ``dtype``: only floating tensors change type."""
     return cast if cast is not None and dtype.is_floating and cast != dtype else None
@@ -125,6 +145,32 @@ def object_value(entry: ObjectEntry) -> Any:
     if entry.blob is None:
         return entry.value
     return load_blob(entry.blob, where=f"object {entry.key!r}")
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, TensorRef, DType)
+
+
+def plain_object(path: Path_, value: Any, where: str) -> ObjectEntry:
+    """An entry for ``value``, which must be data: numbers, strings, containers of them, tensors, torch's own
+    values. A corrupt pickle can make an allow-listed global itself the value (a memo reference that points at
+    ``_rebuild_tensor_v2``); written out, that would name ckptkit's code, so it is refused."""
+    def check(v: Any) -> None:
+        if isinstance(v, dict):
+            for k, item in v.items():
+                check(k)
+                check(item)
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            for item in v:
+                check(item)
+        elif isinstance(v, (Record, Call)):
+            check(vars(v) if isinstance(v, Record) else v.args)
+        elif not isinstance(v, _PLAIN):
+            raise FormatError(f"{where}: {key_of(path)!r:.100} holds a {type(v).__name__} ({v!r:.60}), not data; is "
+                              "the file corrupt?")
+
+    check(path)  # dict keys become path elements
+    check(value)
+    return ObjectEntry(key_of(path), path, value)
 
 
 def is_empty_container(entry: ObjectEntry) -> bool:

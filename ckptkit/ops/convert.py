@@ -93,6 +93,11 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, o
 
 def _left_out(manifest: Manifest, fmt: Format) -> tuple[str, ...]:
     """Notes on entries the target format cannot hold, so that nothing goes missing unreported."""
+    notes = tuple(f"not read from the source: {what}" for fact, what in manifest.details if fact == "left out")
+    return notes + _not_held(manifest, fmt)
+
+
+def _not_held(manifest: Manifest, fmt: Format) -> tuple[str, ...]:
     if fmt is Format.HF and manifest.objects:
         return (f"{len(manifest.objects)} non-tensor entries not written (safetensors holds tensors only): "
                 + ", ".join(o.key for o in manifest.objects[:5]) + (" ..." if len(manifest.objects) > 5 else ""),)
@@ -139,13 +144,18 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: boo
     """Re-lay-out a sharded checkpoint for ``world_size`` ranks, in its own format; no GPU or process group.
 
     ``local`` is as for :func:`convert`; the output keeps the source's rank file names and layout, and a
-    DCP source's Lightning ``meta.pt``.
+    DCP source's Lightning ``meta.pt``. Another framework's sharded layout that ckptkit reads but does not
+    write (verl, DeepSpeed) becomes SHARDED (DCP).
     """
     reader = detect(src, local)
-    if reader.format not in (Format.SHARDED, Format.LOCAL):
+    fmt = reader.format
+    notes: tuple[str, ...] = ()
+    if not reader.writable:
+        fmt, notes = Format.SHARDED, (f"{reader.format.value} is read, not written: resharded as SHARDED (DCP)",)
+    if fmt not in (Format.SHARDED, Format.LOCAL):
         raise UsageError(f"{src}: is a {reader.format.value} checkpoint, not a sharded one; "
                          f"use 'ckptkit convert {src} DST --to sharded --world-size {world_size}'")
     manifest = reader.read(Path(src))
-    groups = meta_groups(manifest) if reader.format is Format.SHARDED else None
-    return write(manifest, reader.format, dst, Target(world_size=world_size, meta_groups=groups), overwrite=overwrite,
-                 max_memory=max_memory, fsync=fsync, progress=progress)
+    groups = meta_groups(manifest) if fmt is Format.SHARDED else None
+    return write(manifest, fmt, dst, Target(world_size=world_size, meta_groups=groups), overwrite=overwrite,
+                 max_memory=max_memory, fsync=fsync, progress=progress, notes=notes)

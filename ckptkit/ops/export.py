@@ -107,14 +107,28 @@ def _untie(tensors: list[TensorEntry], config: dict, max_memory: int) -> tuple[l
     return [t for t in tensors if t is not head], f"lm_head.weight left out: tied to {embed.key} ({why})"
 
 
-def _config_with_dtype(config: dict, dtype: DType) -> bytes:
-    """config.json naming ``dtype``, which ``from_pretrained(dtype="auto")`` then loads in: ``dtype`` for
-    transformers 5, ``torch_dtype`` for 4.x. Other keys keep their order and values."""
-    out = {**config, "dtype": dtype.name, "torch_dtype": dtype.name}
+def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: list[TensorEntry],
+                        cast: DType | None) -> tuple[tuple[FilePlan, ...], str | None]:
+    """``config.json`` naming the floating dtype written, which ``from_pretrained(dtype="auto")`` then loads in:
+    after a cast, and wherever the config names another dtype (verl's config says bfloat16 over fp32
+    masters). ``dtype`` is transformers 5's key, ``torch_dtype`` 4.x's; both are written. A config that names
+    no dtype and saw no cast is left alone: "auto" then takes the weights' own. With several floating dtypes,
+    the widest holds every value exactly. Other keys keep their order and values."""
+    written = {cast or t.dtype for t in tensors if t.dtype.is_floating}
+    named = {config[k] for k in ("dtype", "torch_dtype") if k in config}
+    if not written or (cast is None and not named):
+        return assets, None
+    dtype = max(written, key=lambda d: d.itemsize).name
+    if cast is None and named == {dtype}:
+        return assets, None
+    out = {**config, "dtype": dtype, "torch_dtype": dtype}
     text = out.get("text_config")
     if isinstance(text, dict) and ("dtype" in text or "torch_dtype" in text):
-        out["text_config"] = {**text, "dtype": dtype.name, "torch_dtype": dtype.name}
-    return (json.dumps(out, indent=2) + "\n").encode()
+        out["text_config"] = {**text, "dtype": dtype, "torch_dtype": dtype}
+    data = (json.dumps(out, indent=2) + "\n").encode()
+    assets = tuple(FilePlan(p.relpath, (Bytes(data),)) if p.relpath == "config.json" else p for p in assets)
+    said = f" (it said {', '.join(sorted(named))})" if named and named != {dtype} else ""
+    return assets, f"config.json: dtype and torch_dtype set to {dtype}, the dtype written{said}"
 
 
 def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: str = "keep",
@@ -127,9 +141,10 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     ``dtype`` is ``keep`` or one of ``bf16``/``fp16``/``fp32``; a cast touches floating tensors only.
     The model part is found by :mod:`ckptkit.ops.select`'s rule (``model_key`` names it explicitly, as a
     dotted path); a checkpoint of training state alone is refused. Wrapper prefixes are stripped unless
-    ``strip_wrappers=False``. ``hf_assets`` copies config and tokenizer files; ``lm_head.weight`` is left out
-    only when the model ties it (the config's ``tie_word_embeddings``, else its ``model_type``'s default)
-    and it equals the input embedding. After a cast, the copied config.json names the dtype written.
+    ``strip_wrappers=False``. ``hf_assets`` copies config and tokenizer files (by default those the checkpoint
+    carries: verl's ``huggingface/``); ``lm_head.weight`` is left out only when the model ties it (the
+    config's ``tie_word_embeddings``, else its ``model_type``'s default) and it equals the input embedding. The
+    copied config.json names the dtype written after a cast, or where it named another one.
 
     In a save hook, call it from rank 0 alone, or with ``distributed=True`` from every rank of the default
     process group: each rank then writes its share of the output files and rank 0 publishes the result.
@@ -140,15 +155,15 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     notes = list(sel.notes)
     tensors = list(sel.tensors)
     assets: tuple[FilePlan, ...] = ()
+    if hf_assets is None and manifest.hf_assets is not None:
+        hf_assets = manifest.hf_assets
+        notes.append(f"config and tokenizer from the checkpoint's {Path(hf_assets).name}/")
     if hf_assets is not None:
         assets, config = _assets(Path(hf_assets))
         tensors, tie_note = _untie(tensors, config, max_memory)
-        notes += [tie_note] if tie_note else []
+        assets, dtype_note = _with_written_dtype(assets, config, tensors, cast)
+        notes += [n for n in (tie_note, dtype_note) if n]
         notes.append("copied " + ", ".join(p.relpath for p in assets))
-        if cast:
-            assets = tuple(FilePlan(p.relpath, (Bytes(_config_with_dtype(config, cast)),))
-                           if p.relpath == "config.json" else p for p in assets)
-            notes.append(f"config.json: dtype and torch_dtype set to {cast}, the dtype written")
     if cast:
         n = sum(1 for t in tensors if t.dtype.is_floating and t.dtype != cast)
         notes.append(f"cast {n} floating tensors to {cast}; others kept their dtype")
