@@ -4,6 +4,8 @@ Four forms, one :class:`Manifest`: FULL (``torch.save``), SHARDED (``torch.distr
 LOCAL (FSDP1 ``LOCAL_STATE_DICT``) and HF safetensors. None of this imports torch; only a dtype cast does.
 """
 
+from . import _startup  # noqa: F401  (first: the console script's Ctrl-C handling while the rest imports)
+
 # Imported eagerly: a function bound here after its module (``convert`` in ``ckptkit.convert``) stays the
 # package attribute, whereas a lazily fetched one is replaced by the module on the module's first import.
 from .core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry

@@ -7,20 +7,20 @@ central directory gives record offsets and :class:`SafeUnpickler` rebuilds tenso
 
 from __future__ import annotations
 
-import codecs
 import collections
 import io
+import math
 import os
 import struct
 import zipfile
 from typing import Any
 
 from ..core import dtypes
-from ..core.boxes import row_major
+from ..core.boxes import extent, row_major
 from ..core.dtypes import DType
 from ..core.manifest import Span, TensorRef
 from ..errors import FormatError
-from .pickle_read import SafeUnpickler, keep_call
+from .pickle_read import SafeUnpickler, check_tree, keep_call
 
 __all__ = ["ARCHIVE_MAGIC", "OBJECT_GLOBALS", "TENSOR", "Tag", "is_archive", "load_blob", "read_archive"]
 
@@ -75,30 +75,54 @@ def is_archive(path: str, offset: int = 0) -> bool:
 
 
 class _Storage:
-    __slots__ = ("span", "dtype")
+    __slots__ = ("span", "dtype", "key")
 
-    def __init__(self, span: Span, dtype: DType | None) -> None:
-        self.span, self.dtype = span, dtype
+    def __init__(self, span: Span, dtype: DType | None, key: str) -> None:
+        self.span, self.dtype, self.key = span, dtype, key
 
 
-def _tensor(storage: _Storage, offset: int, size: Any, stride: Any, dtype: DType | None) -> TensorRef:
+_MAX_DIMS = 64
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _tensor(storage: _Storage, offset: Any, size: Any, stride: Any, dtype: DType | None) -> TensorRef:
     dtype = dtype or storage.dtype or dtypes.by_name("uint8")
+    where = f"{storage.span.file}: the tensor on storage {storage.key!r}"
+    if not isinstance(dtype, DType):
+        raise FormatError(f"{where} has dtype {dtype!r}, not a torch dtype")
+    ok = isinstance(size, (tuple, list)) and isinstance(stride, (tuple, list)) and len(size) <= _MAX_DIMS
+    if not (ok and _count(offset) and all(map(_count, size)) and all(map(_count, stride))):
+        raise FormatError(f"{where} has offset {offset!r:.40}, shape {size!r:.60} and strides {stride!r:.60}; "
+                          "expected non-negative integers")
     shape, stride = tuple(size), tuple(stride)
     if len(stride) != len(shape):
-        raise FormatError(f"{storage.span.file}: a tensor of shape {list(shape)} has strides {list(stride)}, "
-                          "not one per dimension")
-    skip = offset * dtype.itemsize
+        raise FormatError(f"{where} has shape {list(shape)} and strides {list(stride)}, not one per dimension")
+    need = (offset + extent(shape, stride)) * dtype.itemsize if math.prod(shape) else 0
+    if need > storage.span.length:
+        # torch refuses it too ("out of bounds for storage of size ..."): the tensor would read other records.
+        raise FormatError(f"{where}: offset {offset} and {dtype} {list(shape)} with strides {list(stride)} need "
+                          f"{need} bytes, the storage holds {storage.span.length}")
+    skip = min(offset * dtype.itemsize, storage.span.length)
     span = Span(storage.span.file, storage.span.offset + skip, storage.span.length - skip)
     strides = None if shape == () or stride == row_major(shape) else stride
     return TensorRef(dtype, shape, span, strides)
 
 
 def _rebuild_v2(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
-    return _tensor(storage, offset, size, stride, None)
+    return _tensor(_storage_of(storage), offset, size, stride, None)
 
 
 def _rebuild_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
-    return _tensor(storage, offset, size, stride, dtype)
+    return _tensor(_storage_of(storage), offset, size, stride, dtype)
+
+
+def _storage_of(storage: Any) -> _Storage:
+    if not isinstance(storage, _Storage):
+        raise FormatError(f"a tensor is rebuilt from {type(storage).__name__}, not from a storage record")
+    return storage
 
 
 class _StorageTag:
@@ -139,6 +163,20 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Tenso
     return func(*args)
 
 
+def _bytes_arg(args: tuple, what: str) -> bytes:
+    """What protocol 2 pickles ``bytes`` and ``bytearray`` values as: ``(text, "latin1")``, or bytes given as
+    they are. Never a size (``bytearray(10**10)`` would allocate it) nor another codec."""
+    if not args:
+        return b""
+    value = args[0]
+    if isinstance(value, (bytes, bytearray)) and len(args) == 1:
+        return bytes(value)
+    if isinstance(value, str) and len(args) == 2 and args[1] in ("latin1", "latin-1"):
+        return value.encode("latin-1")
+    raise FormatError(f"the pickle calls {what}{tuple(type(a).__name__ for a in args)}; ckptkit allows it only "
+                      "to spell bytes (text and 'latin1')")
+
+
 # Globals a tensor-bearing pickle may name. Everything maps to data; nothing runs code of the checkpoint's.
 OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
@@ -152,8 +190,8 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("builtins", "frozenset"): frozenset,
     ("builtins", "complex"): complex,
     ("builtins", "slice"): slice,
-    ("builtins", "bytearray"): bytearray,
-    ("_codecs", "encode"): codecs.encode,
+    ("builtins", "bytearray"): lambda *args: bytearray(_bytes_arg(args, "bytearray")),
+    ("_codecs", "encode"): lambda *args: _bytes_arg(args, "_codecs.encode"),
     ("torch", "Size"): keep_call("torch", "Size"),
     ("torch", "device"): keep_call("torch", "device"),
     ("torch.serialization", "_get_layout"): keep_call("torch.serialization", "_get_layout"),
@@ -187,10 +225,12 @@ def _records(window: _Window, path: str) -> dict[str, Span]:
 
 
 def read_archive(path: str, start: int = 0, length: int | None = None, *, where: str = "",
-                 extra_globals: dict | None = None, fd: int | None = None) -> Any:
+                 extra_globals: dict | None = None, fd: int | None = None, tree: bool = True) -> Any:
     """Unpickle the archive's ``data.pkl`` with tensors as :class:`TensorRef` byte spans into ``path``.
 
     ``fd``, an open descriptor of ``path``, saves an open per call when reading many chunks of one file.
+    ``tree`` checks that what the pickle built can be walked as a tree (:func:`check_tree`); a caller that
+    only takes one tensor out of it (a DCP chunk) may skip that.
     """
     where = where or path
     own = fd is None
@@ -214,17 +254,25 @@ def read_archive(path: str, start: int = 0, length: int | None = None, *, where:
     def persistent_load(pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise FormatError(f"{where}: unexpected persistent id {pid!r}")
-        _, tag, key, _location, _numel = pid
+        _, tag, key, _location, numel = pid
         if not isinstance(tag, _StorageTag):
             raise FormatError(f"{where}: persistent id names {tag!r}, not a storage class")
         span = records.get(f"{prefix}data/{key}")
         if span is None:
             raise FormatError(f"{where}: data.pkl names storage {key!r} but the archive has no record "
                               f"{prefix}data/{key}")
-        return _Storage(span, tag.dtype)
+        itemsize = tag.dtype.itemsize if tag.dtype else 1
+        if not _count(numel) or numel * itemsize != span.length:
+            # torch refuses such a record ("record size ... does not match expected size"), mmap or not aside.
+            raise FormatError(f"{where}: record {prefix}data/{key} holds {span.length} bytes, but data.pkl says its "
+                              f"storage has {numel!r:.40} elements of {itemsize} bytes")
+        return _Storage(span, tag.dtype, f"data/{key}")
 
     allowed = {**OBJECT_GLOBALS, **(extra_globals or {})}
-    return SafeUnpickler(data, allowed, where=where, persistent_load=persistent_load).load_checked()
+    value = SafeUnpickler(data, allowed, where=where, persistent_load=persistent_load).load_checked()
+    if tree:
+        check_tree(value, where, budget=len(data) + 1000)
+    return value
 
 
 def load_blob(span: Span, *, where: str) -> Any:

@@ -35,11 +35,11 @@ from ..core.dtypes import DType
 from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, bytes_entry
 from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan
 from ..core.tree import dcp_path, from_dcp_path
-from ..errors import FormatError, IncompleteCheckpointError
+from ..errors import CheckpointError, FormatError, IncompleteCheckpointError
 from ..io.sources import Files
-from .base import FormatIO, Target, WriteOptions, cast_for, is_empty_container, regions_in
+from .base import FormatIO, Target, WriteOptions, cast_for, is_empty_container, object_value, regions_in
 
-__all__ = ["DcpIO", "DcpOptions"]
+__all__ = ["DcpIO", "DcpOptions", "check_blobs"]
 
 METADATA = ".metadata"
 _DCP_META = "torch.distributed.checkpoint.metadata"
@@ -60,6 +60,26 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): dict,
     **{("torch", d.name): d for d in dtypes.DTYPES},
 }
+
+
+def _count(v: Any, what: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{what} is {v!r:.60}, not a non-negative integer")
+    return v
+
+
+def _counts(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, (tuple, list)) or len(v) > 64:
+        raise ValueError(f"{what} is {v!r:.60}, not a list of sizes")
+    return tuple(_count(n, what) for n in v)
+
+
+def check_blobs(manifest: Manifest) -> None:
+    """Decode every serialized non-tensor entry through the allow-list, before a DCP writer copies them
+    verbatim: a damaged one must stop the copy, not reach an output torch cannot load."""
+    for o in manifest.objects:
+        if o.blob is not None:
+            object_value(o)
 
 
 def _tensor_dtype(props: Record, where: str) -> DType:
@@ -91,6 +111,17 @@ class DcpIO(FormatIO):
         md = SafeUnpickler(meta_path.read_bytes(), METADATA_GLOBALS, where=str(meta_path)).load_checked()
         if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict):
             raise FormatError(f"{meta_path}: not DCP metadata (found {type(md).__name__})")
+        at = ["the storage index"]  # the key being read, for the error below
+        try:
+            return self._interpret(root, md, files, at)
+        except CheckpointError:
+            raise
+        except (AttributeError, TypeError, KeyError, ValueError, IndexError, OverflowError) as e:
+            # The records are untrusted data: one missing a field, or holding a string where DCP has a size.
+            raise FormatError(f"{meta_path}: malformed DCP metadata at {at[0]} ({type(e).__name__}: {e})") from None
+
+    def _interpret(self, root: Path, md: Any, files: Files, at: list[str]) -> Manifest:
+        meta_path = root / METADATA
         storage: dict[tuple[str, tuple | None], Any] = {}
         for idx, info in (getattr(md, "storage_data", None) or {}).items():
             offset = None if getattr(idx, "offset", None) is None else tuple(idx.offset)
@@ -111,27 +142,31 @@ class DcpIO(FormatIO):
             if not file.is_file():
                 raise IncompleteCheckpointError(f"{root}: {info.relative_path} (holding {key!r}) is missing")
             rank_files.add(info.relative_path)
-            return Span(str(file), info.offset, info.length)
+            return Span(str(file), _count(info.offset, f"{key!r} offset"), _count(info.length, f"{key!r} length"))
 
         for key, sm in md.state_dict_metadata.items():
+            at[0] = repr(key)
             path_ = from_dcp_path(tuple(paths.get(key, (key,))))
+            if not isinstance(key, str) or not path_ or not all(
+                    isinstance(k, (str, int)) and not isinstance(k, bool) for k in path_):
+                raise ValueError(f"key {key!r:.60} with path {path_!r:.80} is not a state-dict key and path")
             kind = type(sm).__name__
             if kind == "BytesStorageMetadata":
                 objects.append(ObjectEntry(key, path_, blob=locate(key, None)))
                 continue
             if kind != "TensorStorageMetadata":
                 raise FormatError(f"{meta_path}: {key!r} has unknown storage metadata {kind}")
-            dtype, shape = _tensor_dtype(sm.properties, f"{meta_path}: {key!r}"), tuple(sm.size)
+            dtype, shape = _tensor_dtype(sm.properties, f"{meta_path}: {key!r}"), _counts(sm.size, f"{key!r} size")
             chunks = []
             for c in sm.chunks:
-                offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+                offsets, sizes = _counts(c.offsets, f"{key!r} chunk offsets"), _counts(c.sizes, f"{key!r} chunk sizes")
                 span = locate(key, offsets)
-                fd = files.fd(span.file, span.offset + span.length)
+                fd = files.fd(span.file, span.offset + span.length, start=span.offset, key=key)
                 if os.pread(fd, 4, span.offset) != ARCHIVE_MAGIC:
                     raise FormatError(
                         f"{span.file}: {key!r} chunk at {list(offsets)} is not a torch.save record; DCP saved with "
                         "serialization_format=SAFETENSORS or a custom storage writer is not supported")
-                ref = read_archive(span.file, span.offset, span.length, fd=fd,
+                ref = read_archive(span.file, span.offset, span.length, fd=fd, tree=False,
                                    where=f"{span.file}: {key!r} chunk {list(offsets)}")
                 if not isinstance(ref, TensorRef) or ref.shape != sizes or ref.dtype != dtype:
                     found = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
