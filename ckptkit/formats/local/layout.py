@@ -186,16 +186,15 @@ class FlatLayout:
                                  f"found {doc.get('format')!r} {doc.get('version')!r}")
             units = tuple(
                 FlatUnit(_str(unit["key"]),
-                         tuple(FlatParam(_str(param["fqn"]), tuple(_int(dim) for dim in param["shape"]),
-                                         _int(param["offset"]))
+                         tuple(FlatParam(_str(param["fqn"]), _shape(param["shape"]), _int(param["offset"]))
                                for param in unit["params"]),
                          tuple((_str(alias), _str(fqn)) for alias, fqn in unit.get("shared", ())))
                 for unit in doc["units"])
             return cls(units, _bool(doc["use_orig_params"]), tuple(_str(name) for name in doc.get("param_order", ())))
         except FormatError as e:
             raise FormatError(f"{where}: {e}") from e
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise FormatError(f"{where}: not a ckptkit flat layout ({type(e).__name__}: {e})") from e
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise FormatError(f"{where}: not a ckptkit flat layout ({type(e).__name__}: {str(e)[:200]})") from e
 
 
 def _str(v: Any) -> str:
@@ -208,6 +207,12 @@ def _int(v: Any) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise TypeError(f"expected a non-negative integer, found {v!r}")
     return v
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > 64:
+        raise TypeError(f"expected a shape (a list of at most 64 sizes), found {v!r:.60}")
+    return tuple(_int(dim) for dim in v)
 
 
 def _bool(v: Any) -> bool:
