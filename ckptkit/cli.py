@@ -52,7 +52,8 @@ class _Group(click.Group):
         except (CheckpointError, OSError) as e:
             if ctx.params.get("debug"):
                 raise
-            click.echo(f"ckptkit: error: {e}", err=True)
+            # One line, whatever the message quotes from a damaged file.
+            click.echo(f"ckptkit: error: {' '.join(str(e).splitlines())}", err=True)
             ctx.exit(2)
 
 
@@ -269,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:
         _quiet_stdout()
         code = 0
+    # The outcome is decided: a signal while the interpreter shuts down must not turn it into a kill by signal.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     sys.exit(code)
 
 

@@ -23,7 +23,8 @@ from typing import Any
 from ..errors import FormatError, UnsafeCheckpointError
 
 __all__ = ["MEMORY_FORMATS", "Call", "EnumStandIn", "Record", "Ref", "SafeUnpickler", "allow_records",
-           "check_opcodes", "check_tree", "keep_call", "make_record", "record_class", "ref", "safe_getattr"]
+           "check_opcodes", "check_tree", "keep_call", "make_record", "record_class", "ref", "safe_getattr",
+           "strided_layout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +50,13 @@ class Call:
 
 
 class Record:
-    """Stand-in for an allowed class built by NEWOBJ + BUILD: its state becomes attributes."""
+    """Stand-in for an allowed class built by NEWOBJ + BUILD: its state becomes attributes.
+
+    Unhashable, as torch's (non-frozen) dataclasses are, unless :data:`HASHED_BY` names the fields torch hashes:
+    a pickle that uses one as a dict key fails here where it fails in torch."""
 
     _pickle_name: Ref
+    __hash__ = None  # type: ignore[assignment]
 
     def __setstate__(self, state: Any) -> None:
         if (isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict))
@@ -66,9 +71,18 @@ class Record:
         return f"{self._pickle_name.name}({self.__dict__})"
 
 
+HASHED_BY = {("torch.distributed.checkpoint.metadata", "MetadataIndex"): ("fqn", "offset")}
+"""torch classes among the allowed ones that hash (frozen dataclasses), and the fields they hash."""
+
+
 @functools.cache
 def record_class(module: str, name: str) -> type[Record]:
-    return type(name, (Record,), {"_pickle_name": ref(module, name)})
+    attrs: dict[str, Any] = {"_pickle_name": ref(module, name)}
+    fields = HASHED_BY.get((module, name))
+    if fields:
+        # A field torch leaves at its class default (MetadataIndex.offset of a non-tensor) is None.
+        attrs["__hash__"] = lambda self: hash(tuple(getattr(self, f, None) for f in fields))
+    return type(name, (Record,), attrs)
 
 
 # The members of torch's memory-format enums (DCP's _MEM_FORMAT_ENCODING, ShardedTensor's MEM_FORMAT_ENCODING).
@@ -83,7 +97,17 @@ class EnumStandIn:
         self.members, self.make = dict(members), make
 
     def __call__(self, value: int) -> Any:
+        if value not in self.members.values() or isinstance(value, bool):
+            raise FormatError(f"{value!r:.40} is not a member of the enum (one of {sorted(self.members.values())})")
         return self.make(value)
+
+
+def strided_layout(name: Any) -> Any:
+    """``torch.serialization._get_layout(name)``: ckptkit reads strided tensors; torch itself knows no name but
+    its layouts'."""
+    if name != "torch.strided":
+        raise FormatError(f"a tensor has layout {name!r:.40}; ckptkit reads strided (dense) tensors only")
+    return keep_call("torch.serialization", "_get_layout")(name)
 
 
 def safe_getattr(attrs: Mapping[tuple[int, str], Any] | None = None) -> Callable[[Any, str], Any]:
@@ -191,15 +215,19 @@ def check_opcodes(data: bytes, where: str) -> None:
             return  # an opcode the unpickler does not know: it refuses the pickle itself
 
 
-def check_tree(value: Any, where: str, *, budget: int, depth: int = 100) -> None:
+def check_tree(value: Any, where: str, *, budget: int, depth: int = 100, refuse: tuple[type, ...] = ()) -> None:
     """Refuse an unpickled object that is nested deeper than ``depth`` or that reaches more than ``budget``
     containers when walked as a tree (a pickle can share one container many times, so that a walk, or a
     copy, goes exponential, or around a cycle). ckptkit's walks over state dicts are recursive; this one is not.
+    ``refuse`` names types that may serve inside a pickle (a storage, a class) but are no value of a state.
     """
     stack = [(value, 0)]
     seen = 0
     while stack:
         node, level = stack.pop()
+        if isinstance(node, refuse):
+            raise FormatError(f"{where}: the pickle leaves {node!r:.60} where a value belongs; not a state dict "
+                              "torch would give back")
         if isinstance(node, dict):
             children: Any = node.values()
         elif isinstance(node, (list, tuple, set, frozenset)):
@@ -255,8 +283,10 @@ class SafeUnpickler(pickle.Unpickler):
             if str(e).startswith(self._where):
                 raise
             raise UnsafeCheckpointError(f"{self._where}: {e}") from None
-        except FormatError:
-            raise
+        except FormatError as e:
+            if str(e).startswith(self._where.split(": ")[0]):
+                raise
+            raise FormatError(f"{self._where}: {e}") from None
         except Exception as e:  # a truncated or corrupt pickle raises a zoo of types
             raise FormatError(f"{self._where}: cannot read pickle ({type(e).__name__}: {e})") from e
 

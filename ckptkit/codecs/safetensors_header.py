@@ -49,7 +49,8 @@ def read_header(file: Path) -> tuple[list[TensorEntry], dict[str, str]]:
             raise FormatError(f"{where}: header is not valid JSON ({type(e).__name__}: {str(e)[:120]})") from e
     if not isinstance(header, dict):
         raise FormatError(f"{where}: header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise FormatError(f"{where}: __metadata__ must map strings to strings, as safetensors requires; found "
                           f"{json.dumps(meta)[:80]}")

@@ -11,8 +11,8 @@ import collections
 import io
 import math
 import os
+import re
 import struct
-import zipfile
 from typing import Any
 
 from ..core import dtypes
@@ -20,15 +20,15 @@ from ..core.boxes import extent, row_major
 from ..core.dtypes import DType
 from ..core.manifest import Span, TensorRef
 from ..errors import FormatError
-from .pickle_read import SafeUnpickler, check_tree, keep_call
+from .pickle_read import SafeUnpickler, check_tree, keep_call, strided_layout
 
 __all__ = ["ARCHIVE_MAGIC", "OBJECT_GLOBALS", "TENSOR", "Tag", "is_archive", "load_blob", "read_archive"]
 
 
 class _Window(io.RawIOBase):
-    """``length`` bytes of an open file from ``start``, as a file of its own (zipfile finds its directory at
-    the end). The first and last 4 KiB are read once: for a DCP chunk they hold every header zipfile reads,
-    so parsing costs two reads instead of a dozen seeks."""
+    """``length`` bytes of an open file from ``start``, as a file of its own (the zip directory is at the end).
+    The first and last 4 KiB are read once: for a DCP chunk they hold every header :func:`_records` reads, so
+    parsing costs two reads instead of a dozen seeks."""
 
     _EDGE = 4096
 
@@ -112,11 +112,28 @@ def _tensor(storage: _Storage, offset: Any, size: Any, stride: Any, dtype: DType
 
 
 def _rebuild_v2(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
-    return _tensor(_storage_of(storage), offset, size, stride, None)
+    return _flags(_tensor(_storage_of(storage), offset, size, stride, None), requires_grad, metadata)
 
 
 def _rebuild_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
-    return _tensor(_storage_of(storage), offset, size, stride, dtype)
+    return _flags(_tensor(_storage_of(storage), offset, size, stride, dtype), requires_grad, metadata)
+
+
+def _flags(t: TensorRef, requires_grad: Any, metadata: Any = None) -> TensorRef:
+    """What torch checks as it rebuilds a tensor: a boolean requires_grad, only on a floating tensor, and a dict
+    (or nothing) of metadata. ckptkit keeps neither, but a file torch refuses must be refused here too."""
+    if not isinstance(requires_grad, bool) or (requires_grad and t.dtype.kind not in ("float", "complex")):
+        raise FormatError(f"{t.span.file}: a {t.dtype} tensor says requires_grad={requires_grad!r:.20}, which torch "
+                          "refuses")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise FormatError(f"{t.span.file}: a tensor carries metadata {metadata!r:.40}, where torch expects a dict")
+    return t
+
+
+def _parameter(data: Any, requires_grad: Any) -> TensorRef:
+    if not isinstance(data, TensorRef):
+        raise FormatError(f"a Parameter is rebuilt from {type(data).__name__}, not from a tensor")
+    return _flags(data, requires_grad)
 
 
 def _storage_of(storage: Any) -> _Storage:
@@ -181,8 +198,10 @@ def _bytes_arg(args: tuple, what: str) -> bytes:
 OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
-    ("torch._utils", "_rebuild_parameter"): lambda data, requires_grad=False, hooks=None: data,
-    ("torch._utils", "_rebuild_parameter_with_state"): lambda data, requires_grad, hooks, state: data,
+    ("torch._utils", "_rebuild_parameter"): lambda data, requires_grad=False, hooks=None: _parameter(
+        data, requires_grad),
+    ("torch._utils", "_rebuild_parameter_with_state"): lambda data, requires_grad, hooks, state: _parameter(
+        data, requires_grad),
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("torch", "Tensor"): TENSOR,
     ("collections", "OrderedDict"): collections.OrderedDict,
@@ -194,7 +213,7 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("_codecs", "encode"): lambda *args: _bytes_arg(args, "_codecs.encode"),
     ("torch", "Size"): keep_call("torch", "Size"),
     ("torch", "device"): keep_call("torch", "device"),
-    ("torch.serialization", "_get_layout"): keep_call("torch.serialization", "_get_layout"),
+    ("torch.serialization", "_get_layout"): strided_layout,
     ("torch.storage", "UntypedStorage"): _storage_class(None),
     ("torch", "UntypedStorage"): _storage_class(None),
     **{("torch", d.name): d for d in dtypes.DTYPES},
@@ -202,26 +221,133 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-def _records(window: _Window, path: str) -> dict[str, Span]:
+_EOCD = struct.Struct("<4sHHHHIIH")                 # end of central directory, 22 bytes
+_EOCD64_LOCATOR = struct.Struct("<4sIQI")           # 20 bytes, just before it in a zip64 archive
+_EOCD64 = struct.Struct("<4sQHHIIQQQQ")             # 56 bytes
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")     # central directory entry, 46 bytes
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")             # local file header, 30 bytes
+_U16, _U32 = 0xFFFF, 0xFFFFFFFF
+_MAX_VERSION = 10  # torch 2.13 reads archive versions 1 to 10 (kMaxSupportedFileFormatVersion)
+
+
+def _zip64_values(extra: bytes, wanted: int) -> list[int]:
+    """The 8-byte values a zip64 extra field holds (the sizes and offset that did not fit in 32 bits)."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            body = extra[pos + 4:pos + 4 + size]
+            return list(struct.unpack_from(f"<{wanted}Q", body)) if len(body) >= 8 * wanted else []
+        pos += 4 + size
+    return []
+
+
+def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
+    """Record name to the span of its bytes, read from the zip's central directory and held to what torch's
+    reader (miniz, then PyTorchStreamReader) accepts: one disk, a central directory exactly where the end
+    record puts it, stored records whose local headers are where the directory says, every record in one
+    ``archive_name/`` directory. What Python's zipfile forgives (data before the archive, say), torch does not."""
     start, length = window._start, window._len
-    try:
-        infos = zipfile.ZipFile(window).infolist()
-    except (zipfile.BadZipFile, OSError, ValueError) as e:
-        raise FormatError(f"{path} @ {start}: not a torch.save archive ({e})") from e
-    out = {}
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise FormatError(f"{path}: record {info.filename} is compressed; torch.save archives store records raw")
-        window.seek(info.header_offset)
-        head = window.read(30)
-        if len(head) != 30 or head[:4] != b"PK\x03\x04":
-            raise FormatError(f"{path}: bad local header for record {info.filename}")
-        name_len, extra_len = struct.unpack("<HH", head[26:30])
-        data = info.header_offset + 30 + name_len + extra_len
-        if data + info.file_size > length:
-            raise FormatError(f"{path}: record {info.filename} runs past the end of the archive")
-        out[info.filename] = Span(path, start + data, info.file_size)
+
+    def bad(what: str) -> FormatError:
+        return FormatError(f"{where}: not a torch.save archive torch can read ({what})")
+
+    tail_len = min(length, _EOCD.size + 0xFFFF)
+    window.seek(length - tail_len)
+    tail = window.read(tail_len)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + _EOCD.size > len(tail):
+        raise bad("no end of central directory record; truncated?")
+    _, disk, cd_disk, on_disk, count, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, at)
+    eocd = length - tail_len + at
+    if eocd + _EOCD.size + comment != length:
+        raise bad(f"{length - eocd - _EOCD.size - comment} bytes after the end of the central directory")
+    end_of_cd = eocd
+    window.seek(max(0, eocd - _EOCD64_LOCATOR.size))
+    locator = window.read(_EOCD64_LOCATOR.size) if eocd >= _EOCD64_LOCATOR.size else b""
+    if locator[:4] == b"PK\x06\x07":  # torch's writer (miniz) always adds the zip64 records, and its reader uses them
+        _, _, where64, _ = _EOCD64_LOCATOR.unpack(locator)
+        window.seek(where64)
+        record = window.read(_EOCD64.size)
+        if len(record) != _EOCD64.size or record[:4] != b"PK\x06\x06" or where64 + _EOCD64.size > eocd:
+            raise bad("a damaged zip64 end record")
+        _, _, _, _, disk, cd_disk, on_disk, count, cd_size, cd_offset = _EOCD64.unpack(record)
+        end_of_cd = where64
+    elif _U16 in (disk, cd_disk, on_disk, count) or _U32 in (cd_size, cd_offset):
+        raise bad("zip64 values without a zip64 end record")
+    if disk != 0 or cd_disk != 0 or on_disk != count:
+        raise bad("parts of it on other disks")
+    if cd_size < count * _CENTRAL.size or cd_offset + cd_size != end_of_cd:
+        raise bad(f"the central directory at {cd_offset} ({cd_size} bytes) does not end where its end record is")
+    window.seek(cd_offset)
+    cd = window.read(cd_size)
+    out: dict[str, Span] = {}
+    prefix = None
+    pos = 0
+    for _ in range(count):
+        if pos + _CENTRAL.size > len(cd):
+            raise bad("the central directory is shorter than its entries")
+        (sig, _, _, flags, method, _, _, _, comp, size, name_len, extra_len, comment_len, entry_disk, _, _,
+         offset) = _CENTRAL.unpack_from(cd, pos)
+        raw = cd[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len]
+        extra = cd[pos + _CENTRAL.size + name_len:pos + _CENTRAL.size + name_len + extra_len]
+        pos += _CENTRAL.size + name_len + extra_len + comment_len
+        if sig != b"PK\x01\x02" or pos > len(cd):
+            raise bad("a damaged central directory entry")
+        try:
+            name = raw.decode("utf-8")  # torch hands record names to Python as UTF-8 text
+        except UnicodeDecodeError:
+            raise bad(f"record name {raw!r:.60} is not UTF-8") from None
+        wide = [v for v in (size, comp, offset) if v == _U32]
+        if wide:
+            values = iter(_zip64_values(extra, len(wide)))
+            size, comp, offset = (next(values, -1) if v == _U32 else v for v in (size, comp, offset))
+        if method != 0 or flags & 0x2061:  # encrypted, patch data, strong encryption, masked: miniz refuses them
+            raise bad(f"record {name} is compressed or encrypted; torch.save archives store records raw")
+        if comp != size or entry_disk != 0 or offset < 0 or offset + _LOCAL.size + size > length:
+            raise bad(f"record {name} has inconsistent sizes or lies outside the archive")
+        window.seek(offset)
+        head = window.read(_LOCAL.size)
+        if len(head) != _LOCAL.size or head[:4] != b"PK\x03\x04":
+            raise bad(f"no local header where the directory puts record {name}")
+        local_name, local_extra = struct.unpack_from("<HH", head, 26)
+        data = offset + _LOCAL.size + local_name + local_extra
+        if data + size > length:
+            raise bad(f"record {name} runs past the end of the archive")
+        first, slash, _ = name.partition("/")
+        prefix = prefix if prefix is not None else first + slash
+        if not slash or not name.startswith(prefix):
+            raise bad(f"record {name} is not in the directory {prefix or name!r} every record shares")
+        out.setdefault(name[len(prefix):], Span(path, start + data, size))  # torch finds the first of a name
+    _check_small_records(out, window, start, bad)
     return out
+
+
+def _check_small_records(records: dict[str, Span], window: _Window, start: int, bad) -> None:
+    """The records torch reads before the pickle: the format version, the byte order, the alignment."""
+    def read(name: str) -> bytes | None:
+        span = records.get(name)
+        if span is None:
+            return None
+        window.seek(span.offset - start)
+        return window.read(min(span.length, 256))
+
+    version = read(".data/version") if ".data/version" in records else read("version")
+    number = re.match(rb"\s*[-+]?\d+", version or b"")
+    if version is None or number is None or not 1 <= int(number.group()) <= _MAX_VERSION:
+        raise bad(f"its version record is {version!r:.40}; torch reads versions 1 to {_MAX_VERSION}")
+    order = read("byteorder")
+    if order not in (None, b"little"):
+        raise bad(f"byte order {order!r:.40}; ckptkit reads little-endian archives (torch would byte-swap a "
+                  "big-endian one)")
+    alignment = read(".storage_alignment")
+    if alignment is not None and not re.fullmatch(rb"\s*[-+]?\d+\s*", alignment):
+        raise bad(f"storage alignment {alignment!r:.40} is not a number")
+    serial = read(".data/serialization_id")
+    try:
+        (serial or b"").decode("utf-8")  # torch hands it to Python as text
+    except UnicodeDecodeError:
+        raise bad(f"serialization id {serial!r:.60} is not UTF-8 text") from None
 
 
 def read_archive(path: str, start: int = 0, length: int | None = None, *, where: str = "",
@@ -239,14 +365,12 @@ def read_archive(path: str, start: int = 0, length: int | None = None, *, where:
         if length is None:
             length = os.fstat(file_fd).st_size - start
         window = _Window(file_fd, start, length)
-        records = _records(window, path)
-        pkl = [n for n in records if n.endswith("data.pkl") and n.count("/") <= 1]
-        if len(pkl) != 1:
+        records = _records(window, path, where)
+        if "data.pkl" not in records:
             raise FormatError(f"{where}: no data.pkl record; not a torch.save archive "
                               "(legacy pre-1.6 files are not supported)")
-        prefix = pkl[0][: -len("data.pkl")]
-        window.seek(records[pkl[0]].offset - start)
-        data = window.read(records[pkl[0]].length)
+        window.seek(records["data.pkl"].offset - start)
+        data = window.read(records["data.pkl"].length)
     finally:
         if own:
             os.close(file_fd)
@@ -257,21 +381,20 @@ def read_archive(path: str, start: int = 0, length: int | None = None, *, where:
         _, tag, key, _location, numel = pid
         if not isinstance(tag, _StorageTag):
             raise FormatError(f"{where}: persistent id names {tag!r}, not a storage class")
-        span = records.get(f"{prefix}data/{key}")
+        span = records.get(f"data/{key}")
         if span is None:
-            raise FormatError(f"{where}: data.pkl names storage {key!r} but the archive has no record "
-                              f"{prefix}data/{key}")
+            raise FormatError(f"{where}: data.pkl names storage {key!r} but the archive has no record data/{key}")
         itemsize = tag.dtype.itemsize if tag.dtype else 1
         if not _count(numel) or numel * itemsize != span.length:
             # torch refuses such a record ("record size ... does not match expected size"), mmap or not aside.
-            raise FormatError(f"{where}: record {prefix}data/{key} holds {span.length} bytes, but data.pkl says its "
+            raise FormatError(f"{where}: record data/{key} holds {span.length} bytes, but data.pkl says its "
                               f"storage has {numel!r:.40} elements of {itemsize} bytes")
         return _Storage(span, tag.dtype, f"data/{key}")
 
     allowed = {**OBJECT_GLOBALS, **(extra_globals or {})}
     value = SafeUnpickler(data, allowed, where=where, persistent_load=persistent_load).load_checked()
     if tree:
-        check_tree(value, where, budget=len(data) + 1000)
+        check_tree(value, where, budget=len(data) + 1000, refuse=(_Storage, _StorageTag, Tag))
     return value
 
 

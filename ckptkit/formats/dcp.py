@@ -18,6 +18,7 @@ from typing import Any
 
 from ..codecs.pickle_read import (
     MEMORY_FORMATS,
+    Call,
     EnumStandIn,
     Record,
     SafeUnpickler,
@@ -25,6 +26,7 @@ from ..codecs.pickle_read import (
     keep_call,
     make_record,
     safe_getattr,
+    strided_layout,
 )
 from ..codecs.pickle_write import dumps
 from ..codecs.torchzip_read import ARCHIVE_MAGIC, read_archive
@@ -51,10 +53,10 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **allow_records(_DCP_META, "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                "TensorProperties", "MetadataIndex", "StorageMeta"),
     **allow_records(_FS, "_StorageInfo"),
-    (_DCP_META, "_MEM_FORMAT_ENCODING"): EnumStandIn(MEMORY_FORMATS),
+    (_DCP_META, "_MEM_FORMAT_ENCODING"): EnumStandIn(MEMORY_FORMATS, keep_call(_DCP_META, "_MEM_FORMAT_ENCODING")),
     ("builtins", "getattr"): safe_getattr(),
     ("torch", "Size"): lambda v=(): tuple(v),
-    ("torch.serialization", "_get_layout"): lambda name: name,
+    ("torch.serialization", "_get_layout"): strided_layout,
     ("pathlib", "PosixPath"): lambda *parts: "/".join(parts),
     ("pathlib", "WindowsPath"): lambda *parts: "\\".join(parts),
     ("collections", "OrderedDict"): dict,
@@ -83,9 +85,18 @@ def check_blobs(manifest: Manifest) -> None:
 
 
 def _tensor_dtype(props: Record, where: str) -> DType:
-    dtype = props.state[0] if hasattr(props, "state") else getattr(props, "dtype", None)
+    """The dtype of DCP's ``TensorProperties``, which torch unpickles as ``(dtype, layout, requires_grad,
+    memory format, pin_memory)`` (older files: a dict), refusing anything else."""
+    if hasattr(props, "state"):
+        state = props.state
+        if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[3], Call)):
+            raise FormatError(f"{where}: tensor properties {state!r:.80} are not (dtype, layout, requires_grad, "
+                              "memory format, pin_memory), as torch reads them")
+        dtype = state[0]
+    else:
+        dtype = getattr(props, "dtype", None)
     if not isinstance(dtype, DType):
-        raise FormatError(f"{where}: tensor properties carry no known dtype ({dtype!r})")
+        raise FormatError(f"{where}: tensor properties carry no known dtype ({dtype!r:.60})")
     return dtype
 
 
@@ -150,6 +161,9 @@ class DcpIO(FormatIO):
             if not isinstance(key, str) or not path_ or not all(
                     isinstance(k, (str, int)) and not isinstance(k, bool) for k in path_):
                 raise ValueError(f"key {key!r:.60} with path {path_!r:.80} is not a state-dict key and path")
+            if ".".join(map(str, path_)) != key:  # DCP's own loader finds an entry by its path joined so
+                raise FormatError(f"{meta_path}: {key!r} is stored under the path {list(path_)}, which names "
+                                  f"{'.'.join(map(str, path_))!r}; torch's loader would not find it")
             kind = type(sm).__name__
             if kind == "BytesStorageMetadata":
                 objects.append(ObjectEntry(key, path_, blob=locate(key, None)))

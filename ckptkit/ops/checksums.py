@@ -196,17 +196,36 @@ def _dict(v: Any, what: str) -> dict:
     return v
 
 
+_KEYS = {"format", "version", "world_size", "step", "save", "checksum", "tensors", "objects", "files"}
+
+
+def _box(c: dict, what: str) -> Box:
+    if c.keys() != {"offsets", "sizes", "crc32"}:
+        raise ValueError(f"{what} chunks need offsets, sizes and crc32, found {sorted(map(str, c))[:4]}")
+    return _ints(c["offsets"], f"{what} offsets"), _ints(c["sizes"], f"{what} sizes"), _crc(c["crc32"], f"{what} crc32")
+
+
 def _parse(path: Path, doc: Any) -> Record:
     doc = _dict(doc, "the document")
+    unknown = sorted(map(str, doc.keys() - _KEYS))
+    if unknown:
+        raise ValueError(f"unknown fields {unknown[:3]}")
+    version = doc.get("version", 1)
+    missing = sorted((_KEYS if version == VERSION else {"format", "world_size", "step", "tensors"}) - doc.keys())
+    if missing:
+        raise ValueError(f"missing fields {missing}")
+    if doc.get("checksum", "crc32") != "crc32":
+        raise ValueError(f"checksum {doc.get('checksum')!r:.40} is not one ckptkit computes (crc32)")
     form = doc.get("format")
     if form not in _FORMS:
         raise ValueError(f"format should be one of {', '.join(_FORMS)}, found {form!r:.60}")
-    version = doc.get("version", 1)
     if version not in (1, VERSION):
         raise ValueError(f"version {version!r:.20} is not one this ckptkit reads (1, {VERSION})")
     tensors = {}
     for key, t in _dict(doc.get("tensors", {}), "tensors").items():
         t = _dict(t, f"tensors[{key!r}]")
+        if t.keys() - {"dtype", "shape", "chunks", "crc32"}:
+            raise ValueError(f"tensors[{key!r}] has unknown fields {sorted(map(str, t))[:4]}")
         name = t.get("dtype")
         if not isinstance(name, str):
             raise ValueError(f"tensors[{key!r}].dtype should be a torch dtype name, found {name!r:.60}")
@@ -221,9 +240,7 @@ def _parse(path: Path, doc: Any) -> Record:
             chunks = t.get("chunks")
             if not isinstance(chunks, list):
                 raise ValueError(f"tensors[{key!r}].chunks should be a list")
-            boxes = tuple((_ints(_dict(c, f"tensors[{key!r}].chunks").get("offsets"), f"tensors[{key!r}] offsets"),
-                           _ints(c.get("sizes"), f"tensors[{key!r}] sizes"),
-                           _crc(c.get("crc32"), f"tensors[{key!r}] crc32")) for c in chunks)
+            boxes = tuple(_box(_dict(c, f"tensors[{key!r}].chunks"), f"tensors[{key!r}]") for c in chunks)
         tensors[key] = (dtype, shape, boxes)
     objects = {k: _crc(v, f"objects[{k!r}]") for k, v in _dict(doc.get("objects", {}), "objects").items()}
     files = {}

@@ -88,8 +88,9 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, o
     notes += _left_out(manifest, fmt)
     sources = sources_of(manifest, src)
     check_destination(dst, overwrite=overwrite, sources=sources)
-    if fmt is Format.SHARDED:
-        check_blobs(manifest)  # they are copied verbatim: a damaged one must not reach the output
+    # Decoded now, whatever the target: a DCP writer copies them verbatim, and a damaged one means a checkpoint
+    # torch cannot load, which no output may hide.
+    check_blobs(manifest)
     io = io_for(fmt)
     plan = io.plan(manifest, io.options(target, manifest))
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file)
