@@ -237,7 +237,7 @@ def test_storage_record_longer_than_its_storage_is_refused_as_torch_does(tmp_pat
     (tmp_path / "a.pt").write_bytes(data)
     with pytest.raises(RuntimeError, match="does not match expected size"):
         torch.load(tmp_path / "a.pt", weights_only=True)
-    with pytest.raises(FormatError, match=r"a\.pt: record a/data/0 holds 20 bytes, but data\.pkl says its storage "
+    with pytest.raises(FormatError, match=r"a\.pt: record data/0 holds 20 bytes, but data\.pkl says its storage "
                                           r"has 4 elements of 4 bytes"):
         convert(tmp_path / "a.pt", tmp_path / "out", to="hf")
     assert not (tmp_path / "out").exists()
