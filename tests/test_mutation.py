@@ -297,7 +297,7 @@ def _local_oracle(root: Path) -> dict:
         self._ckptkit_local = state[0]
     ShardedTensor.__setstate__ = keep
     try:
-        ranks = [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(2)]
+        ranks = [torch.load(root / f"rank{r}.pt", weights_only=False, map_location="cpu") for r in range(2)]
     finally:
         ShardedTensor.__setstate__ = original
     layout = json.loads((root / "flat_layout.json").read_text())

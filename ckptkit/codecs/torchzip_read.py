@@ -180,6 +180,23 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Tenso
     return func(*args)
 
 
+# The device types torch names (c10's DeviceType); torch.device refuses any other string.
+_DEVICE = re.compile(r"(cpu|cuda|meta|mps|xpu|hpu|xla|lazy|ipu|mtia|maia|privateuseone|ve|vulkan|metal|fpga|hip|mkldnn|"
+                     r"opengl|opencl|ideep)(:\d+)?")
+
+
+def _device_args(args: tuple) -> tuple:
+    def index(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    ok = (len(args) == 1 and (index(args[0]) or isinstance(args[0], str) and _DEVICE.fullmatch(args[0]))) or (
+        len(args) == 2 and isinstance(args[0], str) and _DEVICE.fullmatch(args[0]) and ":" not in args[0]
+        and index(args[1]))
+    if not ok:
+        raise FormatError(f"the pickle names torch.device{args!r:.60}, which torch does not know")
+    return args
+
+
 def _bytes_arg(args: tuple, what: str) -> bytes:
     """What protocol 2 pickles ``bytes`` and ``bytearray`` values as: ``(text, "latin1")``, or bytes given as
     they are. Never a size (``bytearray(10**10)`` would allocate it) nor another codec."""
@@ -212,7 +229,7 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("builtins", "bytearray"): lambda *args: bytearray(_bytes_arg(args, "bytearray")),
     ("_codecs", "encode"): lambda *args: _bytes_arg(args, "_codecs.encode"),
     ("torch", "Size"): keep_call("torch", "Size"),
-    ("torch", "device"): keep_call("torch", "device"),
+    ("torch", "device"): lambda *args: keep_call("torch", "device")(*_device_args(args)),
     ("torch.serialization", "_get_layout"): strided_layout,
     ("torch.storage", "UntypedStorage"): _storage_class(None),
     ("torch", "UntypedStorage"): _storage_class(None),
