@@ -17,6 +17,7 @@ how a format lays the bytes out:
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import zlib
@@ -29,7 +30,7 @@ from ..codecs.sharded_tensor import ShardedTensorData, sharded_tensor_globals
 from ..codecs.torchzip_read import read_archive
 from ..core import dtypes
 from ..core.manifest import Chunk, Format, Manifest, Span, TensorEntry, TensorRef, key_of
-from ..core.plan import Region, row_blocks
+from ..core.plan import Region, plan_copies, row_blocks
 from ..core.tree import flatten
 from ..errors import CheckpointError, ChecksumError, FormatError
 from ..formats import object_value
@@ -347,7 +348,7 @@ def _jobs(record: Record, manifest: Manifest, root: Path, problems: list[Mismatc
             problems.append(Mismatch(key, f"{MANIFEST}'s chunks do not tile it: {wrong}"))
             continue
         for offsets, sizes, crc in boxes:
-            jobs.append(_Job(key, t.dtype.itemsize * _numel(sizes), _box_job(t, offsets, sizes, crc)))
+            jobs.append(_Job(key, t.dtype.itemsize * math.prod(sizes), _box_job(t, offsets, sizes, crc)))
     blobs = {o.key: o for o in manifest.objects if o.blob is not None}
     if record.objects or record.format == Format.SHARDED.value:
         for key in blobs.keys() - record.objects.keys():
@@ -361,13 +362,6 @@ def _jobs(record: Record, manifest: Manifest, root: Path, problems: list[Mismatc
     return jobs
 
 
-def _numel(sizes: tuple[int, ...]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
-
-
 def _mismatch(key: str, file: str, where: str, want: int, got: int) -> Mismatch:
     return Mismatch(key, f"{where} in {file} fails its CRC-32 check ({MANIFEST} says {want:08x}, the bytes give "
                          f"{got:08x}): the checkpoint changed after it was saved")
@@ -379,14 +373,9 @@ def _box_job(t: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...], w
         if got == want:
             return None
         where = "the tensor" if sizes == t.shape else f"chunk at {list(offsets)} size {list(sizes)}"
-        names = sorted({c.span.file for c in t.chunks if _overlaps(c, offsets, sizes)})
+        names = sorted({cp.src.file for cp in plan_copies(Region(t, offsets, sizes))})
         return _mismatch(t.key, ", ".join(names), where, want, got)
     return run
-
-
-def _overlaps(c: Chunk, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
-    return all(max(a, b) < min(a + m, b + n) or (m == 0 and n == 0)
-               for a, m, b, n in zip(c.offsets, c.sizes, offsets, sizes, strict=True))
 
 
 def _blob_job(key: str, span: Span, want: int):
