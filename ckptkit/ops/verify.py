@@ -8,6 +8,7 @@ from typing import Any
 
 from ..core.manifest import Format, Manifest, TensorEntry, map_tensor_refs
 from ..core.plan import Region, row_blocks
+from ..errors import UsageError
 from ..formats import LocalOptions, detect, object_value
 from ..io.execute import DEFAULT_MAX_MEMORY
 from ..io.progress import progress_bar
@@ -101,6 +102,8 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     is read through, which finds what is missing or unreadable. A damaged ``ckptkit.json`` raises.
     """
     if b is None:
+        if model_only:
+            raise UsageError("--model-only compares two checkpoints; with one, all of it is checked")
         return _verify_alone(Path(a), max_memory, progress, local)
     ma, mb = detect(a, local).read(Path(a)), detect(b, local).read(Path(b))
     ta, oa = _entries(ma, model_only)
