@@ -1,20 +1,37 @@
 """``ckptkit`` command line: a thin shell over the library.
 
 Exit codes: 0 success, 1 ``verify`` found differences, 2 bad input or usage (one line, no traceback unless
-``--debug``).
+``--debug``), 130 interrupted (SIGINT, Ctrl-C), 143 terminated (SIGTERM, as Slurm and Kubernetes send at a
+time-out). An interrupted or terminated run removes its staging directory on the way out; a closed pipe
+(``ckptkit verify A B | head``) ends the run quietly.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import click
 
+from ._startup import handle
 from .errors import CheckpointError
 
 __all__ = ["main"]
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the program is, so that every ``with`` and ``finally`` on the way out runs."""
+
+
+class _Interrupted(BaseException):
+    """Ctrl-C, past click (which would print an empty line before its own "Aborted!")."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated()
 
 
 def _size(value: str) -> int:
@@ -27,10 +44,16 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise _Interrupted() from None
+        except BrokenPipeError:
+            _quiet_stdout()
+            ctx.exit(0)
         except (CheckpointError, OSError) as e:
             if ctx.params.get("debug"):
                 raise
-            click.echo(f"ckptkit: error: {e}", err=True)
+            # One line, whatever the message quotes from a damaged file.
+            click.echo(f"ckptkit: error: {' '.join(str(e).splitlines())}", err=True)
             ctx.exit(2)
 
 
@@ -86,7 +109,7 @@ def _report(report, quiet: bool) -> None:
 
 
 @cli.command()
-@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.argument("path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_local
 def inspect(path: Path, as_json: bool, **local) -> None:
@@ -98,7 +121,7 @@ def inspect(path: Path, as_json: bool, **local) -> None:
 
 
 @cli.command()
-@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--to", "to", required=True, type=click.Choice(["full", "sharded", "local", "hf"]), help="Target format.")
 @click.option("--world-size", default=1, show_default=True, type=click.IntRange(min=1), help="Ranks (sharded, local).")
@@ -117,7 +140,7 @@ def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, fsy
 
 
 @cli.command()
-@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--world-size", required=True, type=click.IntRange(min=1), help="Ranks to lay the checkpoint out for.")
 @_local
@@ -134,7 +157,7 @@ def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) 
 
 
 @cli.command("export-hf")
-@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--model-key", default="auto", show_default=True,
               help="Where the model sits, as a dotted path (model, ema.model, state_dict.net); 'auto' finds it: "
@@ -166,8 +189,8 @@ def export_hf(src, dst, model_key, dtype, max_shard_size, strip_prefixes, keep_w
 
 
 @cli.command()
-@click.argument("a", type=click.Path(exists=True, path_type=Path))
-@click.argument("b", type=click.Path(exists=True, path_type=Path))
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path), required=False)
 @click.option("--model-only", is_flag=True,
               help="Compare only the model part, found and named as export-hf finds and names it.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -175,20 +198,35 @@ def export_hf(src, dst, model_key, dtype, max_shard_size, strip_prefixes, keep_w
 @_memory
 @_quiet
 def verify(a, b, model_only, as_json, max_memory, quiet, **local) -> None:
-    """Compare A and B (any formats) key by key and byte by byte; exit 1 if they differ."""
+    """Compare A and B (any formats) key by key and byte by byte; exit 1 if they differ.
+
+    With A alone: check A against the checksums its ckptkit.json recorded when ckptkit.save wrote it (exit 1
+    on a mismatch), or, without one, read every chunk and entry of A through.
+    """
     from .ops.verify import verify as _verify
 
     r = _verify(a, b, model_only=model_only, max_memory=max_memory, progress=not quiet,
                 local=_local_options(**local))
-    if as_json:
-        click.echo(json.dumps(r.to_json(), indent=2))
-    elif not quiet or not r.ok:
-        click.echo(f"{a} ({r.format_a.value}) vs {b} ({r.format_b.value}): {r.tensors} tensors "
-                   f"({r.bytes:,} bytes) and {r.objects} other entries compared")
-        click.echo("identical" if r.ok else f"{len(r.differences)} differences:")
-        for d in r.differences:
-            click.echo(f"  {d.key}: {d.what}")
-    sys.exit(0 if r.ok else 1)
+    code = 0 if r.ok else 1
+    try:
+        if as_json:
+            click.echo(json.dumps(r.to_json(), indent=2))
+        elif not quiet or not r.ok:
+            if b is None:
+                how = "checked against its ckptkit.json" if r.checksums else "read through (no ckptkit.json)"
+                click.echo(f"{r.a} ({r.format_a.value}): {r.tensors} tensors ({r.bytes:,} bytes) and {r.objects} "
+                           f"other entries {how}")
+                click.echo("ok" if r.ok else f"{len(r.differences)} differences:")
+            else:
+                click.echo(f"{a} ({r.format_a.value}) vs {b} ({r.format_b.value if r.format_b else '?'}): "
+                           f"{r.tensors} tensors ({r.bytes:,} bytes) and {r.objects} other entries compared")
+                click.echo("identical" if r.ok else f"{len(r.differences)} differences:")
+            for d in r.differences:
+                click.echo(f"  {d.key}: {d.what}")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+    sys.exit(code)
 
 
 @cli.command()
@@ -206,8 +244,44 @@ from .harness.cli import harness  # noqa: E402  (torch-free until a cell runs)
 cli.add_command(harness)
 
 
-def main() -> None:
-    cli(prog_name="ckptkit")
+def _quiet_stdout() -> None:
+    """After the reader of our stdout went away: send the rest (and the flush at exit) nowhere."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``ckptkit`` console script: every failure is one line on stderr and an exit code (see above)."""
+    handle(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt from here on (see _startup)
+    handle(signal.SIGTERM, _terminate)
+    try:
+        try:
+            returned = cli.main(args=argv, prog_name="ckptkit", standalone_mode=False)
+            code = returned if isinstance(returned, int) else 0  # ctx.exit(n) comes back as n
+        except click.exceptions.Exit as e:
+            code = e.exit_code
+        except click.UsageError as e:
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            click.echo(f"ckptkit: error: {' '.join(e.format_message().split())}{hint}", err=True)
+            code = 2
+        except click.ClickException as e:
+            click.echo(f"ckptkit: error: {' '.join(e.format_message().split())}", err=True)
+            code = 2
+        sys.stdout.flush()
+    except (KeyboardInterrupt, _Interrupted, click.exceptions.Abort):
+        click.echo("ckptkit: interrupted", err=True)
+        code = 130
+    except _Terminated:
+        click.echo("ckptkit: terminated", err=True)
+        code = 143
+    except BrokenPipeError:
+        _quiet_stdout()
+        code = 0
+    # The outcome is decided: a signal while the interpreter shuts down must not turn it into a kill by signal.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ def test_cli_debug_shows_the_exception(tmp_path):
     (["convert", "{src}", "{tmp}/x", "--to", "onnx"], "'onnx' is not one of"),          # unknown format
     (["convert", "{src}", "{tmp}/x", "--to", "sharded", "--world-size", "0"], "0 is not in the range x>=1"),
     (["export-hf", "{src}", "{tmp}/x", "--dtype", "int8"], "'int8' is not one of"),     # not a floating cast
-    (["inspect", "{tmp}/nothing"], "does not exist"),                                   # missing input
+    (["inspect", "{tmp}/nothing"], "nothing: no such file or directory"),               # missing input
 ])
 def test_cli_usage_errors_exit_2(tmp_path, flat_full_ckpt, args, message):
     result = run(*(a.format(src=flat_full_ckpt, tmp=tmp_path) for a in args))

@@ -170,4 +170,5 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     model = Manifest(manifest.format, manifest.root, tuple(tensors))
     target = Target(max_shard_size=parse_size(max_shard_size), cast=cast)
     return write(model, Format.HF, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
-                 progress=progress and not distributed, extra_files=assets, notes=tuple(notes), distributed=distributed)
+                 progress=progress and not distributed, extra_files=assets, notes=tuple(notes), distributed=distributed,
+                 src=src)

@@ -8,10 +8,13 @@ from typing import Any
 
 from ..core.manifest import Format, Manifest, TensorEntry, map_tensor_refs
 from ..core.plan import Region, row_blocks
+from ..errors import UsageError
 from ..formats import LocalOptions, detect, object_value
 from ..io.execute import DEFAULT_MAX_MEMORY
 from ..io.progress import progress_bar
+from ..io.publish import resolve
 from ..io.sources import Files, read_region
+from . import checksums
 from .select import select_model
 
 __all__ = ["Difference", "VerifyReport", "first_difference", "verify"]
@@ -26,13 +29,16 @@ class Difference:
 @dataclass(frozen=True)
 class VerifyReport:
     a: str
-    b: str
+    b: str | None
+    """None when ``a`` was checked against its own ``ckptkit.json`` (or only read through)."""
     format_a: Format
-    format_b: Format
+    format_b: Format | None
     tensors: int
     objects: int
     bytes: int
     differences: tuple[Difference, ...]
+    checksums: bool = False
+    """Whether ``a`` alone was checked against checksums (its ``ckptkit.json``) rather than just read."""
 
     @property
     def ok(self) -> bool:
@@ -40,7 +46,7 @@ class VerifyReport:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d.update(format_a=self.format_a.value, format_b=self.format_b.value, ok=self.ok)
+        d.update(format_a=self.format_a.value, format_b=self.format_b.value if self.format_b else None, ok=self.ok)
         return d
 
 
@@ -83,13 +89,22 @@ def _entries(manifest: Manifest, model_only: bool) -> tuple[dict[str, TensorEntr
     return {t.key: t for t in manifest.tensors}, {o.key: o for o in manifest.objects}
 
 
-def verify(a: Path | str, b: Path | str, *, model_only: bool = False, max_memory: int = DEFAULT_MAX_MEMORY,
-           progress: bool = False, local: LocalOptions | None = None) -> VerifyReport:
+def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = False,
+           max_memory: int = DEFAULT_MAX_MEMORY, progress: bool = False,
+           local: LocalOptions | None = None) -> VerifyReport:
     """Compare every key, dtype, shape and byte of ``a`` and ``b``.
 
     ``model_only`` compares just the model part of each, named as ``export_hf`` names it, so that a training
     checkpoint can be checked against its Hugging Face export. ``local`` applies to a LOCAL side.
+
+    Without ``b``, ``a`` is checked against its own ``ckptkit.json`` (the checksums ``ckptkit.save``
+    recorded; a run directory means the step ``latest`` names); without one, every chunk and entry of ``a``
+    is read through, which finds what is missing or unreadable. A damaged ``ckptkit.json`` raises.
     """
+    if b is None:
+        if model_only:
+            raise UsageError("--model-only compares two checkpoints; with one, all of it is checked")
+        return _verify_alone(Path(a), max_memory, progress, local)
     ma, mb = detect(a, local).read(Path(a)), detect(b, local).read(Path(b))
     ta, oa = _entries(ma, model_only)
     tb, ob = _entries(mb, model_only)
@@ -113,3 +128,26 @@ def verify(a: Path | str, b: Path | str, *, model_only: bool = False, max_memory
             diffs.append(Difference(k, f"a non-tensor entry in {a}, a tensor in {b}"))
     return VerifyReport(str(a), str(b), ma.format, mb.format, len(common), len([k for k in oa if k in ob]), total,
                         tuple(diffs))
+
+
+def _verify_alone(path: Path, max_memory: int, progress: bool, local: LocalOptions | None) -> VerifyReport:
+    ckpt = resolve(path)
+    manifest = detect(ckpt, local).read(ckpt)
+    record = checksums.read_record(ckpt)
+    total = manifest.nbytes + sum(o.blob.length for o in manifest.objects if o.blob)
+    with progress_bar(total, "verify", progress) as update:
+        if record is not None:
+            found = [Difference(m.key, m.what)
+                     for m in checksums.check(record, manifest, ckpt, max_memory=max_memory, progress=update)]
+        else:
+            found = []
+            with Files() as files:
+                for t in manifest.tensors:
+                    for block in row_blocks(Region.whole(t), max(1, max_memory)):
+                        read_region(block, files)
+                    update(t.nbytes)
+                for o in manifest.objects:
+                    _plain(object_value(o), files)  # decoded through the allow-list, tensors inside read
+                    update(o.blob.length if o.blob else 0)
+    return VerifyReport(str(ckpt), None, manifest.format, None, len(manifest.tensors), len(manifest.objects),
+                        total, tuple(found), checksums=record is not None)
