@@ -126,6 +126,23 @@ def test_verl_reshard_to_dcp_loads_into_a_fresh_model_with_its_optimizer(saved, 
                 assert_tensor_identical(v, want["optim"]["state"][names[i]][k], f"{names[i]}.{k}")
 
 
+def test_verl_checkpoint_loads_straight_into_a_fresh_model_with_its_optimizer(saved):
+    import ckptkit
+
+    src, tied = saved["fsdp2-ws3-tied"], CASES["fsdp2-ws3-tied"][3]
+    want = expected(src)
+    model = tiny_llama(tied)
+    optim = torch.optim.AdamW(model.parameters(), lr=5.0)
+    result = ckptkit.load(src, model, optimizer=optim)
+    assert result.optimizer_loaded
+    for k, v in model.state_dict().items():
+        assert_tensor_identical(v, want["model"][k], k)
+    names = [n for n, _ in model.named_parameters()]
+    for i, moments in optim.state_dict()["state"].items():
+        for k, v in moments.items():
+            assert_tensor_identical(v, want["optim"]["state"][names[i]][k], f"{names[i]}.{k}")
+
+
 def test_verl_inspect_shows_mesh_placements_and_what_is_left_out(saved):
     m = inspect(saved["fsdp2-hsdp-2x2"])
     details = dict(m.details)
