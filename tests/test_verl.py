@@ -105,8 +105,6 @@ def test_verl_convert_to_full_names_the_fsdp2_optimizer_state(case, tmp_path):
 
 
 def test_verl_reshard_to_dcp_loads_into_a_fresh_model_with_its_optimizer(saved, tmp_path):
-    import ckptkit
-
     for name in ("fsdp2-ws2", "fsdp2-ws3-tied", "fsdp2-hsdp-2x2"):
         src, tied = saved[name], CASES[name][3]
         out = tmp_path / name
@@ -115,26 +113,21 @@ def test_verl_reshard_to_dcp_loads_into_a_fresh_model_with_its_optimizer(saved, 
         want = expected(src)
         for k, v in want["model"].items():
             assert_tensor_identical(load_dcp(out, tmp_path / f"{name}.pt")["model"][k], v, k)
-        model = tiny_llama(tied)
-        optim = torch.optim.AdamW(model.parameters(), lr=5.0)
-        ckptkit.load(out, model, optimizer=optim)
-        for k, v in model.state_dict().items():
-            assert_tensor_identical(v, want["model"][k], k)
-        names = [n for n, _ in model.named_parameters()]
-        for i, moments in optim.state_dict()["state"].items():
-            for k, v in moments.items():
-                assert_tensor_identical(v, want["optim"]["state"][names[i]][k], f"{names[i]}.{k}")
+        assert_loads_into_a_fresh_model(out, tied, want)
 
 
 def test_verl_checkpoint_loads_straight_into_a_fresh_model_with_its_optimizer(saved):
+    src = saved["fsdp2-ws3-tied"]
+    assert_loads_into_a_fresh_model(src, CASES["fsdp2-ws3-tied"][3], expected(src))
+
+
+def assert_loads_into_a_fresh_model(ckpt, tied: bool, want: dict) -> None:
+    """``ckptkit.load`` of ``ckpt`` restores the model and its AdamW state as they were gathered before saving."""
     import ckptkit
 
-    src, tied = saved["fsdp2-ws3-tied"], CASES["fsdp2-ws3-tied"][3]
-    want = expected(src)
     model = tiny_llama(tied)
     optim = torch.optim.AdamW(model.parameters(), lr=5.0)
-    result = ckptkit.load(src, model, optimizer=optim)
-    assert result.optimizer_loaded
+    assert ckptkit.load(ckpt, model, optimizer=optim).optimizer_loaded
     for k, v in model.state_dict().items():
         assert_tensor_identical(v, want["model"][k], k)
     names = [n for n, _ in model.named_parameters()]

@@ -27,7 +27,7 @@ from ..core.dtypes import DType
 from ..core.manifest import TensorRef
 from ..errors import FormatError
 from .pickle_read import Call, Record, allow_records, record_class, ref
-from .torchzip_read import OBJECT_GLOBALS, TENSOR, Tag
+from .torchzip_read import WRAPPER_SUBCLASS, Tag, subclass_rebuild
 
 __all__ = ["DTensorData", "MeshData", "Placement", "dtensor_globals", "local_box"]
 
@@ -164,7 +164,7 @@ def _named_tuple(module: str, name: str) -> type[_NamedTupleRecord]:
     return type(name, (_NamedTupleRecord,), {"_pickle_name": ref(module, name)})
 
 
-_WRAPPER, _DTENSOR = Tag("torch._utils._rebuild_wrapper_subclass"), Tag(f"{_API}.DTensor")
+_DTENSOR = Tag(f"{_API}.DTensor")
 _TENSOR_META, _SHARD_ORDER = _named_tuple(_SPEC, "TensorMeta"), _named_tuple(_SPEC, "ShardOrderEntry")
 _PLACEMENT_NAMES = ("Shard", "_StridedShard", "Replicate", "Partial", "_Partial")
 
@@ -173,22 +173,11 @@ def dtensor_globals(where: str) -> dict[tuple[str, str], Any]:
     """Extra allow-list entries for :func:`~ckptkit.codecs.torchzip_read.read_archive`: DTensors become
     :class:`DTensorData`; other tensor subclasses are refused, naming ``where``."""
 
-    def rebuild(func: Any, new_type: Any, args: Any, state: Any) -> DTensorData | TensorRef:
-        if new_type is TENSOR:
-            return OBJECT_GLOBALS[("torch._tensor", "_rebuild_from_type_v2")](func, new_type, args, state)
-        if func is not _WRAPPER or new_type is not _DTENSOR:
-            raise FormatError(f"{where}: a tensor subclass rebuilt by {func!r} as {new_type!r}; ckptkit reads "
-                              "only torch's DTensor among tensor subclasses here")
-        try:
-            return _dtensor(args, state)
-        except (TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
-            raise FormatError(f"{where}: malformed DTensor pickle ({type(e).__name__}: {e})") from e
-
     placements = {(m, n): record_class(_PLACEMENTS, n) for m in (_PLACEMENTS, _OLD_PLACEMENTS)
                   for n in _PLACEMENT_NAMES}
     return {
-        ("torch._tensor", "_rebuild_from_type_v2"): rebuild,
-        ("torch._utils", "_rebuild_wrapper_subclass"): _WRAPPER,
+        ("torch._tensor", "_rebuild_from_type_v2"): subclass_rebuild(where, _DTENSOR, _dtensor),
+        ("torch._utils", "_rebuild_wrapper_subclass"): WRAPPER_SUBCLASS,
         **{(m, "DTensor"): _DTENSOR for m in (_API, *_OLD_API)},
         **{(m, "DTensorSpec"): record_class(_SPEC, "DTensorSpec") for m in (_SPEC, _OLD_PLACEMENTS)},
         **{(m, "TensorMeta"): _TENSOR_META for m in (_SPEC, _OLD_PLACEMENTS)},

@@ -26,7 +26,6 @@ from typing import Any
 from ..core.boxes import row_major
 from ..core.dtypes import DType
 from ..core.manifest import TensorRef
-from ..errors import FormatError
 from .pickle_read import (
     MEMORY_FORMATS,
     Call,
@@ -39,7 +38,7 @@ from .pickle_read import (
     ref,
     safe_getattr,
 )
-from .torchzip_read import OBJECT_GLOBALS, TENSOR, Tag
+from .torchzip_read import WRAPPER_SUBCLASS, Tag, subclass_rebuild
 
 __all__ = ["ShardBox", "ShardedTensorData", "sharded_tensor", "sharded_tensor_globals"]
 
@@ -78,7 +77,7 @@ class ShardedTensorData:
 # Reading
 
 
-_WRAPPER, _SHARDED = Tag("torch._utils._rebuild_wrapper_subclass"), Tag(f"{_API}.ShardedTensor")
+_SHARDED = Tag(f"{_API}.ShardedTensor")
 _PG_STATE_NAME = "ProcessGroupState"
 
 
@@ -87,20 +86,9 @@ def sharded_tensor_globals(where: str) -> dict[tuple[str, str], Any]:
     :class:`ShardedTensorData`; every other use of these names is refused, naming ``where``."""
     pg_state = record_class(_API, f"ShardedTensor.{_PG_STATE_NAME}")
 
-    def rebuild(func: Any, new_type: Any, args: Any, state: Any) -> ShardedTensorData | TensorRef:
-        if new_type is TENSOR:
-            return OBJECT_GLOBALS[("torch._tensor", "_rebuild_from_type_v2")](func, new_type, args, state)
-        if func is not _WRAPPER or new_type is not _SHARDED:
-            raise FormatError(f"{where}: a tensor subclass rebuilt by {func!r} as {new_type!r}; ckptkit reads "
-                              "only torch's ShardedTensor among tensor subclasses")
-        try:
-            return _sharded_data(args, state)
-        except (TypeError, ValueError, AttributeError, IndexError) as e:
-            raise FormatError(f"{where}: malformed ShardedTensor pickle ({type(e).__name__}: {e})") from e
-
     return {
-        ("torch._tensor", "_rebuild_from_type_v2"): rebuild,
-        ("torch._utils", "_rebuild_wrapper_subclass"): _WRAPPER,
+        ("torch._tensor", "_rebuild_from_type_v2"): subclass_rebuild(where, _SHARDED, _sharded_data),
+        ("torch._utils", "_rebuild_wrapper_subclass"): WRAPPER_SUBCLASS,
         (_API, "ShardedTensor"): _SHARDED,
         # Protocol 2 cannot name a nested class, so torch pickles getattr(ShardedTensor, "ProcessGroupState").
         ("builtins", "getattr"): safe_getattr({(id(_SHARDED), _PG_STATE_NAME): pg_state}),

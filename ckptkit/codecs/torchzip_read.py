@@ -13,6 +13,7 @@ import math
 import os
 import re
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from ..core import dtypes
@@ -22,7 +23,8 @@ from ..core.manifest import Span, TensorRef
 from ..errors import FormatError
 from .pickle_read import SafeUnpickler, check_tree, keep_call, strided_layout
 
-__all__ = ["ARCHIVE_MAGIC", "OBJECT_GLOBALS", "TENSOR", "Tag", "is_archive", "load_blob", "read_archive"]
+__all__ = ["ARCHIVE_MAGIC", "OBJECT_GLOBALS", "TENSOR", "WRAPPER_SUBCLASS", "Tag", "is_archive", "load_blob",
+           "read_archive", "subclass_rebuild"]
 
 
 class _Window(io.RawIOBase):
@@ -178,6 +180,29 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Tenso
         raise FormatError(f"a tensor subclass {new_type!r} rebuilt by {getattr(func, '__name__', func)!r}; "
                           "ckptkit reads plain tensors (and, in LOCAL checkpoints, ShardedTensor)")
     return func(*args)
+
+
+WRAPPER_SUBCLASS = Tag("torch._utils._rebuild_wrapper_subclass")
+"""How torch pickles a wrapper tensor subclass (DTensor, ShardedTensor): ``_rebuild_from_type_v2`` of it."""
+
+
+def subclass_rebuild(where: str, subclass: Tag, build: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+    """A ``_rebuild_from_type_v2`` for an allow-list: plain tensors as usual, the wrapper subclass ``subclass``
+    as ``build(args, state)``; any other subclass, or a malformed one, is refused naming ``where``."""
+    name = subclass.name.rsplit(".", 1)[-1]
+
+    def rebuild(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+        if new_type is TENSOR:
+            return _rebuild_from_type(func, new_type, args, state)
+        if func is not WRAPPER_SUBCLASS or new_type is not subclass:
+            raise FormatError(f"{where}: a tensor subclass rebuilt by {func!r} as {new_type!r}; ckptkit reads "
+                              f"only torch's {name} among tensor subclasses here")
+        try:
+            return build(args, state)
+        except (TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+            raise FormatError(f"{where}: malformed {name} pickle ({type(e).__name__}: {e})") from e
+
+    return rebuild
 
 
 # The device types torch names (c10's DeviceType); torch.device refuses any other string.
