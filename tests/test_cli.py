@@ -225,3 +225,67 @@ def test_cli_console_script_exit_codes(tmp_path, zoo):
     assert bad.stderr.startswith(f"ckptkit: error: {rank1}: ") and bad.stderr.count("\n") == 1, bad.stderr
     assert "Traceback" not in bad.stderr
     assert not (tmp_path / "out.pt").exists()
+
+
+# ------------------------------------------------------------------------------------ conventions
+
+
+def test_cli_version():
+    from importlib.metadata import version
+
+    result = run("--version")
+    assert result.exit_code == 0 and result.stdout.strip() == f"ckptkit, version {version('ckptkit')}"
+
+
+def test_cli_help_sections_common_then_local_last_with_examples():
+    for command in ("inspect", "convert", "reshard", "export-hf", "verify"):
+        text = run(command, "--help").stdout
+        headings = [line for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+        assert headings == ["Options:", "Common options:", "LOCAL checkpoints (FSDP1 LOCAL_STATE_DICT):",
+                            "Examples:"], (command, headings)
+        common = text.split("Common options:")[1].split("LOCAL checkpoints")[0]
+        assert "--debug" in common and "-h, --help" in common
+        local = text.split("LOCAL checkpoints (FSDP1 LOCAL_STATE_DICT):")[1].split("Examples:")[0]
+        assert "--rank-files PATTERN" in local and "--rank-files" not in text.split("LOCAL checkpoints")[0]
+        examples = text.split("Examples:\n")[1].splitlines()
+        assert 2 <= len(examples) <= 3 and all(e.startswith(f"  ckptkit {command} ") for e in examples), examples
+    assert "--max-memory SIZE" in run("verify", "--help").stdout
+    assert "--max-shard-size SIZE" in run("export-hf", "--help").stdout
+
+
+def test_cli_command_list_shows_whole_descriptions():
+    text = run("--help").stdout
+    assert "..." not in text.split("Commands:")[1]
+    assert "Compare A and B (any formats) key by key and byte by byte; exit 1" in " ".join(text.split())
+
+
+def test_cli_debug_after_the_command_shows_the_exception(tmp_path):
+    from ckptkit.errors import FormatError
+
+    (tmp_path / "junk").mkdir()
+    result = run("inspect", tmp_path / "junk", "--debug")
+    assert result.exit_code == 1 and isinstance(result.exception, FormatError)
+
+
+def test_cli_options_from_environment(tmp_path, full_ckpt, monkeypatch):
+    monkeypatch.setenv("CKPTKIT_CONVERT_TO", "sharded")       # CKPTKIT_<COMMAND>_<OPTION>
+    monkeypatch.setenv("CKPTKIT_CONVERT_WORLD_SIZE", "3")
+    monkeypatch.setenv("CKPTKIT_QUIET", "1")                  # a common option, for every command
+    result = CliRunner().invoke(cli, ["convert", str(full_ckpt), str(tmp_path / "out")])
+    assert result.exit_code == 0 and result.output == "", result.output
+    assert json.loads(run("inspect", tmp_path / "out", "--json").stdout)["world_size"] == 3
+    monkeypatch.setenv("CKPTKIT_MAX_MEMORY", "lots")
+    assert_one_line_error(run("verify", full_ckpt, tmp_path / "out"), "--max-memory: expected a size like 5GB")
+
+
+def test_cli_shell_completion_from_the_console_script():
+    env = {**os.environ, "_CKPTKIT_COMPLETE": "bash_complete", "COMP_WORDS": "ckptkit exp", "COMP_CWORD": "1"}
+    out = subprocess.run([CONSOLE_SCRIPT], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.splitlines() == ["plain,export-hf"], out
+    env.update(COMP_WORDS="ckptkit export-hf --dt", COMP_CWORD="2")
+    out = subprocess.run([CONSOLE_SCRIPT], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.splitlines() == ["plain,--dtype"], out
+    source = subprocess.run([CONSOLE_SCRIPT], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "_CKPTKIT_COMPLETE": "bash_source"})
+    assert "_ckptkit_completion()" in source.stdout
+    assert "complete -o nosort -F _ckptkit_completion ckptkit" in source.stdout
