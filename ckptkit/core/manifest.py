@@ -69,6 +69,15 @@ class TensorEntry:
     chunks: tuple[Chunk, ...]
     sidecar: str | None = None
     """As for :attr:`ObjectEntry.sidecar`: the file beside the checkpoint's own that holds this tensor."""
+    rows: tuple[int, ...] | None = None
+    """A row gather: row ``i`` of this tensor is row ``rows[i]`` of the tensor its chunks describe (a key
+    mapping's rotary q/k permutation); None: the chunks' own order. Byte copies honour it
+    (:func:`ckptkit.core.plan.plan_copies`), so it streams like any other tensor."""
+
+    def __post_init__(self) -> None:
+        if self.rows is not None and (not self.shape or sorted(self.rows) != list(range(self.shape[0]))):
+            raise IncompleteCheckpointError(f"tensor {self.key!r}: a row gather must permute the "
+                                            f"{self.shape[0] if self.shape else 0} rows of shape {list(self.shape)}")
 
     @property
     def numel(self) -> int:
