@@ -22,9 +22,10 @@ from .errors import CheckpointError
 
 __all__ = ["main"]
 
+MAPPING = "Key mapping (applied in this order)"
 COMMON = "Common options"
 LOCAL = "LOCAL checkpoints (FSDP1 LOCAL_STATE_DICT)"
-_SECTIONS = (None, COMMON, LOCAL)
+_SECTIONS = (None, MAPPING, COMMON, LOCAL)
 """Headings in --help order; None is the command's own options. A heading not listed goes before COMMON."""
 _DEBUG = "ckptkit.debug"
 
@@ -127,6 +128,35 @@ _memory = _option("--max-memory", default="1GiB", show_default=True, metavar="SI
                   help="Budget for tensor bytes held in memory (dtype casts, verify): 1GiB, 500MB, 1000000.")
 _fsync = _option("--fsync", is_flag=True, section=COMMON, envvar="CKPTKIT_FSYNC",
                  help="fsync every written file before the final rename (durable across power loss; slower).")
+_dry_run = _option("--dry-run", is_flag=True, section=COMMON,
+                   help="Print the plan (files and sizes, keys renamed, left out and cast, assets copied) and "
+                        "write nothing.")
+
+
+def _presets_help() -> str:
+    from .ops.presets import PRESETS
+
+    return "A named mapping with its tensor transforms: " + "; ".join(f"{p.name}: {p.summary}"
+                                                                      for p in PRESETS.values()) + "."
+
+
+def _preset_names() -> list[str]:
+    from .ops.presets import PRESETS
+
+    return list(PRESETS)
+
+
+_MAPPING = (
+    _option("--key-map", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="FILE.json",
+            section=MAPPING, help="A JSON object of old key to new key (null leaves the key out)."),
+    _option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT", section=MAPPING,
+            help="Rename keys by re.sub (repeatable, applied in order), e.g. '^net\\.=model.' or "
+                 "'\\.attn\\.=.self_attn.'; \\1 refers to a group."),
+    _option("--preset", type=click.Choice(_preset_names()), section=MAPPING, help=_presets_help()),
+    _option("--strict-map", is_flag=True, section=MAPPING,
+            help="Refuse keys that neither --key-map nor a --rename maps (a --preset always refuses keys it does "
+                 "not know)."),
+)
 _LOCAL = (
     _option("--rank-files", metavar="PATTERN", section=LOCAL,
             help="Rank file names with {rank} for the rank, e.g. 'shard_{rank}.pt' "
@@ -158,7 +188,8 @@ def _apply(*options):
 
 
 _local = _apply(*_LOCAL)
-_writing = _apply(_overwrite, _memory, _fsync, _quiet, _debug)
+_mapping = _apply(*_MAPPING)
+_writing = _apply(_dry_run, _overwrite, _memory, _fsync, _quiet, _debug)
 """The common options of every command that writes a checkpoint."""
 
 
@@ -170,8 +201,8 @@ def _local_options(rank_files, model, auto_wrap, use_orig_params, param_dtype):
 
 
 def _report(report, quiet: bool) -> None:
-    if not quiet:
-        click.echo("\n".join(report.lines()))
+    if not quiet or report.dry_run:
+        click.echo(str(report))
 
 
 @cli.command(examples=(
@@ -192,8 +223,8 @@ def inspect(path: Path, as_json: bool, **local) -> None:
 
 @cli.command(examples=(
     "ckptkit convert ckpt/step-1000 model.pt --to full",
-    "ckptkit convert model.pt ckpt-4 --to sharded --world-size 4",
     "ckptkit convert ckpt/step-1000 hf-out --to hf --max-shard-size 2GB",
+    "ckptkit convert Llama-3.2-1B titan-init --to sharded --world-size 8 --preset torchtitan-llama",
 ))
 @click.argument("src", type=click.Path(exists=True, path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
@@ -201,14 +232,21 @@ def inspect(path: Path, as_json: bool, **local) -> None:
 @_option("--world-size", default=1, show_default=True, type=click.IntRange(min=1), help="Ranks (sharded, local).")
 @_option("--max-shard-size", default=None, metavar="SIZE", callback=_size,
          help="Largest output file, e.g. 5GB (hf, full).")
+@_option("--hf-assets", type=click.Path(exists=True, file_okay=False, path_type=Path),
+         help="HF model directory whose config.json gives a --preset the head counts (default: SRC's own "
+              "config.json, or params.json beside it).")
+@_mapping
 @_writing
 @_local
-def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, fsync, quiet, **local) -> None:
-    """Convert SRC (any format) to DST in format --to."""
+def convert(src, dst, to, world_size, max_shard_size, hf_assets, key_map, renames, preset, strict_map, dry_run,
+            overwrite, max_memory, fsync, quiet, **local) -> None:
+    """Convert SRC (any format) to DST in format --to; with a key mapping, the model part under new names."""
     from .ops.convert import convert as _convert
 
     _report(_convert(src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, overwrite=overwrite,
-                     max_memory=max_memory, fsync=fsync, progress=not quiet, local=_local_options(**local)), quiet)
+                     max_memory=max_memory, fsync=fsync, progress=not quiet, local=_local_options(**local),
+                     preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, hf_assets=hf_assets,
+                     dry_run=dry_run), quiet)
 
 
 @cli.command(examples=(
@@ -220,26 +258,32 @@ def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, fsy
 @_option("--world-size", required=True, type=click.IntRange(min=1), help="Ranks to lay the checkpoint out for.")
 @_writing
 @_local
-def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) -> None:
+def reshard(src, dst, world_size, dry_run, overwrite, max_memory, fsync, quiet, **local) -> None:
     """Re-lay-out the sharded checkpoint SRC for --world-size ranks (no GPUs, no process group)."""
     from .ops.convert import reshard as _reshard
 
     _report(_reshard(src, dst, world_size=world_size, overwrite=overwrite, max_memory=max_memory,
-                     fsync=fsync, progress=not quiet, local=_local_options(**local)), quiet)
+                     fsync=fsync, progress=not quiet, local=_local_options(**local), dry_run=dry_run), quiet)
 
 
 @cli.command("export-hf", examples=(
     "ckptkit export-hf ckpt/step-1000 hf-out --hf-assets base-model/ --dtype bf16",
-    "ckptkit export-hf lightning.ckpt hf-out --strip-prefix net. --max-shard-size 2GB",
+    "ckptkit export-hf outputs/checkpoint/step-3000 hf-out --preset torchtitan-llama --hf-assets Llama-3.1-8B/ "
+    "--dry-run",
+    "ckptkit export-hf run/epoch=3.ckpt hf-out --rename '^net\\.=model.' --max-shard-size 2GB",
 ))
 @click.argument("src", type=click.Path(exists=True, path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @_option("--hf-assets", type=click.Path(exists=True, file_okay=False, path_type=Path),
          help="HF model directory to copy config.json and tokenizer files from (config.json names the dtype "
-              "written; its tie_word_embeddings decides whether lm_head.weight is left out).")
+              "written; its tie_word_embeddings decides whether lm_head.weight is left out; a --preset takes "
+              "its head counts).")
 @_option("--dtype", default="keep", show_default=True,
          type=click.Choice(["keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),
          help="Cast floating tensors; integer and bool tensors keep their dtype.")
+@_option("--keep-fp32", "keep_fp32", multiple=True, metavar="REGEX",
+         help="Under --dtype bf16|fp16, write floating tensors whose HF name matches in float32 (repeatable). "
+              "Modules the --hf-assets model class keeps in float32 (_keep_in_fp32_modules) are kept too.")
 @_option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE", callback=_size,
          help="Largest safetensors file.")
 @_option("--model-key", default="auto", show_default=True,
@@ -249,17 +293,19 @@ def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) 
          help="Also strip this leading key prefix (repeatable).")
 @_option("--keep-wrapper-prefixes", is_flag=True,
          help="Do not strip module., _orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.")
+@_mapping
 @_writing
 @_local
-def export_hf(src, dst, model_key, dtype, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
-              overwrite, max_memory, fsync, quiet, **local) -> None:
-    """Write the model part of SRC as Hugging Face safetensors in DST."""
+def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
+              key_map, renames, preset, strict_map, dry_run, overwrite, max_memory, fsync, quiet, **local) -> None:
+    """Write the model part of SRC as Hugging Face safetensors in DST, with config and tokenizer files."""
     from .ops.export import export_hf as _export
 
     _report(_export(src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
                     strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
+                    preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, keep_fp32=keep_fp32,
                     overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=not quiet,
-                    local=_local_options(**local)), quiet)
+                    local=_local_options(**local), dry_run=dry_run), quiet)
 
 
 @cli.command(examples=(

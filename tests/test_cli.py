@@ -238,10 +238,12 @@ def test_cli_version():
 
 
 def test_cli_help_sections_common_then_local_last_with_examples():
-    for command in ("inspect", "convert", "reshard", "export-hf", "verify"):
+    mapping = ["Key mapping (applied in this order):"]
+    for command, sections in [("inspect", []), ("convert", mapping), ("reshard", []), ("export-hf", mapping),
+                              ("verify", [])]:
         text = run(command, "--help").stdout
         headings = [line for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-        assert headings == ["Options:", "Common options:", "LOCAL checkpoints (FSDP1 LOCAL_STATE_DICT):",
+        assert headings == ["Options:", *sections, "Common options:", "LOCAL checkpoints (FSDP1 LOCAL_STATE_DICT):",
                             "Examples:"], (command, headings)
         common = text.split("Common options:")[1].split("LOCAL checkpoints")[0]
         assert "--debug" in common and "-h, --help" in common

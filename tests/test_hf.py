@@ -168,7 +168,8 @@ def test_export_hf_dtype_casts_floating_tensors_only(tmp_path, full_ckpt, traini
 
 
 def test_export_hf_rejects_unknown_dtype(tmp_path, full_ckpt):
-    with pytest.raises(UsageError, match=r"--dtype must be one of keep, bf16, fp16, fp32; got 'int8'"):
+    with pytest.raises(UsageError, match=r"--dtype must be one of keep, bf16, fp16, fp32 \(or bfloat16, float16, "
+                                         r"float32\); got 'int8'"):
         export_hf(full_ckpt, tmp_path / "hf", dtype="int8")
 
 

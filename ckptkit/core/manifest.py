@@ -12,13 +12,13 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import IncompleteCheckpointError
 from .boxes import extent
 from .dtypes import DType, by_name
 
-__all__ = ["Chunk", "Format", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of",
+__all__ = ["Chunk", "Format", "FormName", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of",
            "map_tensor_refs"]
 
 Path_ = tuple  # a state-dict path: str keys and int list indices, e.g. ("optim", "param_groups", 0, "lr")
@@ -31,6 +31,10 @@ class Format(str, enum.Enum):
     HF = "hf"
     VERL = "verl"
     DEEPSPEED = "deepspeed"
+
+
+FormName = Literal["full", "sharded", "local", "hf"]
+"""The forms ckptkit writes, as :class:`Format` values."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,8 @@ class Target:
     """Largest output file in bytes (HF, FULL); None writes one file."""
     cast: DType | None = None
     """Floating tensors are cast to this dtype; others keep theirs."""
+    keep_fp32: frozenset[str] = frozenset()
+    """Keys of floating tensors written in float32 whatever ``cast`` says (HF: ``--keep-fp32``)."""
     destination: str = ""
     """Where the output goes: FULL writes one ``torch.save`` file when it names one (``model.pt``)."""
     local: LocalOptions = LocalOptions()
