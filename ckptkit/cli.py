@@ -101,7 +101,7 @@ class _Group(click.Group):
                 formatter.write_dl(rows)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100,
+@click.group("ckptkit", cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100,
                                            "auto_envvar_prefix": "CKPTKIT"},
              epilog="Every option can be set from the environment: CKPTKIT_<COMMAND>_<OPTION> (e.g. "
                     "CKPTKIT_EXPORT_HF_DTYPE=bf16), and the common options for every command from CKPTKIT_<OPTION> "
@@ -310,31 +310,38 @@ def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefi
 
 @cli.command(examples=(
     "ckptkit verify ckpt/step-1000 ckpt/step-1000-16",
-    "ckptkit verify ckpt/step-1000 hf-out --model-only",
+    "ckptkit verify ckpt/step-1000 hf-out --model-only --atol 1e-2 --rtol 1e-2   # a bf16 export of fp32 weights",
+    "ckptkit verify lightning.ckpt plain.pt --strip-prefix model. --json",
 ))
 @click.argument("a", type=click.Path(exists=True, path_type=Path))
 @click.argument("b", type=click.Path(exists=True, path_type=Path))
+@_option("--atol", type=click.FloatRange(min=0), metavar="X",
+         help="Compare values, not bits: both sides upcast (dtypes may differ), equal when |a - b| <= atol + rtol * "
+              "|b| (NaN equals NaN).")
+@_option("--rtol", type=click.FloatRange(min=0), metavar="X", help="Relative tolerance of that comparison.")
 @_option("--model-only", is_flag=True,
          help="Compare only the model part, found and named as export-hf finds and names it.")
-@_option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_option("--strip-prefix", "strip_prefixes", multiple=True, metavar="PREFIX",
+         help="Strip this leading key prefix on both sides first (repeatable), e.g. model. of a Lightning module.")
+@_option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT",
+         help="Rename both sides' keys by re.sub first (repeatable, in order).")
+@_option("--json", "as_json", is_flag=True,
+         help="Machine-readable output (schema_version 1): per differing tensor max_abs_diff, max_rel_diff, "
+              "mismatched of total, first_index with value_a and value_b.")
 @_memory
 @_quiet
 @_debug
 @_local
-def verify(a, b, model_only, as_json, max_memory, quiet, **local) -> None:
-    """Compare A and B (any formats) key by key and byte by byte; exit 1 if they differ."""
+def verify(a, b, atol, rtol, model_only, strip_prefixes, renames, as_json, max_memory, quiet, **local) -> None:
+    """Compare A and B (any formats) key by key, bit for bit or within --atol/--rtol; exit 1 if they differ."""
     from .ops.verify import verify as _verify
 
-    r = _verify(a, b, model_only=model_only, max_memory=max_memory, progress=not quiet,
-                local=_local_options(**local))
+    r = _verify(a, b, model_only=model_only, atol=atol, rtol=rtol, strip_prefixes=strip_prefixes, renames=renames,
+                max_memory=max_memory, progress=not quiet, local=_local_options(**local))
     if as_json:
         click.echo(json.dumps(r.to_json(), indent=2))
     elif not quiet or not r.ok:
-        click.echo(f"{a} ({r.format_a.value}) vs {b} ({r.format_b.value}): {r.tensors} tensors "
-                   f"({r.bytes:,} bytes) and {r.objects} other entries compared")
-        click.echo("identical" if r.ok else f"{len(r.differences)} differences:")
-        for d in r.differences:
-            click.echo(f"  {d.key}: {d.what}")
+        click.echo(str(r))
     sys.exit(0 if r.ok else 1)
 
 

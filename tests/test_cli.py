@@ -130,8 +130,10 @@ def test_cli_verify_differing_exits_1_with_per_key_report(tmp_path, zoo):
     assert result.exit_code == 1, result.output
     lines = result.stdout.splitlines()
     assert lines[1] == "2 differences:"
-    assert sorted(lines[2:]) == sorted([f"  scalar: only in {tmp_path / 'a.pt'}",
-                                        "  f16: bytes differ from element 2 of the row block starting at row 0"])
+    was, now = zoo["f16"][2].item(), changed["f16"][2].item()
+    f16 = (f"  f16: 1 of 4 elements differ bit for bit; max abs diff {abs(was - now):.6g}, "
+           f"max rel diff {abs((was - now) / now):.6g}; first at [2]: {was!r} vs {now!r}")
+    assert sorted(lines[2:]) == sorted([f"  scalar: only in {tmp_path / 'a.pt'}", f16])
     as_json = run("verify", tmp_path / "a.pt", tmp_path / "b.pt", "--json")
     assert as_json.exit_code == 1
     report = json.loads(as_json.stdout)
@@ -214,7 +216,9 @@ def test_cli_console_script_exit_codes(tmp_path, zoo):
     torch.save({**zoo, "i64": zoo["i64"] + 1}, tmp_path / "b.pt")
     differ = script("verify", tmp_path / "a.pt", tmp_path / "b.pt")
     assert differ.returncode == 1
-    assert "  i64: bytes differ from element 0 of the row block starting at row 0" in differ.stdout.splitlines()
+    n = zoo["i64"].numel()
+    assert any(line.startswith(f"  i64: {n} of {n} elements differ bit for bit; max abs diff 1, max rel diff ")
+               for line in differ.stdout.splitlines()), differ.stdout
 
     (tmp_path / "trunc").mkdir()
     convert(tmp_path / "a.pt", tmp_path / "trunc" / "dcp", to="sharded", world_size=2)
@@ -258,7 +262,8 @@ def test_cli_help_sections_common_then_local_last_with_examples():
 def test_cli_command_list_shows_whole_descriptions():
     text = run("--help").stdout
     assert "..." not in text.split("Commands:")[1]
-    assert "Compare A and B (any formats) key by key and byte by byte; exit 1" in " ".join(text.split())
+    assert "Compare A and B (any formats) key by key, bit for bit or within --atol/--rtol; exit 1 if they differ." \
+        in " ".join(text.split())
 
 
 def test_cli_debug_after_the_command_shows_the_exception(tmp_path):

@@ -250,7 +250,8 @@ def test_export_hf_assets_refuse_tie_when_tensors_differ(tmp_path):
     torch.save(_lm(head_equal=False), tmp_path / "src.pt")
     before = hash_tree(tmp_path / "src.pt")
     with pytest.raises(UsageError, match=r"config\.json says tie_word_embeddings: true, but lm_head\.weight and "
-                                         r"model\.embed_tokens\.weight differ \(bytes differ from element 0 .*\); "
+                                         r"model\.embed_tokens\.weight differ \(24 of 24 elements differ .* first "
+                                         r"at \[0, 0\]: .*\); "
                                          r"refusing to drop lm_head\.weight"):
         export_hf(tmp_path / "src.pt", tmp_path / "hf", hf_assets=assets)
     assert not (tmp_path / "hf").exists()

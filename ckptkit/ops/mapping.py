@@ -27,7 +27,7 @@ from ..errors import UsageError
 from .presets import TRANSFORMS, ModelShape, Preset, Row, preset as preset_named
 
 __all__ = ["KeyMapSource", "KeyMapping", "MappedKeys", "Renames", "key_mapping", "map_keys", "parse_rename",
-           "read_json", "read_key_map"]
+           "read_json", "read_key_map", "rename_keys"]
 
 Renames = Iterable[str | tuple[str, str]]
 """``--rename`` values: ``'REGEX=REPLACEMENT'`` strings, or (regex, replacement) pairs."""
@@ -122,14 +122,62 @@ def _listed(keys: Sequence[str]) -> str:
 class _Item:
     origin: str
     entry: TensorEntry
-    mapped: bool = False
 
 
 def _rename(item: _Item, key: str) -> None:
-    if not key:
-        raise UsageError(f"key {item.origin!r} would be renamed to an empty name")
     item.entry = dataclasses.replace(item.entry, key=key, path=(key,))
-    item.mapped = True
+
+
+def rename_keys(keys: Sequence[str], mapping: KeyMapping) -> tuple[dict[str, str | None], tuple[str, ...]]:
+    """The key map and the renames of ``mapping`` (not its preset) applied to ``keys``: each key's new name (None:
+    left out by the key map), and notes. Raises :class:`UsageError` on a collision, and under ``strict`` on keys
+    that neither names."""
+    names: dict[str, str | None] = dict.fromkeys(keys)
+    current = {k: k for k in keys}
+    touched: set[str] = set()
+    notes: list[str] = []
+    if mapping.key_map:
+        table = dict(mapping.key_map)
+        named = [k for k in keys if k in table]
+        unused = [k for k in table if k not in names]
+        if unused and mapping.strict:
+            raise UsageError(f"--key-map names keys the model does not have: {_listed(unused)}")
+        notes.append(f"--key-map: {len(named)} keys mapped" + (f"; {len(unused)} of its names not in the model "
+                                                               f"({_listed(unused)})" if unused else ""))
+        for k in named:
+            touched.add(k)
+            if table[k] is None:
+                del current[k]
+            else:
+                current[k] = table[k] or ""
+    for pattern, replacement in mapping.renames:
+        regex, hits = re.compile(pattern), 0
+        for k, now in current.items():
+            if regex.search(now):
+                try:
+                    current[k] = regex.sub(replacement, now)
+                except (re.error, IndexError) as e:
+                    raise UsageError(f"--rename '{pattern}={replacement}': bad replacement ({e})") from None
+                touched.add(k)
+                hits += 1
+        notes.append(f"--rename '{pattern}={replacement}' matched {hits} keys")
+    if mapping.strict:
+        unmapped = [k for k in keys if k not in touched]
+        if unmapped:
+            raise UsageError(f"--strict-map: {len(unmapped)} keys left unmapped: {_listed(unmapped)}")
+    _check_collisions(current)
+    names.update(current)
+    return names, tuple(notes)
+
+
+def _check_collisions(new_of: dict[str, str]) -> None:
+    origins: dict[str, str] = {}
+    for old, new in new_of.items():
+        if not new:
+            raise UsageError(f"key {old!r} would be renamed to an empty name")
+        if new in origins:
+            raise UsageError(f"keys {origins[new]!r} and {old!r} would both be named {new!r}")
+        origins[new] = old
 
 
 def map_keys(tensors: Iterable[TensorEntry], mapping: KeyMapping, *, shape: ModelShape | None = None,
@@ -141,51 +189,20 @@ def map_keys(tensors: Iterable[TensorEntry], mapping: KeyMapping, *, shape: Mode
     Raises :class:`UsageError` on collisions, on unmapped keys under ``strict``, and on keys a preset does
     not know or misses.
     """
-    items = [_Item(t.key, t) for t in tensors]
-    original = {t.key: t.rows for t in tensors}
-    dropped: list[tuple[str, str]] = []
-    notes: list[str] = []
-    if mapping.key_map:
-        table = dict(mapping.key_map)
-        named = [item for item in items if item.entry.key in table]
-        for item in named:
-            new = table[item.entry.key]
-            if new is None:
-                dropped.append((item.origin, "--key-map"))
-            else:
-                _rename(item, new)
-        unused = [k for k in table if k not in {item.origin for item in named}]
-        if unused and mapping.strict:
-            raise UsageError(f"--key-map names keys the model does not have: {_listed(unused)}")
-        notes.append(f"--key-map: {len(named)} keys mapped" + (f"; {len(unused)} of its names not in the model "
-                                                               f"({_listed(unused)})" if unused else ""))
-        for item in named:
-            item.mapped = True
-        items = [i for i in items if table.get(i.origin, "") is not None]
-    for pattern, replacement in mapping.renames:
-        regex, hits = re.compile(pattern), 0
-        for item in items:
-            if regex.search(item.entry.key):
-                try:
-                    _rename(item, regex.sub(replacement, item.entry.key))
-                except (re.error, IndexError) as e:
-                    raise UsageError(f"--rename '{pattern}={replacement}': bad replacement ({e})") from None
-                hits += 1
-        notes.append(f"--rename '{pattern}={replacement}' matched {hits} keys")
-    if mapping.strict:
-        unmapped = [i.origin for i in items if not i.mapped]
-        if unmapped:
-            raise UsageError(f"--strict-map: {len(unmapped)} keys left unmapped: {_listed(unmapped)}")
-    if mapping.preset is not None:
-        items, dropped_here, said = _apply_preset(items, preset_named(mapping.preset), shape, to_hf)
-        dropped += dropped_here
-        notes += said
-    origins: dict[str, str] = {}
+    tensors = list(tensors)
+    names, said = rename_keys([t.key for t in tensors], mapping)
+    notes = list(said)
+    dropped = [(t.key, "--key-map") for t in tensors if names[t.key] is None]
+    items = [_Item(t.key, t) for t in tensors if names[t.key] is not None]
     for item in items:
-        if item.entry.key in origins:
-            raise UsageError(f"keys {origins[item.entry.key]!r} and {item.origin!r} would both be named "
-                             f"{item.entry.key!r}")
-        origins[item.entry.key] = item.origin
+        if names[item.origin] != item.origin:
+            _rename(item, names[item.origin] or "")
+    if mapping.preset is not None:
+        items, dropped_here, notes_here = _apply_preset(items, preset_named(mapping.preset), shape, to_hf)
+        dropped += dropped_here
+        notes += notes_here
+    _check_collisions({i.origin: i.entry.key for i in items})
+    original = {t.key: t.rows for t in tensors}
     renamed = tuple((i.origin, i.entry.key) for i in items if i.origin != i.entry.key)
     permuted = tuple(i.entry.key for i in items if i.entry.rows is not None and i.entry.rows != original.get(i.origin))
     return MappedKeys(tuple(i.entry for i in items), renamed, tuple(dropped), tuple(notes), permuted)
@@ -325,7 +342,7 @@ def _missing(p: Preset, present: dict[tuple[Row, str | None], _Item], shape: Mod
                 if not towards and tied and row.tied_to in by_hf:
                     origin = by_hf[row.tied_to]
                     new = row.other[0].replace("{n}", n or "")
-                    added.append(_Item(origin.origin, dataclasses.replace(origin.entry, key=new, path=(new,)), True))
+                    added.append(_Item(origin.origin, dataclasses.replace(origin.entry, key=new, path=(new,))))
                 continue
             missing.append(name)
     if missing:
