@@ -207,17 +207,23 @@ def _report(report, quiet: bool) -> None:
 
 @cli.command(examples=(
     "ckptkit inspect ckpt/step-1000",
+    "ckptkit inspect ckpt/step-1000 --depth 3 --filter '^model\\.'",
     "ckptkit inspect model.safetensors --json | jq .dtypes",
 ))
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
-@_option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_option("--depth", type=click.IntRange(min=1), metavar="N",
+         help="A table per module instead of per tensor: keys cut to their first N dotted parts, with tensor count, "
+              "parameters and bytes.")
+@_option("--filter", "pattern", metavar="REGEX", help="Only tensors and entries whose key matches (re.search).")
+@_option("--json", "as_json", is_flag=True,
+         help="Machine-readable output (schema_version 1): numbers as numbers, other entries as JSON values.")
 @_debug
 @_local
-def inspect(path: Path, as_json: bool, **local) -> None:
-    """Show format, world size, tensors with shapes and chunking, and other entries."""
+def inspect(path: Path, depth: int | None, pattern: str | None, as_json: bool, **local) -> None:
+    """Show format, world size, sizes, parameters and dtypes, then tensors (or modules) and other entries."""
     from .ops.inspect import inspect as _inspect, render, summary
 
-    s = summary(_inspect(path, local=_local_options(**local)))
+    s = summary(_inspect(path, local=_local_options(**local)), depth=depth, filter=pattern)
     click.echo(json.dumps(s, indent=2) if as_json else render(s))
 
 

@@ -41,26 +41,51 @@ def test_cli_inspect_text(dcp_ckpt, training_state):
     assert lines[0] == f"{dcp_ckpt}: sharded, world size 2"
     tensors = flat_tensors(training_state)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    assert lines[1].startswith(f"{len(tensors)} tensors, {nbytes:,} bytes (float32 x")
-    assert lines[1].endswith("; 7 other entries")
+    params = sum(t.numel() for t in training_state["model"].values())
+    assert lines[1] == f"{len(tensors)} tensors, {nbytes} B; model: {params} parameters; 7 other entries"
+    assert lines[2].startswith("dtypes: float32 ") and "% (" in lines[2]
     row = next(line for line in lines if line.strip().startswith("model.tall "))
-    assert row.split() == ["model.tall", "float32", "[11,", "4]", "2", "chunks"]
-    assert "  step = 7" in lines and "  name = 'run-1'" in lines
+    assert row.split() == ["model.tall", "float32", "[11,4]", "176", "B", "2", "chunks"]
+    assert "  step = 7" in lines and '  name = "run-1"' in lines
 
 
 def test_cli_inspect_json(dcp_ckpt, training_state):
     result = run("inspect", dcp_ckpt, "--json")
     assert result.exit_code == 0, result.output
     s = json.loads(result.stdout)
-    assert (s["format"], s["world_size"], s["path"]) == ("sharded", 2, str(dcp_ckpt))
+    assert (s["schema_version"], s["format"], s["world_size"], s["path"]) == (1, "sharded", 2, str(dcp_ckpt))
     tensors = flat_tensors(training_state)
     assert {e["key"] for e in s["entries"]} == set(tensors)
     tall = next(e for e in s["entries"] if e["key"] == "model.tall")
-    assert tall["dtype"] == "float32" and tall["shape"] == [11, 4]
+    assert (tall["dtype"], tall["shape"], tall["elements"], tall["bytes"]) == ("float32", [11, 4], 44, 176)
     assert tall["chunks"] == [{"offsets": [0, 0], "sizes": [6, 4], "file": "__0_0.distcp"},
                               {"offsets": [6, 0], "sizes": [5, 4], "file": "__1_0.distcp"}]
-    assert {o["key"]: o["value"] for o in s["objects"]}["step"] == "7"
-    assert s["dtypes"]["float8_e4m3fn"] == 1 and s["dtypes"]["bool"] == 1
+    values = {o["key"]: o["value"] for o in s["objects"]}
+    assert values["step"] == 7 and values["name"] == "run-1"                          # numbers as numbers
+    assert values["optimizer.param_groups.0.betas"] == [0.9, 0.95]                    # a tuple as a list
+    assert values["optimizer.param_groups.0.foreach"] is None
+    assert s["parameters"] == sum(t.numel() for t in training_state["model"].values())
+    assert s["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    f8 = next(t for t in training_state["model"].values() if t.dtype == torch.float8_e4m3fn)
+    assert s["dtypes"]["float8_e4m3fn"] == {"tensors": 1, "bytes": f8.numel()}
+    assert s["dtypes"]["bool"]["tensors"] == 1
+
+
+def test_cli_inspect_depth_and_filter(dcp_ckpt, training_state):
+    result = run("inspect", dcp_ckpt, "--depth", "1")
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:4] == ["module", "tensors", "parameters", "bytes"])
+    rows = {line.split()[0]: line.split()[1:] for line in lines[header + 1:] if " = " not in line}
+    model = training_state["model"]
+    model_bytes = sum(t.numel() * t.element_size() for t in model.values())
+    assert rows["model"] == [str(len(model)), f"{sum(t.numel() for t in model.values()):,}", f"{model_bytes}", "B"]
+    assert rows["optimizer"][0] == "2"
+    filtered = json.loads(run("inspect", dcp_ckpt, "--filter", "^model\\.t", "--depth", "2", "--json").stdout)
+    assert {e["key"] for e in filtered["entries"]} == {"model.tall"}
+    assert filtered["objects"] == [] and filtered["tensors"] == 1
+    assert filtered["modules"] == [{"name": "model.tall", "tensors": 1, "parameters": 44, "bytes": 176}]
+    text = run("inspect", dcp_ckpt, "--filter", "^model\\.t").stdout.splitlines()[0]
+    assert text.endswith(f"(--filter '^model\\\\.t': 1 of {len(flat_tensors(training_state))} tensors)")
 
 
 # ------------------------------------------------------------------------------------ writing commands
@@ -189,6 +214,8 @@ def test_cli_debug_shows_the_exception(tmp_path):
     (["convert", "{src}", "{tmp}/x", "--to", "sharded", "--world-size", "0"], "0 is not in the range x>=1"),
     (["export-hf", "{src}", "{tmp}/x", "--dtype", "int8"], "'int8' is not one of"),     # not a floating cast
     (["inspect", "{tmp}/nothing"], "does not exist"),                                   # missing input
+    (["inspect", "{src}", "--depth", "0"], "0 is not in the range x>=1"),               # no module of no parts
+    (["inspect", "{src}", "--filter", "("], "--filter '(': not a regular expression"),  # a bad expression
 ])
 def test_cli_usage_errors_exit_2(tmp_path, flat_full_ckpt, args, message):
     result = run(*(a.format(src=flat_full_ckpt, tmp=tmp_path) for a in args))
