@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from _checks import Evil, assert_same_tree, flat_tensors, load_dcp, load_full, load_hf
+from _checks import Evil, assert_same_tree, flat_tensors, hash_tree, load_dcp, load_full, load_hf
 from ckptkit.cli import cli
 from ckptkit.ops.convert import convert
 
@@ -323,3 +323,45 @@ def test_cli_shell_completion_from_the_console_script():
                             env={**os.environ, "_CKPTKIT_COMPLETE": "bash_source"})
     assert "_ckptkit_completion()" in source.stdout
     assert "complete -o nosort -F _ckptkit_completion ckptkit" in source.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ["convert", "{src}", "{tmp}/out", "--to", "sharded", "--world-size", "2"],
+    ["reshard", "{dcp}", "{tmp}/out", "--world-size", "3"],
+    ["export-hf", "{src}", "{tmp}/out", "--dtype", "bf16"],
+])
+def test_cli_dry_run_on_every_writing_command(tmp_path, full_ckpt, dcp_ckpt, args):
+    before = hash_tree(tmp_path)
+    result = run(*(a.format(src=full_ckpt, dcp=dcp_ckpt, tmp=tmp_path) for a in args), "--dry-run", "-q")
+    assert result.exit_code == 0, result.output
+    assert hash_tree(tmp_path) == before                             # nothing written, no staging left
+    lines = result.stdout.splitlines()                               # -q silences the bar, not the plan
+    assert lines[1].startswith("  would write ") and "  files:" in lines
+
+
+def test_report_str_lists_files_renames_drops_and_casts():
+    from ckptkit.core.manifest import Format
+    from ckptkit.ops.convert import Report
+
+    report = Report("src", Format.SHARDED, "dst", Format.HF, 3, 0, 2_500_000, 2, 0.5,
+                    written=(("model.safetensors", 2_499_000), ("config.json", 1000)),
+                    renamed=(("layers.0.wq", "model.layers.0.q"), ("layers.1.wq", "model.layers.1.q"),
+                             ("norm", "model.norm")),
+                    dropped=(("lm_head.weight", "tied to the input embedding"),),
+                    cast=(("model.layers.0.q", "bfloat16"), ("model.layers.1.q", "bfloat16")),
+                    permuted=("model.layers.0.q", "model.layers.1.q"), notes=("a note",))
+    assert str(report).splitlines() == [
+        "src (sharded) -> dst (hf)",
+        "  3 tensors, 0 other entries, 2.5 MB in 2 files, 0.50 s",
+        "  wrote:",
+        "    model.safetensors    2.5 MB",
+        "    config.json          1.0 kB",
+        "  renamed (3 keys):",
+        "    layers.N.wq -> model.layers.N.q (x2): rows reordered for rotary embeddings",
+        "    norm        -> model.norm",
+        "  left out (1 key):",
+        "    lm_head.weight: tied to the input embedding",
+        "  written as bfloat16 (2 keys):",
+        "    model.layers.N.q (x2)",
+        "  note: a note",
+    ]
