@@ -190,7 +190,7 @@ def regions_in(value: Any, cast: DType | None = None) -> Any:
 
 def split_files(regions: dict[str, Region], pattern: str, max_shard_size: int | None) -> dict[str, list[str]]:
     """File name to keys, by huggingface_hub's own splitter (keys keep their order; a big tensor gets a file)."""
-    from huggingface_hub.serialization._base import split_state_dict_into_shards_factory
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
 
     split = split_state_dict_into_shards_factory(
         regions, get_storage_size=lambda r: r.nbytes, filename_pattern=pattern,

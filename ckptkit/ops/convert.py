@@ -113,7 +113,9 @@ class Changes:
     permuted: tuple[str, ...] = ()
 
 
-_BINARY = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]I?B|B)?\s*", re.IGNORECASE)
 
 
 @overload
@@ -123,21 +125,15 @@ def parse_size(value: None, option: str = ...) -> None: ...
 
 
 def parse_size(value: int | str | None, option: str = "--max-shard-size") -> int | None:
-    """``"5GB"`` (decimal, by huggingface_hub's own parser, as HF uses) or ``"1GiB"`` (binary) to bytes."""
+    """``"5GB"`` (decimal, as huggingface_hub's ``max_shard_size`` counts), ``"1GiB"`` (binary) or a byte count.
+
+    huggingface_hub parses its sizes with a private helper, so the same decimal units are parsed here."""
     if value is None or isinstance(value, int):
         return value
-    text = value.strip().upper()
-    unit = next((u for u in _BINARY if text.endswith(u)), None)
-    try:
-        if unit:
-            return int(float(text[: -len(unit)]) * _BINARY[unit])
-        if text.isdigit():
-            return int(text)
-        from huggingface_hub.serialization._base import parse_size_to_int
-
-        return parse_size_to_int(text)
-    except ValueError as e:
-        raise UsageError(f"{option}: expected a size like 5GB, 512MiB or 1000000, got {value!r}") from e
+    m = _SIZE.fullmatch(value)
+    if m is None:
+        raise UsageError(f"{option}: expected a size like 5GB, 512MiB or 1000000, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
 def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, overwrite: bool,
