@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import click
@@ -105,15 +106,60 @@ def _run(cmd: list[str], log: Path) -> tuple[float, float]:
     return float(wall), float(rss)
 
 
+_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+          "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+
+
+def bench_metadata(tensors: int, repeat: int, root: Path) -> None:
+    """The cost of reading a large DCP ``.metadata`` and of the opcode walk that guards the unpickler in it.
+
+    ckptkit's own DCP writer lays out ``tensors`` LLaMA-named tensors for 4 ranks (shape 8 x 4, so each has
+    4 chunks; the tensor bytes are tiny, the metadata is what a real model's would be); then the opcode walk
+    alone and the whole allow-list unpickle (which runs the walk first) are timed, median of ``repeat``.
+    """
+    from ckptkit.codecs.pickle_read import SafeUnpickler, check_opcodes
+    from ckptkit.formats.dcp import METADATA_GLOBALS
+
+    bf16, shape = by_name("bfloat16"), (8, 4)
+    raw = root / "random.bin"
+    raw.write_bytes(os.urandom(64 * tensors))
+    entries = []
+    for i in range(tensors):
+        key = f"model.layers.{i // len(_PARTS)}.{_PARTS[i % len(_PARTS)]}.weight"
+        entries.append(TensorEntry(key, (key,), bf16, shape, (Chunk((0, 0), shape, Span(str(raw), 64 * i, 64)),)))
+    manifest = Manifest(Format.FULL, str(raw), tuple(entries))
+    execute(io_for(Format.SHARDED).plan(manifest, DcpOptions(world_size=4)), root / "dcp", fsync=False)
+    data = (root / "dcp" / ".metadata").read_bytes()
+    chunks = 4 * tensors
+    walk, load = [], []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        check_opcodes(data, "bench")
+        walk.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        SafeUnpickler(data, METADATA_GLOBALS, where="bench").load_checked()
+        load.append(time.perf_counter() - t)
+    mb = len(data) / 1e6
+    click.echo(f".metadata of {tensors} tensors x 4 ranks ({chunks} chunks), {mb:.1f} MB; median of {repeat} runs")
+    for name, times in (("opcode walk (the guard)", walk), ("allow-list unpickle, guard included", load)):
+        m = statistics.median(times)
+        click.echo(f"{name:<38} {m * 1e3:8.1f} ms {m * 1e3 / mb:7.1f} ms/MB {m * 1e6 / chunks:7.2f} us/chunk")
+
+
 @click.command()
 @click.option("--size", default="2GB", show_default=True, help="Approximate checkpoint size.")
 @click.option("--repeat", default=3, show_default=True, type=click.IntRange(min=1), help="Runs per contender (median).")
 @click.option("--skip-torch", is_flag=True, help="Leave out the torch path (it needs ~1.1x the size in RAM).")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Where to write (default: a temp dir).")
-def main(size: str, repeat: int, skip_torch: bool, workdir: Path | None) -> None:
+@click.option("--metadata-tensors", type=click.IntRange(min=1), default=None,
+              help="Instead: time reading the .metadata of a DCP with this many tensors x 4 ranks, and its guard.")
+def main(size: str, repeat: int, skip_torch: bool, workdir: Path | None, metadata_tensors: int | None) -> None:
     root = Path(tempfile.mkdtemp(prefix="ckptkit-bench-", dir=workdir))
     try:
+        if metadata_tensors:
+            bench_metadata(metadata_tensors, repeat, root)
+            return
         total = make_checkpoint(root, parse_size(size, "--size"))
         src = root / "dcp"
         ckptkit = [sys.executable, "-m", "ckptkit.cli"]

@@ -4,10 +4,19 @@ Four forms, one :class:`Manifest`: FULL (``torch.save``), SHARDED (``torch.distr
 LOCAL (FSDP1 ``LOCAL_STATE_DICT``) and HF safetensors. None of this imports torch; only a dtype cast does.
 """
 
+from . import _startup  # noqa: F401  (first: the console script's Ctrl-C handling while the rest imports)
+
 # Imported eagerly: a function bound here after its module (``convert`` in ``ckptkit.convert``) stays the
 # package attribute, whereas a lazily fetched one is replaced by the module on the module's first import.
 from .core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry
-from .errors import CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError, UsageError
+from .errors import (
+    CheckpointError,
+    ChecksumError,
+    FormatError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+    UsageError,
+)
 from .formats import LocalOptions
 from .ops.convert import Report, convert, reshard
 from .ops.export import export_hf
@@ -15,9 +24,9 @@ from .ops.inspect import inspect
 from .ops.verify import VerifyReport, verify
 
 __all__ = [
-    "load", "save", "CheckpointError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError", "LocalOptions",
-    "Manifest", "ObjectEntry", "Report", "Span", "TensorEntry", "UnsafeCheckpointError", "UsageError", "VerifyReport",
-    "convert", "export_hf", "inspect", "reshard", "verify",
+    "load", "save", "CheckpointError", "ChecksumError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError",
+    "LocalOptions", "Manifest", "ObjectEntry", "Report", "Span", "TensorEntry", "UnsafeCheckpointError", "UsageError",
+    "VerifyReport", "convert", "export_hf", "inspect", "reshard", "verify",
 ]
 
 

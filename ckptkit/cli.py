@@ -1,7 +1,9 @@
 """``ckptkit`` command line: a thin shell over the library.
 
 Exit codes: 0 success, 1 ``verify`` found differences, 2 bad input or usage (one line, no traceback unless
-``--debug``).
+``--debug``), 130 interrupted (SIGINT, Ctrl-C), 143 terminated (SIGTERM, as Slurm and Kubernetes send at a
+time-out). An interrupted or terminated run removes its staging directory on the way out; a closed pipe
+(``ckptkit verify A B | head``) ends the run quietly.
 
 Options are shared decorators, each listed under a heading of ``--help`` (:class:`_Option`'s ``section``):
 a command's own options first, then the common ones, LOCAL-only ones last. Every option can also be set from
@@ -13,11 +15,14 @@ from __future__ import annotations
 
 import inspect as _pyinspect
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import click
 
+from ._startup import handle
 from .errors import CheckpointError
 
 __all__ = ["main"]
@@ -28,6 +33,19 @@ LOCAL = "LOCAL checkpoints (FSDP1 LOCAL_STATE_DICT)"
 _SECTIONS = (None, MAPPING, COMMON, LOCAL)
 """Headings in --help order; None is the command's own options. A heading not listed goes before COMMON."""
 _DEBUG = "ckptkit.debug"
+
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the program is, so that every ``with`` and ``finally`` on the way out runs."""
+
+
+class _Interrupted(BaseException):
+    """Ctrl-C, past click (which would print an empty line before its own "Aborted!")."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated()
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -87,10 +105,16 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise _Interrupted() from None
+        except BrokenPipeError:
+            _quiet_stdout()
+            ctx.exit(0)
         except (CheckpointError, OSError) as e:
             if ctx.params.get("debug") or ctx.meta.get(_DEBUG):
                 raise
-            click.echo(f"ckptkit: error: {e}", err=True)
+            # One line, whatever the message quotes from a damaged file.
+            click.echo(f"ckptkit: error: {' '.join(str(e).splitlines())}", err=True)
             ctx.exit(2)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
@@ -210,7 +234,7 @@ def _report(report, quiet: bool) -> None:
     "ckptkit inspect ckpt/step-1000 --depth 3 --filter '^model\\.'",
     "ckptkit inspect model.safetensors --json | jq .dtypes",
 ))
-@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.argument("path", type=click.Path(path_type=Path))
 @_option("--depth", type=click.IntRange(min=1), metavar="N",
          help="A table per module instead of per tensor: keys cut to their first N dotted parts, with tensor count, "
               "parameters and bytes.")
@@ -232,7 +256,7 @@ def inspect(path: Path, depth: int | None, pattern: str | None, as_json: bool, *
     "ckptkit convert ckpt/step-1000 hf-out --to hf --max-shard-size 2GB",
     "ckptkit convert Llama-3.2-1B titan-init --to sharded --world-size 8 --preset torchtitan-llama",
 ))
-@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @_option("--to", "to", required=True, type=click.Choice(["full", "sharded", "local", "hf"]), help="Target format.")
 @_option("--world-size", default=1, show_default=True, type=click.IntRange(min=1), help="Ranks (sharded, local).")
@@ -259,7 +283,7 @@ def convert(src, dst, to, world_size, max_shard_size, hf_assets, key_map, rename
     "ckptkit reshard ckpt/step-1000 ckpt/step-1000-16 --world-size 16",
     "ckptkit reshard local-ckpt local-ckpt-2 --world-size 2 --model mypkg.model:build --auto-wrap size:1000000",
 ))
-@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @_option("--world-size", required=True, type=click.IntRange(min=1), help="Ranks to lay the checkpoint out for.")
 @_writing
@@ -278,7 +302,7 @@ def reshard(src, dst, world_size, dry_run, overwrite, max_memory, fsync, quiet, 
     "--dry-run",
     "ckptkit export-hf run/epoch=3.ckpt hf-out --rename '^net\\.=model.' --max-shard-size 2GB",
 ))
-@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @_option("--hf-assets", type=click.Path(exists=True, file_okay=False, path_type=Path),
          help="HF model directory to copy config.json and tokenizer files from (config.json names the dtype "
@@ -317,10 +341,10 @@ def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefi
 @cli.command(examples=(
     "ckptkit verify ckpt/step-1000 ckpt/step-1000-16",
     "ckptkit verify ckpt/step-1000 hf-out --model-only --atol 1e-2 --rtol 1e-2   # a bf16 export of fp32 weights",
-    "ckptkit verify lightning.ckpt plain.pt --strip-prefix model. --json",
+    "ckptkit verify runs/exp1   # against the checksums ckptkit.save recorded",
 ))
-@click.argument("a", type=click.Path(exists=True, path_type=Path))
-@click.argument("b", type=click.Path(exists=True, path_type=Path))
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path), required=False)
 @_option("--atol", type=click.FloatRange(min=0), metavar="X",
          help="Compare values, not bits: both sides upcast (dtypes may differ), equal when |a - b| <= atol + rtol * "
               "|b| (NaN equals NaN).")
@@ -339,16 +363,25 @@ def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefi
 @_debug
 @_local
 def verify(a, b, atol, rtol, model_only, strip_prefixes, renames, as_json, max_memory, quiet, **local) -> None:
-    """Compare A and B (any formats) key by key, bit for bit or within --atol/--rtol; exit 1 if they differ."""
+    """Compare A and B (any formats) key by key, bit for bit or within --atol/--rtol; exit 1 if they differ.
+
+    With A alone: check A against the checksums its ckptkit.json recorded when ckptkit.save wrote it (exit 1
+    on a mismatch), or, without one, read every chunk and entry of A through.
+    """
     from .ops.verify import verify as _verify
 
     r = _verify(a, b, model_only=model_only, atol=atol, rtol=rtol, strip_prefixes=strip_prefixes, renames=renames,
                 max_memory=max_memory, progress=not quiet, local=_local_options(**local))
-    if as_json:
-        click.echo(json.dumps(r.to_json(), indent=2))
-    elif not quiet or not r.ok:
-        click.echo(str(r))
-    sys.exit(0 if r.ok else 1)
+    code = 0 if r.ok else 1
+    try:
+        if as_json:
+            click.echo(json.dumps(r.to_json(), indent=2))
+        elif not quiet or not r.ok:
+            click.echo(str(r))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+    sys.exit(code)
 
 
 @cli.command(examples=("ckptkit demo", "ckptkit demo --workdir /tmp/demo"))
@@ -367,8 +400,44 @@ from .harness.cli import harness  # noqa: E402  (torch-free until a cell runs)
 cli.add_command(harness)
 
 
-def main() -> None:
-    cli(prog_name="ckptkit")
+def _quiet_stdout() -> None:
+    """After the reader of our stdout went away: send the rest (and the flush at exit) nowhere."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``ckptkit`` console script: every failure is one line on stderr and an exit code (see above)."""
+    handle(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt from here on (see _startup)
+    handle(signal.SIGTERM, _terminate)
+    try:
+        try:
+            returned = cli.main(args=argv, prog_name="ckptkit", standalone_mode=False)
+            code = returned if isinstance(returned, int) else 0  # ctx.exit(n) comes back as n
+        except click.exceptions.Exit as e:
+            code = e.exit_code
+        except click.UsageError as e:
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            click.echo(f"ckptkit: error: {' '.join(e.format_message().split())}{hint}", err=True)
+            code = 2
+        except click.ClickException as e:
+            click.echo(f"ckptkit: error: {' '.join(e.format_message().split())}", err=True)
+            code = 2
+        sys.stdout.flush()
+    except (KeyboardInterrupt, _Interrupted, click.exceptions.Abort):
+        click.echo("ckptkit: interrupted", err=True)
+        code = 130
+    except _Terminated:
+        click.echo("ckptkit: terminated", err=True)
+        code = 143
+    except BrokenPipeError:
+        _quiet_stdout()
+        code = 0
+    # The outcome is decided: a signal while the interpreter shuts down must not turn it into a kill by signal.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

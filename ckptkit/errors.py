@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "FormatError", "IncompleteCheckpointError", "UnsafeCheckpointError", "UsageError"]
+__all__ = ["CheckpointError", "ChecksumError", "FormatError", "IncompleteCheckpointError", "UnsafeCheckpointError",
+           "UsageError"]
 
 
 class CheckpointError(ValueError):
@@ -11,6 +12,10 @@ class CheckpointError(ValueError):
 
 class FormatError(CheckpointError):
     """A file does not hold what its format promises (bad header, offset past the end, unknown dtype)."""
+
+
+class ChecksumError(FormatError):
+    """Bytes of a checkpoint differ from the checksums its ``ckptkit.json`` recorded when it was saved."""
 
 
 class IncompleteCheckpointError(CheckpointError):

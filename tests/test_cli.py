@@ -213,7 +213,7 @@ def test_cli_debug_shows_the_exception(tmp_path):
     (["convert", "{src}", "{tmp}/x", "--to", "onnx"], "'onnx' is not one of"),          # unknown format
     (["convert", "{src}", "{tmp}/x", "--to", "sharded", "--world-size", "0"], "0 is not in the range x>=1"),
     (["export-hf", "{src}", "{tmp}/x", "--dtype", "int8"], "'int8' is not one of"),     # not a floating cast
-    (["inspect", "{tmp}/nothing"], "does not exist"),                                   # missing input
+    (["inspect", "{tmp}/nothing"], "nothing: no such file or directory"),               # missing input
     (["inspect", "{src}", "--depth", "0"], "0 is not in the range x>=1"),               # no module of no parts
     (["inspect", "{src}", "--filter", "("], "--filter '(': not a regular expression"),  # a bad expression
 ])

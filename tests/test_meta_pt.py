@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from _checks import assert_same_tree, hash_tree, load_dcp, load_full
-from ckptkit.errors import UnsafeCheckpointError
+from ckptkit.errors import FormatError, UnsafeCheckpointError
 from ckptkit.ops.convert import convert, reshard
 from ckptkit.ops.inspect import inspect, render, summary
 from ckptkit.ops.verify import verify
@@ -104,3 +104,13 @@ def test_meta_pt_off_the_allow_list_is_carried_as_it_is(tmp_path):
                                                     r"allow-list"):
         convert(src, tmp_path / "full.pt", to="full")
     assert hash_tree(src / "meta.pt") == before
+
+
+def test_meta_pt_damaged_stops_the_copy(tmp_path):
+    # Carried as it is only when a class is all that stops reading it: a broken archive is not passed on.
+    src, _ = _lightning_dir(tmp_path / "src", meta={"step": 2})
+    data = (src / "meta.pt").read_bytes()
+    (src / "meta.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(FormatError, match=r"meta\.pt"):
+        reshard(src, tmp_path / "out", world_size=2)
+    assert not (tmp_path / "out").exists()

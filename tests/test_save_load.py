@@ -141,20 +141,22 @@ ckptkit.save({root!r}, model, form="full", step=2)
 """
 
 
-def test_save_killed_midway_leaves_previous_latest_loadable(tmp_path):
+def test_save_killed_midway_leaves_previous_latest_loadable(tmp_path, capfd):
     model = _plain_model()
     ckptkit.save(tmp_path, model, form="full", step=1)
     code = textwrap.dedent(_KILLED_SAVE).format(tests=os.path.dirname(__file__), root=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True)
     assert proc.returncode == -signal.SIGKILL
-    assert (tmp_path / ".step-00000002.ckptkit-partial").is_dir()  # the dead save's leftovers
+    left = list(tmp_path.glob(".step-00000002.ckptkit-partial-*"))
+    assert len(left) == 1 and left[0].is_dir()  # the dead save's staging directory, named by host and PID
     assert [s.step for s in rotation.complete_steps(tmp_path)] == [1]
     assert (tmp_path / "latest").read_text().strip() == "step-00000001"
     fresh = _plain_model()
-    assert ckptkit.load(tmp_path, fresh).step == 1
-    ckptkit.save(tmp_path, model, form="full", step=2)  # the next save starts clean
+    assert ckptkit.load(tmp_path, fresh, verify_checksums=True).step == 1
+    assert f"removed {left[0].name}" in capfd.readouterr().err  # load recovers first, and says so
+    ckptkit.save(tmp_path, model, form="full", step=2)
     assert [s.step for s in rotation.complete_steps(tmp_path)] == [1, 2]
-    assert not (tmp_path / ".step-00000002.ckptkit-partial").exists()
+    assert not list(tmp_path.glob(".*ckptkit-*"))
 
 
 @pytest.mark.parametrize("form", ["full", "hf"])  # sharded async runs in the multi-rank test
@@ -192,9 +194,11 @@ def test_save_writes_manifest_with_checksums(tmp_path):
     model = _plain_model()
     ckptkit.save(tmp_path / "ck", model, form="full", step=3)
     info = json.loads((tmp_path / "ck" / "step-00000003" / "ckptkit.json").read_text())
-    assert (info["format"], info["world_size"], info["step"]) == ("full", 1, 3)
+    assert (info["format"], info["world_size"], info["step"], info["save"]) == ("full", 1, 3, 1)
     w = model.norm.weight.detach()
-    assert info["tensors"]["model.norm.weight"]["crc32"] == f"{zlib.crc32(w.numpy().tobytes()):08x}"
+    assert info["tensors"]["model.norm.weight"] == {
+        "dtype": "float32", "shape": list(w.shape),
+        "chunks": [{"offsets": [0], "sizes": list(w.shape), "crc32": f"{zlib.crc32(w.numpy().tobytes()):08x}"}]}
 
 
 def test_example_trains_saves_and_resumes_on_another_world_size(tmp_path):

@@ -118,14 +118,17 @@ def test_read_archive_inside_a_larger_file(tmp_path):
 def test_read_archive_refuses_compressed_records(tmp_path):
     with zipfile.ZipFile(tmp_path / "c.pt", "w", compression=zipfile.ZIP_DEFLATED) as z:
         z.writestr("c/data.pkl", pickle.dumps({}, protocol=2))
-    with pytest.raises(FormatError, match=rf"^{tmp_path / 'c.pt'}: record c/data\.pkl is compressed; torch\.save "
-                                          r"archives store records raw$"):
+    with pytest.raises(FormatError, match=rf"^{tmp_path / 'c.pt'}: not a torch\.save archive torch can read \(record "
+                                          r"c/data\.pkl is compressed or encrypted; torch\.save archives store records "
+                                          r"raw\)$"):
         read_archive(str(tmp_path / "c.pt"))
 
 
 def test_read_archive_refuses_a_zip_without_data_pkl(tmp_path):
     with zipfile.ZipFile(tmp_path / "z.pt", "w") as z:
-        z.writestr("notes.txt", "hello")
+        # One directory and a version record, as torch.save writes them, but no data.pkl.
+        z.writestr("z/version", "3\n")
+        z.writestr("z/notes.txt", "hello")
     with pytest.raises(FormatError, match=r"z\.pt: no data\.pkl record; not a torch\.save archive"):
         read_archive(str(tmp_path / "z.pt"))
 

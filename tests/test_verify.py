@@ -95,8 +95,8 @@ def test_verify_json_schema(tmp_path):
                                       "--atol", "0.5"])
     assert result.exit_code == 1
     report = json.loads(result.stdout)  # strict JSON: no NaN or Infinity literals
-    assert set(report) == {"schema_version", "a", "b", "format_a", "format_b", "ok", "tensors", "objects", "bytes",
-                           "atol", "rtol", "notes", "differences"}
+    assert set(report) == {"schema_version", "a", "b", "format_a", "format_b", "ok", "checksums", "tensors", "objects",
+                           "bytes", "atol", "rtol", "notes", "differences"}
     assert (report["schema_version"], report["ok"], report["atol"], report["rtol"]) == (SCHEMA_VERSION, False, 0.5,
                                                                                         None)
     by_key = {d["key"]: d for d in report["differences"]}

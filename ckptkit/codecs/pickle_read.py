@@ -13,6 +13,9 @@ import _compat_pickle
 import functools
 import io
 import pickle
+import re
+import struct
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +23,8 @@ from typing import Any
 from ..errors import FormatError, UnsafeCheckpointError
 
 __all__ = ["MEMORY_FORMATS", "Call", "EnumStandIn", "Record", "Ref", "SafeUnpickler", "allow_records",
-           "keep_call", "make_record", "record_class", "ref", "safe_getattr"]
+           "check_opcodes", "check_tree", "keep_call", "make_record", "record_class", "ref", "safe_getattr",
+           "strided_layout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +50,13 @@ class Call:
 
 
 class Record:
-    """Stand-in for an allowed class built by NEWOBJ + BUILD: its state becomes attributes."""
+    """Stand-in for an allowed class built by NEWOBJ + BUILD: its state becomes attributes.
+
+    Unhashable, as torch's (non-frozen) dataclasses are, unless :data:`HASHED_BY` names the fields torch hashes:
+    a pickle that uses one as a dict key fails here where it fails in torch."""
 
     _pickle_name: Ref
+    __hash__ = None  # type: ignore[assignment]
 
     def __setstate__(self, state: Any) -> None:
         if (isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict))
@@ -63,9 +71,18 @@ class Record:
         return f"{self._pickle_name.name}({self.__dict__})"
 
 
+HASHED_BY = {("torch.distributed.checkpoint.metadata", "MetadataIndex"): ("fqn", "offset")}
+"""torch classes among the allowed ones that hash (frozen dataclasses), and the fields they hash."""
+
+
 @functools.cache
 def record_class(module: str, name: str) -> type[Record]:
-    return type(name, (Record,), {"_pickle_name": ref(module, name)})
+    attrs: dict[str, Any] = {"_pickle_name": ref(module, name)}
+    fields = HASHED_BY.get((module, name))
+    if fields:
+        # A field torch leaves at its class default (MetadataIndex.offset of a non-tensor) is None.
+        attrs["__hash__"] = lambda self: hash(tuple(getattr(self, f, None) for f in fields))
+    return type(name, (Record,), attrs)
 
 
 # The members of torch's memory-format enums (DCP's _MEM_FORMAT_ENCODING, ShardedTensor's MEM_FORMAT_ENCODING).
@@ -80,7 +97,17 @@ class EnumStandIn:
         self.members, self.make = dict(members), make
 
     def __call__(self, value: int) -> Any:
+        if value not in self.members.values() or isinstance(value, bool):
+            raise FormatError(f"{value!r:.40} is not a member of the enum (one of {sorted(self.members.values())})")
         return self.make(value)
+
+
+def strided_layout(name: Any) -> Any:
+    """``torch.serialization._get_layout(name)``: ckptkit reads strided tensors; torch itself knows no name but
+    its layouts'."""
+    if name != "torch.strided":
+        raise FormatError(f"a tensor has layout {name!r:.40}; ckptkit reads strided (dense) tensors only")
+    return keep_call("torch.serialization", "_get_layout")(name)
 
 
 def safe_getattr(attrs: Mapping[tuple[int, str], Any] | None = None) -> Callable[[Any, str], Any]:
@@ -95,11 +122,139 @@ def safe_getattr(attrs: Mapping[tuple[int, str], Any] | None = None) -> Callable
     return getattr_
 
 
+# --------------------------------------------------------------------------------------------------------
+# What a pickle may make the unpickler allocate
+
+
+@functools.cache
+def _plain_run(bits: int) -> re.Pattern[bytes]:
+    """A run of opcodes whose arguments have a fixed length, with LONG_BINPUT memo indices below ``2**bits``.
+
+    Built from ``pickletools``' own opcode table. STOP, the memo stores with text or large indices and every
+    opcode with a counted or newline-ended argument stop the run; :func:`check_opcodes` takes those one by one.
+    """
+    import pickletools
+
+    by_length: dict[int, list[int]] = {}
+    for op in pickletools.opcodes:
+        n = 0 if op.arg is None else op.arg.n
+        if n >= 0 and op.name not in ("STOP", "LONG_BINPUT"):
+            by_length.setdefault(n, []).append(ord(op.code))
+
+    def one_of(codes: list[int]) -> bytes:
+        return b"[" + b"".join(re.escape(bytes([c])) for c in sorted(codes)) + b"]"
+
+    whole, rest = divmod(bits, 8)
+    if whole >= 4:
+        index = b"...."
+    else:  # little-endian: low bytes free, then one byte below 2**rest, then zeros
+        top = b"[\x00-" + re.escape(bytes([(1 << rest) - 1])) + b"]" if rest else b"\x00"
+        index = b"." * whole + top + b"\x00" * (3 - whole)
+    alternatives = [b"r" + index] + [one_of(codes) + b"." * n for n, codes in sorted(by_length.items())]
+    # Possessive (3.11+): a run never needs to give back what it matched, and saying so halves the time.
+    star = b"*+" if sys.version_info >= (3, 11) else b"*"
+    return re.compile(b"(?:" + b"|".join(alternatives) + b")" + star, re.DOTALL)
+
+
+_COUNTED = {  # opcode: (length field format, its size)
+    ord("U"): ("<B", 1), ord("C"): ("<B", 1), 0x8C: ("<B", 1), 0x8A: ("<B", 1),
+    ord("T"): ("<i", 4), 0x8B: ("<i", 4), ord("B"): ("<I", 4), ord("X"): ("<I", 4),
+    0x8E: ("<Q", 8), 0x96: ("<Q", 8), 0x8D: ("<Q", 8),
+}
+_LINES = {ord(c): 1 for c in "ILSVFgpP"} | {ord("c"): 2, ord("i"): 2}
+
+
+def check_opcodes(data: bytes, where: str) -> None:
+    """Refuse a pickle that would make CPython's C unpickler allocate far more than its own length.
+
+    The C unpickler sizes its memo to twice the largest index a PUT or LONG_BINPUT names, at once: ten bytes
+    (``\\x80\\x02Nr\\x00\\x00\\x00\\x10.``) ask for 4 GiB. A real pickle numbers its memo entries 0, 1, 2, ...,
+    one per store opcode, so an index is always below the pickle's length; counted strings and bytes must fit
+    in what is left of it. This walks the opcodes (a regular expression takes the fixed-length runs, so the
+    walk costs about 50 ns an opcode) and stops at the first STOP, as the unpickler does. What it cannot parse
+    it leaves to the unpickler, which then fails on it with its own error.
+    """
+    end = len(data)
+    bits = max(16, end.bit_length())
+    run = _plain_run(bits)
+    pos = 0
+    while True:
+        pos = run.match(data, pos).end()  # type: ignore[union-attr]  # a run may be empty, never absent
+        if pos >= end:
+            return
+        op = data[pos]
+        if op == ord("."):
+            return
+        if op == ord("r"):
+            (index,) = struct.unpack_from("<I", data, pos + 1) if pos + 5 <= end else (0,)
+            raise FormatError(f"{where}: cannot read pickle: it stores memo entry {index} at byte {pos}, past "
+                              f"anything a {end}-byte pickle can hold (a damaged or hostile file)")
+        if op in _COUNTED:
+            fmt, size = _COUNTED[op]
+            if pos + 1 + size > end:
+                return
+            (n,) = struct.unpack_from(fmt, data, pos + 1)
+            pos += 1 + size
+            if n < 0 or n > end - pos:
+                raise FormatError(f"{where}: cannot read pickle: it declares {n} bytes at byte {pos}, but only "
+                                  f"{end - pos} follow (truncated or damaged)")
+            pos += n
+        elif op in _LINES:
+            start = pos + 1
+            for _ in range(_LINES[op]):
+                nl = data.find(b"\n", pos + 1)
+                if nl < 0:
+                    return
+                pos = nl
+            text = data[start:pos].strip()
+            if op == ord("p") and text.isdigit() and int(text) >> bits:
+                raise FormatError(f"{where}: cannot read pickle: it stores memo entry {int(text)} at byte {start - 1}, "
+                                  f"past anything a {end}-byte pickle can hold (a damaged or hostile file)")
+            pos += 1
+        else:
+            return  # an opcode the unpickler does not know: it refuses the pickle itself
+
+
+def check_tree(value: Any, where: str, *, budget: int, depth: int = 100, refuse: tuple[type, ...] = ()) -> None:
+    """Refuse an unpickled object that is nested deeper than ``depth`` or that reaches more than ``budget``
+    containers when walked as a tree (a pickle can share one container many times, so that a walk, or a
+    copy, goes exponential, or around a cycle). ckptkit's walks over state dicts are recursive; this one is not.
+    ``refuse`` names types that may serve inside a pickle (a storage, a class) but are no value of a state.
+    """
+    stack = [(value, 0)]
+    seen = 0
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, refuse):
+            raise FormatError(f"{where}: the pickle leaves {node!r:.60} where a value belongs; not a state dict "
+                              "torch would give back")
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            children = node
+        elif isinstance(node, Call):
+            children = node.args
+        elif isinstance(node, Record):
+            children = node.__dict__.values()
+        else:
+            continue
+        seen += 1
+        if level > depth or seen > budget:
+            what = f"nested more than {depth} levels deep" if level > depth else \
+                f"more than {budget} containers (shared ones counted each time they are reached)"
+            raise FormatError(f"{where}: the pickle holds {what}; ckptkit reads state dicts, not such object graphs")
+        stack.extend((child, level + 1) for child in children)
+
+
 class SafeUnpickler(pickle.Unpickler):
-    """Resolves globals through ``allowed`` only; any other global is refused, naming it and the file."""
+    """Resolves globals through ``allowed`` only; any other global is refused, naming it and the file.
+
+    The pickle is checked by :func:`check_opcodes` first, so that the unpickler never allocates much more
+    than the pickle's own size."""
 
     def __init__(self, data: bytes, allowed: Mapping[tuple[str, str], Any], *, where: str,
                  persistent_load: Callable[[Any], Any] | None = None) -> None:
+        check_opcodes(data, where)
         super().__init__(io.BytesIO(data))
         self._allowed, self._where, self._persistent = allowed, where, persistent_load
 
@@ -128,8 +283,10 @@ class SafeUnpickler(pickle.Unpickler):
             if str(e).startswith(self._where):
                 raise
             raise UnsafeCheckpointError(f"{self._where}: {e}") from None
-        except FormatError:
-            raise
+        except FormatError as e:
+            if str(e).startswith(self._where.split(": ")[0]):
+                raise
+            raise FormatError(f"{self._where}: {e}") from None
         except Exception as e:  # a truncated or corrupt pickle raises a zoo of types
             raise FormatError(f"{self._where}: cannot read pickle ({type(e).__name__}: {e})") from e
 

@@ -7,12 +7,12 @@ central directory gives record offsets and :class:`SafeUnpickler` rebuilds tenso
 
 from __future__ import annotations
 
-import codecs
 import collections
 import io
+import math
 import os
+import re
 import struct
-import zipfile
 from typing import Any
 
 from ..core import dtypes
@@ -20,15 +20,15 @@ from ..core.boxes import extent, row_major
 from ..core.dtypes import DType
 from ..core.manifest import Span, TensorRef
 from ..errors import FormatError
-from .pickle_read import SafeUnpickler, keep_call
+from .pickle_read import SafeUnpickler, check_tree, keep_call, strided_layout
 
 __all__ = ["ARCHIVE_MAGIC", "OBJECT_GLOBALS", "TENSOR", "Tag", "is_archive", "load_blob", "read_archive"]
 
 
 class _Window(io.RawIOBase):
-    """``length`` bytes of an open file from ``start``, as a file of its own (zipfile finds its directory at
-    the end). The first and last 4 KiB are read once: for a DCP chunk they hold every header zipfile reads,
-    so parsing costs two reads instead of a dozen seeks."""
+    """``length`` bytes of an open file from ``start``, as a file of its own (the zip directory is at the end).
+    The first and last 4 KiB are read once: for a DCP chunk they hold every header :func:`_records` reads, so
+    parsing costs two reads instead of a dozen seeks."""
 
     _EDGE = 4096
 
@@ -75,35 +75,71 @@ def is_archive(path: str, offset: int = 0) -> bool:
 
 
 class _Storage:
-    __slots__ = ("span", "dtype")
+    __slots__ = ("span", "dtype", "key")
 
-    def __init__(self, span: Span, dtype: DType | None) -> None:
-        self.span, self.dtype = span, dtype
+    def __init__(self, span: Span, dtype: DType | None, key: str) -> None:
+        self.span, self.dtype, self.key = span, dtype, key
 
 
-def _tensor(storage: _Storage, offset: int, size: Any, stride: Any, dtype: DType | None) -> TensorRef:
+_MAX_DIMS = 64
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _tensor(storage: _Storage, offset: Any, size: Any, stride: Any, dtype: DType | None) -> TensorRef:
     dtype = dtype or storage.dtype or dtypes.by_name("uint8")
+    where = f"{storage.span.file}: the tensor on storage {storage.key!r}"
+    if not isinstance(dtype, DType):
+        raise FormatError(f"{where} has dtype {dtype!r}, not a torch dtype")
+    ok = isinstance(size, (tuple, list)) and isinstance(stride, (tuple, list)) and len(size) <= _MAX_DIMS
+    if not (ok and _count(offset) and all(map(_count, size)) and all(map(_count, stride))):
+        raise FormatError(f"{where} has offset {offset!r:.40}, shape {size!r:.60} and strides {stride!r:.60}; "
+                          "expected non-negative integers")
     shape, stride = tuple(size), tuple(stride)
     if len(stride) != len(shape):
-        raise FormatError(f"{storage.span.file}: a tensor of shape {list(shape)} has strides {list(stride)}, "
-                          "not one per dimension")
-    skip = offset * dtype.itemsize
-    # What torch checks on load ("Trying to resize storage that is not resizable"): the view lies in its storage.
-    if (not isinstance(offset, int) or offset < 0 or any(not isinstance(n, int) or n < 0 for n in (*shape, *stride))
-            or skip + extent(shape, stride) * dtype.itemsize > storage.span.length):
-        raise FormatError(f"{storage.span.file}: a tensor of shape {list(shape)}, strides {list(stride)} at element "
-                          f"{offset} runs past its storage of {storage.span.length} bytes")
+        raise FormatError(f"{where} has shape {list(shape)} and strides {list(stride)}, not one per dimension")
+    need = (offset + extent(shape, stride)) * dtype.itemsize if math.prod(shape) else 0
+    if need > storage.span.length:
+        # torch refuses it too ("out of bounds for storage of size ..."): the tensor would read other records.
+        raise FormatError(f"{where}: offset {offset} and {dtype} {list(shape)} with strides {list(stride)} need "
+                          f"{need} bytes, the storage holds {storage.span.length}")
+    skip = min(offset * dtype.itemsize, storage.span.length)
     span = Span(storage.span.file, storage.span.offset + skip, storage.span.length - skip)
     strides = None if shape == () or stride == row_major(shape) else stride
     return TensorRef(dtype, shape, span, strides)
 
 
 def _rebuild_v2(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
-    return _tensor(storage, offset, size, stride, None)
+    return _flags(_tensor(_storage_of(storage), offset, size, stride, None), requires_grad, metadata)
 
 
 def _rebuild_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
-    return _tensor(storage, offset, size, stride, dtype)
+    return _flags(_tensor(_storage_of(storage), offset, size, stride, dtype), requires_grad, metadata)
+
+
+def _flags(t: TensorRef, requires_grad: Any, metadata: Any = None) -> TensorRef:
+    """What torch checks as it rebuilds a tensor: a boolean requires_grad, only on a floating tensor, and a dict
+    (or nothing) of metadata. ckptkit keeps neither, but a file torch refuses must be refused here too."""
+    if not isinstance(requires_grad, bool) or (requires_grad and t.dtype.kind not in ("float", "complex")):
+        raise FormatError(f"{t.span.file}: a {t.dtype} tensor says requires_grad={requires_grad!r:.20}, which torch "
+                          "refuses")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise FormatError(f"{t.span.file}: a tensor carries metadata {metadata!r:.40}, where torch expects a dict")
+    return t
+
+
+def _parameter(data: Any, requires_grad: Any) -> TensorRef:
+    if not isinstance(data, TensorRef):
+        raise FormatError(f"a Parameter is rebuilt from {type(data).__name__}, not from a tensor")
+    return _flags(data, requires_grad)
+
+
+def _storage_of(storage: Any) -> _Storage:
+    if not isinstance(storage, _Storage):
+        raise FormatError(f"a tensor is rebuilt from {type(storage).__name__}, not from a storage record")
+    return storage
 
 
 class _StorageTag:
@@ -144,12 +180,45 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Tenso
     return func(*args)
 
 
+# The device types torch names (c10's DeviceType); torch.device refuses any other string.
+_DEVICE = re.compile(r"(cpu|cuda|meta|mps|xpu|hpu|xla|lazy|ipu|mtia|maia|privateuseone|ve|vulkan|metal|fpga|hip|mkldnn|"
+                     r"opengl|opencl|ideep)(:\d+)?")
+
+
+def _device_args(args: tuple) -> tuple:
+    def index(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    ok = (len(args) == 1 and (index(args[0]) or isinstance(args[0], str) and _DEVICE.fullmatch(args[0]))) or (
+        len(args) == 2 and isinstance(args[0], str) and _DEVICE.fullmatch(args[0]) and ":" not in args[0]
+        and index(args[1]))
+    if not ok:
+        raise FormatError(f"the pickle names torch.device{args!r:.60}, which torch does not know")
+    return args
+
+
+def _bytes_arg(args: tuple, what: str) -> bytes:
+    """What protocol 2 pickles ``bytes`` and ``bytearray`` values as: ``(text, "latin1")``, or bytes given as
+    they are. Never a size (``bytearray(10**10)`` would allocate it) nor another codec."""
+    if not args:
+        return b""
+    value = args[0]
+    if isinstance(value, (bytes, bytearray)) and len(args) == 1:
+        return bytes(value)
+    if isinstance(value, str) and len(args) == 2 and args[1] in ("latin1", "latin-1"):
+        return value.encode("latin-1")
+    raise FormatError(f"the pickle calls {what}{tuple(type(a).__name__ for a in args)}; ckptkit allows it only "
+                      "to spell bytes (text and 'latin1')")
+
+
 # Globals a tensor-bearing pickle may name. Everything maps to data; nothing runs code of the checkpoint's.
 OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
-    ("torch._utils", "_rebuild_parameter"): lambda data, requires_grad=False, hooks=None: data,
-    ("torch._utils", "_rebuild_parameter_with_state"): lambda data, requires_grad, hooks, state: data,
+    ("torch._utils", "_rebuild_parameter"): lambda data, requires_grad=False, hooks=None: _parameter(
+        data, requires_grad),
+    ("torch._utils", "_rebuild_parameter_with_state"): lambda data, requires_grad, hooks, state: _parameter(
+        data, requires_grad),
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("torch", "Tensor"): TENSOR,
     ("collections", "OrderedDict"): collections.OrderedDict,
@@ -157,11 +226,11 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("builtins", "frozenset"): frozenset,
     ("builtins", "complex"): complex,
     ("builtins", "slice"): slice,
-    ("builtins", "bytearray"): bytearray,
-    ("_codecs", "encode"): codecs.encode,
+    ("builtins", "bytearray"): lambda *args: bytearray(_bytes_arg(args, "bytearray")),
+    ("_codecs", "encode"): lambda *args: _bytes_arg(args, "_codecs.encode"),
     ("torch", "Size"): keep_call("torch", "Size"),
-    ("torch", "device"): keep_call("torch", "device"),
-    ("torch.serialization", "_get_layout"): keep_call("torch.serialization", "_get_layout"),
+    ("torch", "device"): lambda *args: keep_call("torch", "device")(*_device_args(args)),
+    ("torch.serialization", "_get_layout"): strided_layout,
     ("torch.storage", "UntypedStorage"): _storage_class(None),
     ("torch", "UntypedStorage"): _storage_class(None),
     **{("torch", d.name): d for d in dtypes.DTYPES},
@@ -169,33 +238,142 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-def _records(window: _Window, path: str) -> dict[str, Span]:
+_EOCD = struct.Struct("<4sHHHHIIH")                 # end of central directory, 22 bytes
+_EOCD64_LOCATOR = struct.Struct("<4sIQI")           # 20 bytes, just before it in a zip64 archive
+_EOCD64 = struct.Struct("<4sQHHIIQQQQ")             # 56 bytes
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")     # central directory entry, 46 bytes
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")             # local file header, 30 bytes
+_U16, _U32 = 0xFFFF, 0xFFFFFFFF
+_MAX_VERSION = 10  # torch 2.13 reads archive versions 1 to 10 (kMaxSupportedFileFormatVersion)
+
+
+def _zip64_values(extra: bytes, wanted: int) -> list[int]:
+    """The 8-byte values a zip64 extra field holds (the sizes and offset that did not fit in 32 bits)."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            body = extra[pos + 4:pos + 4 + size]
+            return list(struct.unpack_from(f"<{wanted}Q", body)) if len(body) >= 8 * wanted else []
+        pos += 4 + size
+    return []
+
+
+def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
+    """Record name to the span of its bytes, read from the zip's central directory and held to what torch's
+    reader (miniz, then PyTorchStreamReader) accepts: one disk, a central directory exactly where the end
+    record puts it, stored records whose local headers are where the directory says, every record in one
+    ``archive_name/`` directory. What Python's zipfile forgives (data before the archive, say), torch does not."""
     start, length = window._start, window._len
-    try:
-        infos = zipfile.ZipFile(window).infolist()
-    except (zipfile.BadZipFile, OSError, ValueError) as e:
-        raise FormatError(f"{path} @ {start}: not a torch.save archive ({e})") from e
-    out = {}
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise FormatError(f"{path}: record {info.filename} is compressed; torch.save archives store records raw")
-        window.seek(info.header_offset)
-        head = window.read(30)
-        if len(head) != 30 or head[:4] != b"PK\x03\x04":
-            raise FormatError(f"{path}: bad local header for record {info.filename}")
-        name_len, extra_len = struct.unpack("<HH", head[26:30])
-        data = info.header_offset + 30 + name_len + extra_len
-        if data + info.file_size > length:
-            raise FormatError(f"{path}: record {info.filename} runs past the end of the archive")
-        out[info.filename] = Span(path, start + data, info.file_size)
+
+    def bad(what: str) -> FormatError:
+        return FormatError(f"{where}: not a torch.save archive torch can read ({what})")
+
+    tail_len = min(length, _EOCD.size + 0xFFFF)
+    window.seek(length - tail_len)
+    tail = window.read(tail_len)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + _EOCD.size > len(tail):
+        raise bad("no end of central directory record; truncated?")
+    _, disk, cd_disk, on_disk, count, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, at)
+    eocd = length - tail_len + at
+    if eocd + _EOCD.size + comment != length:
+        raise bad(f"{length - eocd - _EOCD.size - comment} bytes after the end of the central directory")
+    end_of_cd = eocd
+    window.seek(max(0, eocd - _EOCD64_LOCATOR.size))
+    locator = window.read(_EOCD64_LOCATOR.size) if eocd >= _EOCD64_LOCATOR.size else b""
+    if locator[:4] == b"PK\x06\x07":  # torch's writer (miniz) always adds the zip64 records, and its reader uses them
+        _, _, where64, _ = _EOCD64_LOCATOR.unpack(locator)
+        window.seek(where64)
+        record = window.read(_EOCD64.size)
+        if len(record) != _EOCD64.size or record[:4] != b"PK\x06\x06" or where64 + _EOCD64.size > eocd:
+            raise bad("a damaged zip64 end record")
+        _, _, _, _, disk, cd_disk, on_disk, count, cd_size, cd_offset = _EOCD64.unpack(record)
+        end_of_cd = where64
+    elif _U16 in (disk, cd_disk, on_disk, count) or _U32 in (cd_size, cd_offset):
+        raise bad("zip64 values without a zip64 end record")
+    if disk != 0 or cd_disk != 0 or on_disk != count:
+        raise bad("parts of it on other disks")
+    if cd_size < count * _CENTRAL.size or cd_offset + cd_size != end_of_cd:
+        raise bad(f"the central directory at {cd_offset} ({cd_size} bytes) does not end where its end record is")
+    window.seek(cd_offset)
+    cd = window.read(cd_size)
+    out: dict[str, Span] = {}
+    prefix = None
+    pos = 0
+    for _ in range(count):
+        if pos + _CENTRAL.size > len(cd):
+            raise bad("the central directory is shorter than its entries")
+        (sig, _, _, flags, method, _, _, _, comp, size, name_len, extra_len, comment_len, entry_disk, _, _,
+         offset) = _CENTRAL.unpack_from(cd, pos)
+        raw = cd[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len]
+        extra = cd[pos + _CENTRAL.size + name_len:pos + _CENTRAL.size + name_len + extra_len]
+        pos += _CENTRAL.size + name_len + extra_len + comment_len
+        if sig != b"PK\x01\x02" or pos > len(cd):
+            raise bad("a damaged central directory entry")
+        try:
+            name = raw.decode("utf-8")  # torch hands record names to Python as UTF-8 text
+        except UnicodeDecodeError:
+            raise bad(f"record name {raw!r:.60} is not UTF-8") from None
+        wide = [v for v in (size, comp, offset) if v == _U32]
+        if wide:
+            values = iter(_zip64_values(extra, len(wide)))
+            size, comp, offset = (next(values, -1) if v == _U32 else v for v in (size, comp, offset))
+        if method != 0 or flags & 0x2061:  # encrypted, patch data, strong encryption, masked: miniz refuses them
+            raise bad(f"record {name} is compressed or encrypted; torch.save archives store records raw")
+        if comp != size or entry_disk != 0 or offset < 0 or offset + _LOCAL.size + size > length:
+            raise bad(f"record {name} has inconsistent sizes or lies outside the archive")
+        window.seek(offset)
+        head = window.read(_LOCAL.size)
+        if len(head) != _LOCAL.size or head[:4] != b"PK\x03\x04":
+            raise bad(f"no local header where the directory puts record {name}")
+        local_name, local_extra = struct.unpack_from("<HH", head, 26)
+        data = offset + _LOCAL.size + local_name + local_extra
+        if data + size > length:
+            raise bad(f"record {name} runs past the end of the archive")
+        first, slash, _ = name.partition("/")
+        prefix = prefix if prefix is not None else first + slash
+        if not slash or not name.startswith(prefix):
+            raise bad(f"record {name} is not in the directory {prefix or name!r} every record shares")
+        out.setdefault(name[len(prefix):], Span(path, start + data, size))  # torch finds the first of a name
+    _check_small_records(out, window, start, bad)
     return out
 
 
+def _check_small_records(records: dict[str, Span], window: _Window, start: int, bad) -> None:
+    """The records torch reads before the pickle: the format version, the byte order, the alignment."""
+    def read(name: str) -> bytes | None:
+        span = records.get(name)
+        if span is None:
+            return None
+        window.seek(span.offset - start)
+        return window.read(min(span.length, 256))
+
+    version = read(".data/version") if ".data/version" in records else read("version")
+    number = re.match(rb"\s*[-+]?\d+", version or b"")
+    if version is None or number is None or not 1 <= int(number.group()) <= _MAX_VERSION:
+        raise bad(f"its version record is {version!r:.40}; torch reads versions 1 to {_MAX_VERSION}")
+    order = read("byteorder")
+    if order not in (None, b"little"):
+        raise bad(f"byte order {order!r:.40}; ckptkit reads little-endian archives (torch would byte-swap a "
+                  "big-endian one)")
+    alignment = read(".storage_alignment")
+    if alignment is not None and not re.fullmatch(rb"\s*[-+]?\d+\s*", alignment):
+        raise bad(f"storage alignment {alignment!r:.40} is not a number")
+    serial = read(".data/serialization_id")
+    try:
+        (serial or b"").decode("utf-8")  # torch hands it to Python as text
+    except UnicodeDecodeError:
+        raise bad(f"serialization id {serial!r:.60} is not UTF-8 text") from None
+
+
 def read_archive(path: str, start: int = 0, length: int | None = None, *, where: str = "",
-                 extra_globals: dict | None = None, fd: int | None = None) -> Any:
+                 extra_globals: dict | None = None, fd: int | None = None, tree: bool = True) -> Any:
     """Unpickle the archive's ``data.pkl`` with tensors as :class:`TensorRef` byte spans into ``path``.
 
     ``fd``, an open descriptor of ``path``, saves an open per call when reading many chunks of one file.
+    ``tree`` checks that what the pickle built can be walked as a tree (:func:`check_tree`); a caller that
+    only takes one tensor out of it (a DCP chunk) may skip that.
     """
     where = where or path
     own = fd is None
@@ -204,14 +382,12 @@ def read_archive(path: str, start: int = 0, length: int | None = None, *, where:
         if length is None:
             length = os.fstat(file_fd).st_size - start
         window = _Window(file_fd, start, length)
-        records = _records(window, path)
-        pkl = [n for n in records if n.endswith("data.pkl") and n.count("/") <= 1]
-        if len(pkl) != 1:
+        records = _records(window, path, where)
+        if "data.pkl" not in records:
             raise FormatError(f"{where}: no data.pkl record; not a torch.save archive "
                               "(legacy pre-1.6 files are not supported)")
-        prefix = pkl[0][: -len("data.pkl")]
-        window.seek(records[pkl[0]].offset - start)
-        data = window.read(records[pkl[0]].length)
+        window.seek(records["data.pkl"].offset - start)
+        data = window.read(records["data.pkl"].length)
     finally:
         if own:
             os.close(file_fd)
@@ -219,17 +395,24 @@ def read_archive(path: str, start: int = 0, length: int | None = None, *, where:
     def persistent_load(pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise FormatError(f"{where}: unexpected persistent id {pid!r}")
-        _, tag, key, _location, _numel = pid
+        _, tag, key, _location, numel = pid
         if not isinstance(tag, _StorageTag):
             raise FormatError(f"{where}: persistent id names {tag!r}, not a storage class")
-        span = records.get(f"{prefix}data/{key}")
+        span = records.get(f"data/{key}")
         if span is None:
-            raise FormatError(f"{where}: data.pkl names storage {key!r} but the archive has no record "
-                              f"{prefix}data/{key}")
-        return _Storage(span, tag.dtype)
+            raise FormatError(f"{where}: data.pkl names storage {key!r} but the archive has no record data/{key}")
+        itemsize = tag.dtype.itemsize if tag.dtype else 1
+        if not _count(numel) or numel * itemsize != span.length:
+            # torch refuses such a record ("record size ... does not match expected size"), mmap or not aside.
+            raise FormatError(f"{where}: record data/{key} holds {span.length} bytes, but data.pkl says its "
+                              f"storage has {numel!r:.40} elements of {itemsize} bytes")
+        return _Storage(span, tag.dtype, f"data/{key}")
 
     allowed = {**OBJECT_GLOBALS, **(extra_globals or {})}
-    return SafeUnpickler(data, allowed, where=where, persistent_load=persistent_load).load_checked()
+    value = SafeUnpickler(data, allowed, where=where, persistent_load=persistent_load).load_checked()
+    if tree:
+        check_tree(value, where, budget=len(data) + 1000, refuse=(_Storage, _StorageTag, Tag))
+    return value
 
 
 def load_blob(span: Span, *, where: str) -> Any:

@@ -211,10 +211,10 @@ def read_index(path: Path, suffix: str) -> dict[str, Path]:
         if path.stat().st_size > 64 << 20:
             raise FormatError(f"{path}: index file is {path.stat().st_size} bytes; an index is expected under 64 MiB")
         index = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise FormatError(f"{path}: cannot read index JSON ({e})") from e
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()) or not weight_map:
         raise FormatError(f"{path}: expected {{\"weight_map\": {{key: file name}}}}")
     out = {}
     for key, name in weight_map.items():

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..codecs.pickle_read import (
     MEMORY_FORMATS,
+    Call,
     EnumStandIn,
     Record,
     SafeUnpickler,
@@ -32,6 +33,7 @@ from ..codecs.pickle_read import (
     keep_call,
     make_record,
     safe_getattr,
+    strided_layout,
 )
 from ..codecs.pickle_write import dumps
 from ..codecs.torchzip_read import ARCHIVE_MAGIC, read_archive
@@ -42,11 +44,11 @@ from ..core.dtypes import DType
 from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, bytes_entry, key_of
 from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan
 from ..core.tree import dcp_path, flatten, from_dcp_path, unflatten
-from ..errors import FormatError, IncompleteCheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError
 from ..io.sources import Files
 from .base import FormatIO, Target, WriteOptions, cast_for, is_empty_container, object_value, regions_in
 
-__all__ = ["DcpIO", "DcpOptions"]
+__all__ = ["DcpIO", "DcpOptions", "check_blobs"]
 
 METADATA = ".metadata"
 META = "meta.pt"
@@ -60,10 +62,10 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **allow_records(_DCP_META, "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                "TensorProperties", "MetadataIndex", "StorageMeta"),
     **allow_records(_FS, "_StorageInfo"),
-    (_DCP_META, "_MEM_FORMAT_ENCODING"): EnumStandIn(MEMORY_FORMATS),
+    (_DCP_META, "_MEM_FORMAT_ENCODING"): EnumStandIn(MEMORY_FORMATS, keep_call(_DCP_META, "_MEM_FORMAT_ENCODING")),
     ("builtins", "getattr"): safe_getattr(),
     ("torch", "Size"): lambda v=(): tuple(v),
-    ("torch.serialization", "_get_layout"): lambda name: name,
+    ("torch.serialization", "_get_layout"): strided_layout,
     ("pathlib", "PosixPath"): lambda *parts: "/".join(parts),
     ("pathlib", "WindowsPath"): lambda *parts: "\\".join(parts),
     ("collections", "OrderedDict"): dict,
@@ -71,10 +73,40 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
+def _count(v: Any, what: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{what} is {v!r:.60}, not a non-negative integer")
+    return v
+
+
+def _counts(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, (tuple, list)) or len(v) > 64:
+        raise ValueError(f"{what} is {v!r:.60}, not a list of sizes")
+    return tuple(_count(n, what) for n in v)
+
+
+def check_blobs(manifest: Manifest) -> None:
+    """Decode every serialized non-tensor entry through the allow-list, before a DCP writer copies them
+    verbatim: a damaged one must stop the copy, not reach an output torch cannot load. An opaque ``meta.pt``
+    was checked as far as it can be without running its classes when it was read (:func:`_read_meta`)."""
+    for o in manifest.objects:
+        if o.blob is not None and o.sidecar != META:
+            object_value(o)
+
+
 def _tensor_dtype(props: Record, where: str) -> DType:
-    dtype = props.state[0] if hasattr(props, "state") else getattr(props, "dtype", None)
+    """The dtype of DCP's ``TensorProperties``, which torch unpickles as ``(dtype, layout, requires_grad,
+    memory format, pin_memory)`` (older files: a dict), refusing anything else."""
+    if hasattr(props, "state"):
+        state = props.state
+        if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[3], Call)):
+            raise FormatError(f"{where}: tensor properties {state!r:.80} are not (dtype, layout, requires_grad, "
+                              "memory format, pin_memory), as torch reads them")
+        dtype = state[0]
+    else:
+        dtype = getattr(props, "dtype", None)
     if not isinstance(dtype, DType):
-        raise FormatError(f"{where}: tensor properties carry no known dtype ({dtype!r})")
+        raise FormatError(f"{where}: tensor properties carry no known dtype ({dtype!r:.60})")
     return dtype
 
 
@@ -102,6 +134,17 @@ class DcpIO(FormatIO):
         md = SafeUnpickler(meta_path.read_bytes(), METADATA_GLOBALS, where=str(meta_path)).load_checked()
         if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict):
             raise FormatError(f"{meta_path}: not DCP metadata (found {type(md).__name__})")
+        at = ["the storage index"]  # the key being read, for the error below
+        try:
+            return self._interpret(root, md, files, at)
+        except CheckpointError:
+            raise
+        except (AttributeError, TypeError, KeyError, ValueError, IndexError, OverflowError) as e:
+            # The records are untrusted data: one missing a field, or holding a string where DCP has a size.
+            raise FormatError(f"{meta_path}: malformed DCP metadata at {at[0]} ({type(e).__name__}: {e})") from None
+
+    def _interpret(self, root: Path, md: Any, files: Files, at: list[str]) -> Manifest:
+        meta_path = root / METADATA
         storage: dict[tuple[str, tuple | None], Any] = {}
         for idx, info in (getattr(md, "storage_data", None) or {}).items():
             offset = None if getattr(idx, "offset", None) is None else tuple(idx.offset)
@@ -124,27 +167,34 @@ class DcpIO(FormatIO):
             if not file.is_file():
                 raise IncompleteCheckpointError(f"{root}: {info.relative_path} (holding {key!r}) is missing")
             rank_files.add(info.relative_path)
-            return Span(str(file), info.offset, info.length)
+            return Span(str(file), _count(info.offset, f"{key!r} offset"), _count(info.length, f"{key!r} length"))
 
         for key, sm in md.state_dict_metadata.items():
+            at[0] = repr(key)
             path_ = from_dcp_path(tuple(paths.get(key, (key,))))
+            if not isinstance(key, str) or not path_ or not all(
+                    isinstance(k, (str, int)) and not isinstance(k, bool) for k in path_):
+                raise ValueError(f"key {key!r:.60} with path {path_!r:.80} is not a state-dict key and path")
+            if ".".join(map(str, path_)) != key:  # DCP's own loader finds an entry by its path joined so
+                raise FormatError(f"{meta_path}: {key!r} is stored under the path {list(path_)}, which names "
+                                  f"{'.'.join(map(str, path_))!r}; torch's loader would not find it")
             kind = type(sm).__name__
             if kind == "BytesStorageMetadata":
                 objects.append(ObjectEntry(key, path_, blob=locate(key, None)))
                 continue
             if kind != "TensorStorageMetadata":
                 raise FormatError(f"{meta_path}: {key!r} has unknown storage metadata {kind}")
-            dtype, shape = _tensor_dtype(sm.properties, f"{meta_path}: {key!r}"), tuple(sm.size)
+            dtype, shape = _tensor_dtype(sm.properties, f"{meta_path}: {key!r}"), _counts(sm.size, f"{key!r} size")
             chunks = []
             for c in sm.chunks:
-                offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+                offsets, sizes = _counts(c.offsets, f"{key!r} chunk offsets"), _counts(c.sizes, f"{key!r} chunk sizes")
                 span = locate(key, offsets)
-                fd = files.fd(span.file, span.offset + span.length)
+                fd = files.fd(span.file, span.offset + span.length, start=span.offset, key=key)
                 if os.pread(fd, 4, span.offset) != ARCHIVE_MAGIC:
                     raise FormatError(
                         f"{span.file}: {key!r} chunk at {list(offsets)} is not a torch.save record; DCP saved with "
                         "serialization_format=SAFETENSORS or a custom storage writer is not supported")
-                ref = read_archive(span.file, span.offset, span.length, fd=fd,
+                ref = read_archive(span.file, span.offset, span.length, fd=fd, tree=False,
                                    where=f"{span.file}: {key!r} chunk {list(offsets)}")
                 if not isinstance(ref, TensorRef) or ref.shape != sizes or ref.dtype != dtype:
                     found = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
@@ -226,7 +276,9 @@ def _read_meta(path: Path, groups: set[str]) -> tuple[list[TensorEntry], list[Ob
     for ``inspect``."""
     try:
         tree = read_archive(str(path))
-    except (UnsafeCheckpointError, FormatError) as e:
+    except UnsafeCheckpointError as e:
+        # Lightning pickles user classes there (hparams as an argparse.Namespace). The archive and the pickle's
+        # structure were checked before the first global was refused; the bytes go on untouched, never run.
         opaque = ObjectEntry(META, (META,), blob=Span(str(path), 0, path.stat().st_size), sidecar=META)
         return [], [opaque], f"not readable as data, carried as it is ({e})"
     if not isinstance(tree, dict):

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from ..core.dtypes import DType
 from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_copies, row_blocks
 from ..errors import FormatError, UsageError
-from .publish import check_destination, replace_with, staged_output
+from .publish import Staging, check_destination, stage
 from .sources import Files, read_region
 
 __all__ = ["DEFAULT_MAX_MEMORY", "execute", "execute_distributed", "write_files"]
@@ -52,7 +51,7 @@ class _Writer:
 
     def _copy(self, out: int, region: Region, pos: int) -> None:
         for cp in plan_copies(region):
-            fd = self.files.fd(cp.src.file, cp.src.offset + cp.src.length)
+            fd = self.files.fd(cp.src.file, cp.src.offset + cp.src.length, start=cp.src.offset, key=region.entry.key)
             self._copy_range(fd, out, cp.src.offset, pos + cp.dst, cp.src.length)
 
     def _copy_range(self, src: int, out: int, src_off: int, dst_off: int, n: int) -> None:
@@ -87,20 +86,32 @@ class _Writer:
 
 
 def write_files(files: tuple[FilePlan, ...], stage: Path, *, max_memory: int = DEFAULT_MAX_MEMORY,
-                fsync: bool = False, progress: Callable[[int], None] = lambda n: None) -> None:
-    """Write ``files`` under the existing directory ``stage``."""
+                fsync: bool = False, progress: Callable[[int], None] = lambda n: None,
+                names: dict[str, Path] | None = None) -> None:
+    """Write ``files`` under the existing directory ``stage``. An error while writing names the file by
+    ``names`` (relpath to the path the user will see: the destination, not the staging directory)."""
     with Files() as sources:
         writer = _Writer(sources, max_memory, progress)
         for fp in files:
             path = stage / fp.relpath
-            path.parent.mkdir(parents=True, exist_ok=True)
-            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                writer.write_file(out, fp.parts)
-                if fsync:
-                    os.fsync(out)
-            finally:
-                os.close(out)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    writer.write_file(out, fp.parts)
+                    if fsync:
+                        os.fsync(out)
+                finally:
+                    os.close(out)
+            except OSError as e:
+                if e.errno is None:
+                    raise
+                name = (names or {}).get(fp.relpath, path)
+                raise OSError(e.errno, f"{e.strerror} (writing {name})") from e
+
+
+def _names(plan: WritePlan, dst: Path) -> dict[str, Path]:
+    return {fp.relpath: dst if plan.single_file else dst / fp.relpath for fp in plan.files}
 
 
 def execute(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
@@ -108,9 +119,10 @@ def execute(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tup
             progress: Callable[[int], None] = lambda n: None) -> Path:
     """Write every file of ``plan`` under a staging directory and move the result to ``dst`` atomically."""
     dst = check_destination(dst, overwrite=overwrite, sources=sources)
-    single = plan.files[0].relpath if plan.single_file else None
-    with staged_output(dst, single_file=single) as stage:
-        write_files(plan.files, stage, max_memory=max_memory, fsync=fsync, progress=progress)
+    with stage(dst, replace=overwrite) as staging:
+        write_files(plan.files, staging.path, max_memory=max_memory, fsync=fsync, progress=progress,
+                    names=_names(plan, dst))
+        staging.commit(replace=overwrite, file=plan.files[0].relpath if plan.single_file else None, fsync=fsync)
     return dst
 
 
@@ -119,41 +131,48 @@ def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, 
     """``execute`` with the files split round-robin over the ranks of the default process group.
 
     Every rank must pass the same plan (planning is pure, so the same inputs give it). Rank 0 checks the
-    destination and publishes once all ranks have written their share into the one staging directory.
+    destination and stages; every rank writes its share into that one staging directory; rank 0 publishes
+    once all have written, and every rank returns, or raises, with rank 0's outcome.
     """
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dst = Path(dst).absolute()
-    stage = dst.parent / f".{dst.name}.ckptkit-partial"
-    error = None
+    staging: Staging | None = None
+    error: BaseException | None = None
     if rank == 0:
         try:
             check_destination(dst, overwrite=overwrite, sources=sources)
-            shutil.rmtree(stage, ignore_errors=True)
-            stage.mkdir(parents=True)
+            staging = stage(dst, replace=overwrite)
         except Exception as e:  # told to every rank below, so none waits forever
             error = e
-    verdict = [str(error) if error else None]
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0]:
-        raise error if error else UsageError(verdict[0])
+    shared: list = [(str(error), None) if error else (None, str(staging.path) if staging else None)]
+    dist.broadcast_object_list(shared, src=0)
+    message, where = shared[0]
+    if message is not None:
+        raise error if error is not None else UsageError(message)
+    staging = staging or Staging(dst, Path(where), owner=False)
     try:
-        write_files(plan.files[rank::world], stage, max_memory=max_memory, fsync=fsync)
+        write_files(plan.files[rank::world], staging.path, max_memory=max_memory, fsync=fsync,
+                    names=_names(plan, dst))
         failed = None
     except Exception as e:
         failed = e
     outcomes: list[str | None] = [None] * world
     dist.all_gather_object(outcomes, None if failed is None else f"rank {rank}: {failed}")
     problems = [o for o in outcomes if o]
+    published: str | None = None
     if rank == 0:
-        if problems:
-            shutil.rmtree(stage, ignore_errors=True)
-        else:
-            replace_with(dst, stage / plan.files[0].relpath if plan.single_file else stage)
-            if plan.single_file:
-                shutil.rmtree(stage, ignore_errors=True)
-    dist.barrier()
-    if problems:
-        raise failed if failed else FormatError("; ".join(problems))
+        try:
+            if problems:
+                staging.abort()
+            else:
+                staging.commit(replace=overwrite, file=plan.files[0].relpath if plan.single_file else None,
+                               fsync=fsync)
+        except Exception as e:
+            published, failed = f"rank 0: {e}", e
+    outcome = [published]
+    dist.broadcast_object_list(outcome, src=0)
+    if problems or outcome[0]:
+        raise failed if failed else FormatError("; ".join(problems + [o for o in outcome if o]))
     return dst

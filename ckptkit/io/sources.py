@@ -16,7 +16,8 @@ class Files:
     def __init__(self) -> None:
         self._fds: dict[str, tuple[int, int]] = {}
 
-    def fd(self, path: str, need_end: int) -> int:
+    def fd(self, path: str, need_end: int, *, start: int = 0, key: str = "") -> int:
+        """The descriptor of ``path``, which must hold bytes ``[start, need_end)`` (read for ``key``)."""
         if path not in self._fds:
             try:
                 fd = os.open(path, os.O_RDONLY)
@@ -24,9 +25,13 @@ class Files:
                 raise FormatError(f"{path}: cannot open ({e.strerror})") from e
             self._fds[path] = (fd, os.fstat(fd).st_size)
         fd, size = self._fds[path]
-        if need_end > size:
-            raise FormatError(f"{path}: needs bytes up to offset {need_end} but the file has {size} (truncated?)")
-        return fd
+        if 0 <= start <= need_end <= size:
+            return fd
+        what = f"{key!r} " if key else ""
+        if start < 0 or need_end < start:
+            raise FormatError(f"{path}: {what}is said to lie at offset {start}, {need_end - start} bytes long; "
+                              "offsets and lengths cannot be negative")
+        raise FormatError(f"{path}: {what}needs bytes up to offset {need_end} but the file has {size} (truncated?)")
 
     def close(self) -> None:
         for fd, _ in self._fds.values():
@@ -53,6 +58,6 @@ def read_region(region: Region, files: Files) -> bytearray:
     buf = bytearray(Region(region.entry, region.offsets, region.sizes).nbytes)
     view = memoryview(buf)
     for cp in plan_copies(region):
-        fd = files.fd(cp.src.file, cp.src.offset + cp.src.length)
+        fd = files.fd(cp.src.file, cp.src.offset + cp.src.length, start=cp.src.offset, key=region.entry.key)
         _pread_into(fd, view[cp.dst:cp.dst + cp.src.length], cp.src.offset, cp.src.file)
     return buf

@@ -12,6 +12,7 @@ from ..core.manifest import Format, FormName, Manifest, TensorEntry
 from ..core.plan import FilePlan, WritePlan
 from ..errors import UsageError
 from ..formats import LocalOptions, Target, detect, io_for, is_empty_container
+from ..formats.dcp import check_blobs
 from ..io.execute import DEFAULT_MAX_MEMORY, execute, execute_distributed
 from ..io.progress import human_size, progress_bar
 from ..io.publish import check_destination
@@ -20,7 +21,7 @@ from .mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping,
 from .presets import preset
 from .select import meta_groups, select_model
 
-__all__ = ["Changes", "Report", "convert", "map_model", "parse_size", "reshard", "write"]
+__all__ = ["Changes", "Report", "convert", "map_model", "parse_size", "reshard", "sources_of", "write"]
 
 
 
@@ -136,27 +137,37 @@ def parse_size(value: int | str | None, option: str = "--max-shard-size") -> int
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
+def sources_of(manifest: Manifest, src: Path | str | None = None) -> tuple[Path, ...]:
+    """What an output must stay clear of: the input the user named and every file a conversion reads."""
+    files = {c.span.file for t in manifest.tensors for c in t.chunks}
+    files |= {o.blob.file for o in manifest.objects if o.blob is not None}
+    return tuple(Path(p) for p in sorted({str(src) if src is not None else manifest.root, manifest.root, *files}))
+
+
 def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, overwrite: bool,
           max_memory: int, fsync: bool, progress: bool, extra_files: tuple[FilePlan, ...] = (),
-          notes: tuple[str, ...] = (), distributed: bool = False, dry_run: bool = False,
-          changes: Changes = Changes()) -> Report:
-    """Plan ``manifest`` as ``fmt`` at ``dst`` and stream it there; with ``dry_run``, only plan it (and check the
+          notes: tuple[str, ...] = (), distributed: bool = False, src: Path | str | None = None,
+          dry_run: bool = False, changes: Changes = Changes()) -> Report:
+    """Write ``manifest`` as ``fmt`` to ``dst``. ``src`` is the input as the user named it: ``dst`` may not be,
+    hold or lie inside it (nor any file read from it). With ``dry_run``, only plan it (and check the
     destination) and report what would be written. ``changes`` are the renames, drops and casts made on the
     way, for the report."""
     start = time.perf_counter()
     notes += _left_out(manifest, fmt)
+    sources = sources_of(manifest, src)
+    check_destination(dst, overwrite=overwrite, sources=sources)
+    # Decoded now, whatever the target: a DCP writer copies them verbatim, and a damaged one means a checkpoint
+    # torch cannot load, which no output may hide.
+    check_blobs(manifest)
     io = io_for(fmt)
     plan = io.plan(manifest, io.options(target, manifest))
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file)
-    if dry_run:
-        check_destination(Path(dst), overwrite=overwrite, sources=(Path(manifest.root),))
-    elif distributed:
-        execute_distributed(plan, Path(dst), overwrite=overwrite, sources=(Path(manifest.root),),
-                            max_memory=max_memory, fsync=fsync)
-    else:
+    if distributed and not dry_run:
+        execute_distributed(plan, Path(dst), overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync)
+    elif not dry_run:  # a dry run is planned and its destination checked: nothing to write
         with progress_bar(plan.total_bytes, f"{fmt.value}", progress) as update:
-            execute(plan, Path(dst), overwrite=overwrite, sources=(Path(manifest.root),), max_memory=max_memory,
-                    fsync=fsync, progress=update)
+            execute(plan, Path(dst), overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync,
+                    progress=update)
     ws = target.world_size if fmt in (Format.SHARDED, Format.LOCAL) else None
     return Report(manifest.root, manifest.format, str(dst), fmt, len(manifest.tensors), len(manifest.objects),
                   plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes,
@@ -242,7 +253,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
     target = Target(world_size=world_size, max_shard_size=parse_size(max_shard_size), destination=str(dst),
                     local=local, meta_groups=meta_groups(manifest) if fmt is Format.SHARDED else None)
     return write(manifest, fmt, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
-                 progress=progress, notes=notes, dry_run=dry_run, changes=changes)
+                 progress=progress, notes=notes, src=src, dry_run=dry_run, changes=changes)
 
 
 def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: bool = False,
@@ -265,4 +276,4 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: boo
     manifest = reader.read(Path(src))
     groups = meta_groups(manifest) if fmt is Format.SHARDED else None
     return write(manifest, fmt, dst, Target(world_size=world_size, meta_groups=groups), overwrite=overwrite,
-                 max_memory=max_memory, fsync=fsync, progress=progress, notes=notes, dry_run=dry_run)
+                 max_memory=max_memory, fsync=fsync, progress=progress, notes=notes, src=src, dry_run=dry_run)

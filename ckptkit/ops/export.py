@@ -167,7 +167,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     target = Target(max_shard_size=parse_size(max_shard_size), cast=cast, keep_fp32=frozenset(keep))
     return write(model, Format.HF, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
                  progress=progress and not distributed, extra_files=assets, notes=tuple(notes), distributed=distributed,
-                 dry_run=dry_run, changes=Changes(renamed, tuple(dropped), casts, permuted))
+                 src=src, dry_run=dry_run, changes=Changes(renamed, tuple(dropped), casts, permuted))
 
 
 def _patterns(values: Iterable[str], option: str) -> tuple[re.Pattern, ...]:

@@ -18,10 +18,13 @@ from typing import Any
 
 from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry, map_tensor_refs
 from ..core.plan import Region, row_blocks
+from ..errors import UsageError
 from ..formats import LocalOptions, detect, object_value
 from ..io.execute import DEFAULT_MAX_MEMORY
 from ..io.progress import human_size, progress_bar
+from ..io.publish import resolve
 from ..io.sources import Files, read_region
+from . import checksums
 from .mapping import KeyMapping, Renames, parse_rename, rename_keys
 from .select import select_model
 
@@ -74,13 +77,16 @@ def _json_number(x: Number | None) -> Any:
 @dataclass(frozen=True)
 class VerifyReport:
     a: str
-    b: str
+    b: str | None
+    """None when ``a`` was checked against its own ``ckptkit.json`` (or only read through)."""
     format_a: Format
-    format_b: Format
+    format_b: Format | None
     tensors: int
     objects: int
     bytes: int
     differences: tuple[Difference, ...]
+    checksums: bool = False
+    """Whether ``a`` alone was checked against checksums (its ``ckptkit.json``) rather than just read."""
     atol: float | None = None
     rtol: float | None = None
     """The tolerances of a numeric comparison; both None: bit for bit."""
@@ -97,14 +103,20 @@ class VerifyReport:
     def to_json(self) -> dict[str, Any]:
         """The report as JSON data, :data:`SCHEMA_VERSION` 1: these fields exactly."""
         return {"schema_version": SCHEMA_VERSION, "a": self.a, "b": self.b, "format_a": self.format_a.value,
-                "format_b": self.format_b.value, "ok": self.ok, "tensors": self.tensors, "objects": self.objects,
-                "bytes": self.bytes, "atol": self.atol, "rtol": self.rtol, "notes": list(self.notes),
-                "differences": [d.to_json() for d in self.differences]}
+                "format_b": self.format_b.value if self.format_b else None, "ok": self.ok, "checksums": self.checksums,
+                "tensors": self.tensors, "objects": self.objects, "bytes": self.bytes, "atol": self.atol,
+                "rtol": self.rtol, "notes": list(self.notes), "differences": [d.to_json() for d in self.differences]}
 
     def lines(self) -> list[str]:
+        what = f"{self.tensors} tensors ({human_size(self.bytes)}) and {self.objects} other entries"
+        if self.b is None:
+            how = "checked against its ckptkit.json" if self.checksums else "read through (no ckptkit.json)"
+            out = [f"{self.a} ({self.format_a.value}): {what} {how}", "ok" if self.ok else
+                   f"{len(self.differences)} differences:"]
+            return out + [f"  {d.key}: {d.what}" for d in self.differences]
         how = f"within atol {self.atol or 0:g}, rtol {self.rtol or 0:g}" if self.numeric else "bit for bit"
-        out = [f"{self.a} ({self.format_a.value}) vs {self.b} ({self.format_b.value}): {self.tensors} tensors "
-               f"({human_size(self.bytes)}) and {self.objects} other entries compared {how}"]
+        out = [f"{self.a} ({self.format_a.value}) vs {self.b} ({self.format_b.value if self.format_b else '?'}): "
+               f"{what} compared {how}"]
         out += [f"  note: {n}" for n in self.notes]
         out.append("identical" if self.ok and not self.numeric else "equal" if self.ok else
                    f"{len(self.differences)} differences:")
@@ -240,7 +252,7 @@ def _entries(manifest: Manifest, model_only: bool, strip_prefixes: tuple[str, ..
             tuple(f"{Path(manifest.root).name}: {n}" for n in notes))
 
 
-def verify(a: Path | str, b: Path | str, *, model_only: bool = False, atol: float | None = None,
+def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = False, atol: float | None = None,
            rtol: float | None = None, strip_prefixes: Iterable[str] = (), renames: Renames = (),
            max_memory: int = DEFAULT_MAX_MEMORY, progress: bool = False,
            local: LocalOptions | None = None) -> VerifyReport:
@@ -252,7 +264,18 @@ def verify(a: Path | str, b: Path | str, *, model_only: bool = False, atol: floa
     checkpoint can be checked against its Hugging Face export. ``strip_prefixes`` and ``renames``
     (``'REGEX=REPLACEMENT'``, in order) rename both sides' keys first, so that ``model.w`` in a Lightning
     checkpoint compares with ``w``. ``local`` applies to a LOCAL side.
+
+    Without ``b``, ``a`` is checked against its own ``ckptkit.json`` (the checksums ``ckptkit.save``
+    recorded; a run directory means the step ``latest`` names); without one, every chunk and entry of ``a``
+    is read through, which finds what is missing or unreadable. A damaged ``ckptkit.json`` raises.
     """
+    if b is None:
+        asked = [o for o, v in (("--model-only", model_only), ("--atol", atol is not None),
+                                ("--rtol", rtol is not None), ("--strip-prefix", strip_prefixes),
+                                ("--rename", renames)) if v]
+        if asked:
+            raise UsageError(f"{', '.join(asked)} compare two checkpoints; with one, all of it is checked")
+        return _verify_alone(Path(a), max_memory, progress, local)
     mapping = KeyMapping(renames=tuple(parse_rename(r) if isinstance(r, str) else (r[0], r[1]) for r in renames))
     prefixes = tuple(strip_prefixes)
     ma, mb = detect(a, local).read(Path(a)), detect(b, local).read(Path(b))
@@ -277,5 +300,28 @@ def verify(a: Path | str, b: Path | str, *, model_only: bool = False, atol: floa
         for k in (k for k in oa if k in tb):
             diffs.append(Difference(k, f"a non-tensor entry in {a}, a tensor in {b}"))
     return VerifyReport(str(a), str(b), ma.format, mb.format, len(common), len([k for k in oa if k in ob]), total,
-                        tuple(diffs), atol, rtol, notes_a + notes_b)
+                        tuple(diffs), atol=atol, rtol=rtol, notes=notes_a + notes_b)
+
+
+def _verify_alone(path: Path, max_memory: int, progress: bool, local: LocalOptions | None) -> VerifyReport:
+    ckpt = resolve(path)
+    manifest = detect(ckpt, local).read(ckpt)
+    record = checksums.read_record(ckpt)
+    total = manifest.nbytes + sum(o.blob.length for o in manifest.objects if o.blob)
+    with progress_bar(total, "verify", progress) as update:
+        if record is not None:
+            found = [Difference(m.key, m.what)
+                     for m in checksums.check(record, manifest, ckpt, max_memory=max_memory, progress=update)]
+        else:
+            found = []
+            with Files() as files:
+                for t in manifest.tensors:
+                    for block in row_blocks(Region.whole(t), max(1, max_memory)):
+                        read_region(block, files)
+                    update(t.nbytes)
+                for o in manifest.objects:
+                    _plain(object_value(o), files)  # decoded through the allow-list, tensors inside read
+                    update(o.blob.length if o.blob else 0)
+    return VerifyReport(str(ckpt), None, manifest.format, None, len(manifest.tensors), len(manifest.objects),
+                        total, tuple(found), checksums=record is not None)
 

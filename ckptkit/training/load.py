@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +19,10 @@ from ..errors import UsageError
 from ..formats import detect, object_value
 from ..io import publish as rotation
 from ..io.sources import Files, read_region
+from ..ops import checksums
 from ..ops.names import strip_wrapper_names
 from ..ops.select import ModelSelection, optimizer_sections, select_model
-from .save import SIDE_KEYS
+from .save import SIDE_KEYS, gloo_group
 
 __all__ = ["LoadResult", "load"]
 
@@ -61,22 +63,28 @@ def _read_all(manifest: Manifest, tops: tuple[str, ...] | None) -> dict[str, Any
 
 def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
          scheduler: Any = None, strict: bool = True, load_optimizer: bool = True,
-         load_scheduler: bool = True) -> LoadResult:
+         load_scheduler: bool = True, verify_checksums: bool = True) -> LoadResult:
     """Load a checkpoint of any form, saved at any world size, into ``model`` (+ optimizer, scheduler).
 
-    ``path`` may be a root: ``latest`` (or the newest complete step) is used. The model part is found by
-    the rule :func:`ckptkit.export_hf` uses (:mod:`ckptkit.ops.select`), so a plain ``model.state_dict()``
-    file, an HF folder and other frameworks' checkpoints load too. Optimizer state is loaded when the
-    checkpoint has some (``optim``, ``optimizer``, ``optimizer_0`` ...) keyed by the model's parameter names;
-    ``LoadResult.optimizer_loaded`` says whether it was. Returns the step and ``extra_state`` that were
-    saved. Call on every rank.
+    ``path`` may be a run directory: ``latest`` (or the most recent complete save) is used, after recovering
+    from a save killed at any point. The model part is found by the rule :func:`ckptkit.export_hf` uses
+    (:mod:`ckptkit.ops.select`), so a plain ``model.state_dict()`` file, an HF folder and other frameworks'
+    checkpoints load too. Optimizer state is loaded when the checkpoint has some (``optim``, ``optimizer``,
+    ``optimizer_0`` ...) keyed by the model's parameter names; ``LoadResult.optimizer_loaded`` says whether it
+    was. Returns the step and ``extra_state`` that were saved. Call on every rank.
+
+    With ``verify_checksums`` (the default), every tensor is checked against the CRC-32s ``ckptkit.save``
+    recorded in ``ckptkit.json`` (each rank checks a share) and a mismatch raises :class:`ChecksumError`
+    naming the file and key.
 
     Raises :class:`ckptkit.CheckpointError` listing the keys when, under ``strict``, the model needs keys the
     checkpoint lacks or the checkpoint holds model keys the model does not have, or the optimizer state
     present does not fit the optimizer.
     """
-    ckpt = rotation.resolve(Path(path))
+    ckpt = _resolve(Path(path))
     manifest = detect(ckpt).read(ckpt)  # once: for DCP this reads every chunk's header
+    if verify_checksums:
+        checksums.verify_on_every_rank(ckpt, manifest, gloo_group())
     fmt = manifest.format
     optimizer = optimizer if load_optimizer else None
     side = _read_all(manifest, SIDE_KEYS) if fmt is not Format.HF else {}
@@ -105,6 +113,18 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     if scheduler is not None and load_scheduler and "scheduler" in side:
         scheduler.load_state_dict(side["scheduler"])
     return LoadResult(ckpt, side.get("step"), side.get("extra"), optim_src is not None)
+
+
+def _resolve(path: Path) -> Path:
+    """``path`` or the step its ``latest`` names, once a save killed midway has been recovered from (every rank
+    recovers what its host left; the barrier keeps any rank from resolving before the owner's host has)."""
+    for directory in (path.parent, path):
+        with contextlib.suppress(OSError):  # a read-only checkpoint: nothing to recover, or nothing we may
+            rotation.recover(directory)
+    group = gloo_group()
+    if group is not None:
+        torch.distributed.barrier(group=group)
+    return rotation.resolve(path)
 
 
 def _with_tied_aliases(model: torch.nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:

@@ -2,17 +2,17 @@
 
 State goes through torch's ``get_state_dict``, which gives the same fully qualified names for a plain
 module, DDP, FSDP1 and FSDP2: that is what lets a checkpoint saved under one wrapper and world size load
-under another (:mod:`.load`). A save writes into a staging directory shared by all ranks, adds
-``ckptkit.json`` (format, world size, step, per-tensor CRC-32s), then rank 0 publishes it (completion
-marker, rename, ``latest``) and only afterwards rotates older steps.
+under another (:mod:`.load`). Rank 0 stages a directory beside the target (:mod:`ckptkit.io.publish`), every
+rank writes its part there and records the CRC-32 of every tensor it writes as it writes it
+(:mod:`ckptkit.ops.checksums`); then rank 0 adds ``ckptkit.json`` (format, world size, step, save number,
+checksums), publishes (completion marker, atomic rename, ``latest``) and only afterwards rotates older saves.
+Every rank learns rank 0's outcome, so a failed publish raises everywhere instead of leaving ranks waiting.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,42 +24,43 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from ..core.manifest import FormName
-from ..core.plan import Region, row_blocks
-from ..errors import UsageError
+from ..core.manifest import FormName, key_of
+from ..core.tree import flatten
+from ..errors import CheckpointError, UsageError
 from ..formats import detect
-from ..io import publish as rotation
-from ..io.publish import replace_with
-from ..io.sources import Files, read_region
+from ..io import publish
+from ..ops import checksums
+from ..ops.checksums import MANIFEST, Recorder
 
-__all__ = ["FULL_FILE", "MANIFEST", "SIDE_KEYS", "SaveHandle", "save"]
+__all__ = ["FULL_FILE", "MANIFEST", "SIDE_KEYS", "SaveHandle", "gloo_group", "save"]
 
-MANIFEST = "ckptkit.json"
 FULL_FILE = "checkpoint.pt"
 _FORMS = ("full", "sharded", "hf", "local")
 SIDE_KEYS = ("scheduler", "extra", "step")
 """Top-level keys a save writes beside ``model`` and ``optim``."""
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+_GLOO_GROUPS: dict[int, Any] = {}
 
 
-_ASYNC_GROUPS: dict[int, Any] = {}
-
-
-def _async_group() -> Any:
-    """A gloo group of its own for background saves: their collectives must not interleave with training's
-    on the default group. Made once per default group (new_group is itself a collective)."""
+def gloo_group() -> Any:
+    """A gloo group of its own for ckptkit's collectives: background saves must not interleave with training's
+    collectives on the default group, and object collectives on gloo need no device. Made once per default
+    group (new_group is itself a collective, so every rank calls this at the same point); None when alone."""
+    if not _distributed():
+        return None
     key = id(dist.group.WORLD)
-    if key not in _ASYNC_GROUPS:
-        _ASYNC_GROUPS[key] = dist.new_group(backend="gloo")
-    return _ASYNC_GROUPS[key]
+    if key not in _GLOO_GROUPS:
+        _GLOO_GROUPS[key] = dist.new_group(backend="gloo")
+    return _GLOO_GROUPS[key]
 
 
 def _cpu_copy(tree: Any) -> Any:
@@ -85,11 +86,57 @@ class SaveHandle:
 
     def wait(self) -> Path:
         if not self._done:
-            if self._pending is not None:
-                self._pending.result()
-            self._publish()
             self._done = True
+            self._publish()
         return self.path
+
+
+def _shared(value: Any, group: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if not _distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _outcome(error: BaseException | None, group: Any) -> None:
+    """Raise on every rank if any rank failed; rank 0's error text names what went wrong."""
+    message = f"rank {_rank_world()[0]}: {error}" if error is not None else None
+    if _distributed():
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, message, group=group)
+        failed = [m for m in every if m]
+    else:
+        failed = [message] if message else []
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"the save failed on another rank: {'; '.join(failed)}")
+
+
+def _stage(final: Path, *, replace_checkpoint_only: bool, group: Any) -> publish.Staging:
+    """Rank 0 stages beside ``final``; every rank gets the staging directory (or rank 0's error)."""
+    rank, _ = _rank_world()
+    staging, error = None, None
+    if rank == 0:
+        try:
+            if replace_checkpoint_only and final.exists() and not _replaceable(final):
+                raise UsageError(f"{final} exists and is not a checkpoint ckptkit saved; ckptkit.save replaces only "
+                                 "its own checkpoints (pass an empty or new directory, or step=)")
+            staging = publish.stage(final, replace=True)
+        except Exception as e:
+            error = e
+    where = _shared(str(staging.path) if staging else f"error: {error}", group)
+    if error is not None:
+        raise error
+    if not os.path.isabs(where):
+        raise CheckpointError(f"rank 0 could not stage {final}: {where.removeprefix('error: ')}")
+    return staging or publish.Staging(final, Path(where), owner=False)
+
+
+def _replaceable(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and ((path / publish.COMPLETE).is_file() or not any(path.iterdir()))
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
@@ -102,92 +149,126 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     weights, plus config and tokenizer from ``hf_assets``) or ``local`` (FSDP1 only: each rank's
     LOCAL_STATE_DICT and the flat layout that lets ckptkit read it at any world size).
 
-    With ``step``, ``path`` is a root: the checkpoint goes to ``path/step-NNNNNNNN``, ``latest`` moves to it
-    once it is complete, and ``keep_last`` / ``max_total_gb`` then remove older steps (never the new one).
-    Without ``step``, ``path`` is the checkpoint directory itself. ``async_save=True`` returns once the state
-    is copied to CPU memory; call ``handle.wait()`` on every rank before the next save. (FSDP1's sharded
-    state cannot be staged by torch's async stager; that one case writes before returning.)
+    With ``step``, ``path`` is a run directory: the checkpoint goes to ``path/step-NNNNNNNN``, ``latest`` moves
+    to it once it is complete, and ``keep_last`` / ``max_total_gb`` then remove the least recent saves (never
+    the new one). Saving a step that exists replaces it atomically. Without ``step``, ``path`` is the
+    checkpoint directory itself. ``async_save=True`` returns once the state is copied to CPU memory; call
+    ``handle.wait()`` on every rank before the next save. (FSDP1's sharded state cannot be staged by torch's
+    async stager; that one case writes before returning.)
     """
     if form not in _FORMS:
         raise UsageError(f"form must be one of {', '.join(_FORMS)}, got {form!r}")
     rank, world = _rank_world()
     root = Path(path)
-    final = rotation.step_dir(root, step) if step is not None else root
-    stage = final.parent / f".{final.name}.ckptkit-partial"
-    if rank == 0:
-        shutil.rmtree(stage, ignore_errors=True)
-        stage.mkdir(parents=True)
-    _barrier()
+    final = publish.step_dir(root, step) if step is not None else root
+    group = gloo_group()
+    staging = _stage(final, replace_checkpoint_only=step is None, group=group)
+    recorder = Recorder()
 
-    def publish() -> None:
-        _publish(root, final, stage, form, world, step, keep_last, max_total_gb)
+    def finish(pending: Future | None = None, error: BaseException | None = None) -> None:
+        try:
+            if pending is not None:
+                pending.result()
+        except Exception as e:
+            error = e
+        _publish(root, final, staging, recorder, form, step, keep_last, max_total_gb, group, error)
 
-    def done() -> SaveHandle:
-        handle = SaveHandle(final, publish)
+    def done(error: BaseException | None = None) -> SaveHandle:
+        handle = SaveHandle(final, lambda: finish(None, error))
         handle.wait()
         return handle
 
-    side = {k: v for k, v in (("scheduler", scheduler.state_dict() if scheduler is not None else None),
-                              ("extra", extra_state), ("step", step)) if v is not None}
-    if form == "local":
-        # ShardedTensors cannot be staged by copying (see the sharded form): the files are written now.
-        _write_local(model, optimizer, side, stage, rank)
+    try:
+        side = {k: v for k, v in (("scheduler", scheduler.state_dict() if scheduler is not None else None),
+                                  ("extra", extra_state), ("step", step)) if v is not None}
+        if form == "local":
+            # ShardedTensors cannot be staged by copying (see the sharded form): the files are written now.
+            _write_local(model, optimizer, side, staging.path, rank, recorder)
+            return done()
+        full = form in ("full", "hf")
+        # Offload only from an accelerator: FSDP1's CPU offload of CPU parameters crashes (torch 2.13, SIGSEGV).
+        on_device = any(p.device.type != "cpu" for p in model.parameters())
+        options = StateDictOptions(full_state_dict=full, cpu_offload=full and on_device)
+        msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
+        state: dict[str, Any] = {"model": msd, **({"optim": osd} if optimizer is not None else {}), **side}
+
+        if form == "sharded":
+            writer = checksums.checksum_writer(staging.path, recorder)
+            # torch's async stager cannot copy FSDP1's ShardedTensors (torch 2.13): those save synchronously.
+            sharded_tensors = any(type(v).__name__ == "ShardedTensor" for v in msd.values())
+            if async_save and not sharded_tensors:
+                response = dcp.async_save(state, storage_writer=writer, process_group=group)
+                # An AsyncSaveResponse comes back only from a stager that stages in the background.
+                future = response if isinstance(response, Future) else response.upload_completion
+                return SaveHandle(final, lambda: finish(future))
+            dcp.save(state, storage_writer=writer)
+            return done()
+
+        def write(snapshot: dict[str, Any]) -> None:
+            if rank != 0:
+                return
+            if form == "full":
+                for p, leaf in flatten(snapshot, lambda v: isinstance(v, torch.Tensor)):
+                    if isinstance(leaf, torch.Tensor):
+                        recorder.tensor(key_of(p), leaf)
+                torch.save(snapshot, staging.path / FULL_FILE)
+            else:
+                for key, t in snapshot["model"].items():
+                    recorder.tensor(key, t)
+                _write_hf(snapshot["model"], staging.path, hf_assets)
+
+        snapshot = _cpu_copy(state) if rank == 0 else {}
+        if async_save:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-save") as pool:
+                pending = pool.submit(write, snapshot)  # leaving the block does not wait: shutdown(wait=False)
+                pool.shutdown(wait=False)
+            return SaveHandle(final, lambda: finish(pending))
+        write(snapshot)
         return done()
-    full = form in ("full", "hf")
-    # Offload only from an accelerator: FSDP1's CPU offload of CPU parameters crashes (torch 2.13, SIGSEGV).
-    on_device = any(p.device.type != "cpu" for p in model.parameters())
-    options = StateDictOptions(full_state_dict=full, cpu_offload=full and on_device)
-    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
-    state: dict[str, Any] = {"model": msd, **({"optim": osd} if optimizer is not None else {}), **side}
-
-    if form == "sharded":
-        # torch's async stager cannot copy FSDP1's ShardedTensors (torch 2.13): those save synchronously.
-        sharded_tensors = any(type(v).__name__ == "ShardedTensor" for v in msd.values())
-        if async_save and not sharded_tensors:
-            group = _async_group() if dist.is_available() and dist.is_initialized() else None
-            response = dcp.async_save(state, checkpoint_id=str(stage), process_group=group)
-            # An AsyncSaveResponse comes back only from a stager that stages in the background (not the default).
-            future = response if isinstance(response, Future) else response.upload_completion
-            return SaveHandle(final, publish, _pending=future)
-        dcp.save(state, checkpoint_id=str(stage))
-        return done()
-
-    def write(snapshot: dict[str, Any]) -> None:
-        if rank != 0:
-            return
-        if form == "full":
-            torch.save(snapshot, stage / FULL_FILE)
-        else:
-            _write_hf(snapshot["model"], stage, hf_assets)
-
-    snapshot = _cpu_copy(state) if rank == 0 else {}
-    if async_save:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-save") as pool:
-            pending = pool.submit(write, snapshot)  # leaving the block does not wait: shutdown(wait=False)
-            pool.shutdown(wait=False)
-        return SaveHandle(final, publish, _pending=pending)
-    write(snapshot)
-    return done()
+    except Exception as e:
+        # Through the publish step all the same: every rank then learns of it and raises, none waits forever.
+        return done(e)
+    except BaseException:
+        staging.abort()  # Ctrl-C, SystemExit: this process is going; a later save recovers the rest
+        raise
 
 
-def _publish(root: Path, final: Path, stage: Path, form: str, world: int, step: int | None,
-            keep_last: int | None, max_total_gb: float | None) -> None:
-    """After every rank has written: rank 0 adds ckptkit.json, publishes, then rotates."""
-    rank, _ = _rank_world()
-    _barrier()
-    if rank == 0:
-        _write_manifest(stage, form, world, step)
-        if step is None:
-            (stage / rotation.COMPLETE).write_text("complete\n")
-            replace_with(final, stage)
-        else:
-            rotation.publish(stage, final)
-            max_bytes = int(max_total_gb * 1e9) if max_total_gb is not None else None
-            rotation.rotate(root, keep_last=keep_last, max_total_bytes=max_bytes)
-    _barrier()
+def _publish(root: Path, final: Path, staging: publish.Staging, recorder: Recorder, form: str, step: int | None,
+             keep_last: int | None, max_total_gb: float | None, group: Any, error: BaseException | None) -> None:
+    """After every rank has written: rank 0 writes ckptkit.json, publishes, then rotates; every rank raises if
+    any rank failed, and the staging directory goes."""
+    rank, world = _rank_world()
+    merged = recorder
+    if _distributed():
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, None if error is not None else recorder, group=group)
+        merged = Recorder()
+        for r in every:
+            if r is not None:
+                merged.merge(r)
+        failed = any(r is None for r in every)
+    else:
+        failed = error is not None
+    if rank == 0 and not failed:
+        try:
+            if form == "hf":
+                merged.keep_only(set(detect(staging.path).read(staging.path).keys))
+            save_number = publish.next_save(root) if step is not None else 1
+            checksums.write_record(staging.path, merged, form=form, world_size=world, step=step, save=save_number)
+            staging.commit(replace=True, marker=publish.marker_text(save=save_number, step=step))
+            if step is not None:
+                publish.point_latest(root, final)
+                max_bytes = int(max_total_gb * 1e9) if max_total_gb is not None else None
+                publish.rotate(root, keep=final, keep_last=keep_last, max_total_bytes=max_bytes)
+        except Exception as e:
+            error = e
+    if rank == 0 and (failed or error is not None):
+        staging.abort()
+    _outcome(error, group)
 
 
-def _write_local(model: torch.nn.Module, optimizer: Any, side: dict[str, Any], stage: Path, rank: int) -> None:
+def _write_local(model: torch.nn.Module, optimizer: Any, side: dict[str, Any], stage: Path, rank: int,
+                 recorder: Recorder) -> None:
     """FSDP1 LOCAL_STATE_DICT: every rank writes its own file; rank 0 puts the flat layout beside them."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
 
@@ -201,6 +282,7 @@ def _write_local(model: torch.nn.Module, optimizer: Any, side: dict[str, Any], s
         state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optim"] = optimizer.state_dict()
+    recorder.leaves(f"rank{rank}.pt", {**state, **side})
     torch.save({**state, **side}, stage / f"rank{rank}.pt")
     if rank == 0:
         (stage / LAYOUT_FILE).write_bytes(layout_of(model).to_json())
@@ -218,16 +300,3 @@ def _write_hf(model_sd: dict[str, torch.Tensor], stage: Path, hf_assets: str | o
         for name in ASSET_FILES:
             if (Path(hf_assets) / name).is_file():
                 shutil.copy2(Path(hf_assets) / name, stage / name)
-
-
-def _write_manifest(stage: Path, form: str, world: int, step: int | None) -> None:
-    manifest = detect(stage).read(stage)
-    checksums = {}
-    with Files() as files:
-        for t in manifest.tensors:
-            crc = 0
-            for block in row_blocks(Region.whole(t), 64 << 20):
-                crc = zlib.crc32(read_region(block, files), crc)
-            checksums[t.key] = {"dtype": t.dtype.name, "shape": list(t.shape), "crc32": f"{crc:08x}"}
-    info = {"format": form, "world_size": world, "step": step, "tensors": checksums}
-    (stage / MANIFEST).write_text(json.dumps(info, indent=1) + "\n")

@@ -202,8 +202,7 @@ class FlatLayout:
                                  f"found {doc.get('format')!r} {doc.get('version')!r}")
             units = tuple(
                 FlatUnit(_str(unit["key"]),
-                         tuple(FlatParam(_str(param["fqn"]), tuple(_int(dim) for dim in param["shape"]),
-                                         _int(param["offset"]))
+                         tuple(FlatParam(_str(param["fqn"]), _shape(param["shape"]), _int(param["offset"]))
                                for param in unit["params"]),
                          tuple((_str(alias), _str(fqn)) for alias, fqn in unit.get("shared", ())))
                 for unit in doc["units"])
@@ -212,8 +211,8 @@ class FlatLayout:
                        None if dtype is None else _floating(dtype))
         except FormatError as e:
             raise FormatError(f"{where}: {e}") from e
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise FormatError(f"{where}: not a ckptkit flat layout ({type(e).__name__}: {e})") from e
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise FormatError(f"{where}: not a ckptkit flat layout ({type(e).__name__}: {str(e)[:200]})") from e
 
 
 def _str(v: Any) -> str:
@@ -232,6 +231,12 @@ def _floating(v: Any) -> str:
     if v not in _FLOATING:
         raise TypeError(f"expected a floating dtype name ({', '.join(sorted(_FLOATING))}), found {v!r}")
     return v
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > 64:
+        raise TypeError(f"expected a shape (a list of at most 64 sizes), found {v!r:.60}")
+    return tuple(_int(dim) for dim in v)
 
 
 def _bool(v: Any) -> bool:

@@ -1,0 +1,466 @@
+"""Checksums of what ``ckptkit.save`` writes, recorded in ``ckptkit.json`` and checked on load and by ``verify``.
+
+Each rank computes them from the bytes it writes, as it writes them (:class:`Recorder`): nobody re-reads the
+checkpoint after a save. A checksum is the CRC-32 of a tensor box's row-major bytes, so it does not depend on
+how a format lays the bytes out:
+
+- ``tensors``: per tensor key, its dtype, shape and the boxes that tile it (DCP's chunks, or the whole tensor
+  for ``full`` and ``hf``), each with its CRC-32;
+- ``objects``: per non-tensor DCP entry, the CRC-32 of its serialized bytes;
+- ``files``: for ``local``, per rank file, the CRC-32 of every tensor it holds (a ShardedTensor's local shards
+  in a row), keyed as ckptkit reads the file.
+
+``ckptkit.json`` itself is untrusted input: :func:`read_record` checks its size, types and names, and
+:func:`check` checks that every key it names exists in the checkpoint, and every tensor has its checksums.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..codecs.sharded_tensor import ShardedTensorData, sharded_tensor_globals
+from ..codecs.torchzip_read import read_archive
+from ..core import dtypes
+from ..core.manifest import Chunk, Format, Manifest, Span, TensorEntry, TensorRef, key_of
+from ..core.plan import Region, plan_copies, row_blocks
+from ..core.tree import flatten
+from ..errors import CheckpointError, ChecksumError, FormatError
+from ..formats import object_value
+from ..io.sources import Files, read_region
+
+__all__ = ["MANIFEST", "Mismatch", "Record", "Recorder", "check", "checksum_writer", "read_record", "tensor_crc",
+           "verify_on_every_rank", "write_record"]
+
+MANIFEST = "ckptkit.json"
+VERSION = 2
+_MAX_BYTES = 256 << 20
+_MAX_DIMS = 64
+_HEX = re.compile(r"[0-9a-f]{8}")
+_FORMS = tuple(f.value for f in Format)
+
+Box = tuple[tuple[int, ...], tuple[int, ...], int]
+"""``(offsets, sizes, crc32)`` of one box of a tensor."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# Recording, on each rank while it writes (torch is imported only here)
+
+
+def tensor_crc(t: Any, crc: int = 0) -> int:
+    """CRC-32 of a torch tensor's row-major bytes (moved to CPU if it is not there)."""
+    import torch
+
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return zlib.crc32(data.numpy().data, crc) if data.numel() else crc
+
+
+@dataclass
+class Recorder:
+    """The checksums one rank computes for what it writes; rank 0 merges every rank's into ``ckptkit.json``."""
+
+    tensors: dict[str, tuple[str, tuple[int, ...], list[Box]]] = field(default_factory=dict)
+    objects: dict[str, int] = field(default_factory=dict)
+    files: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def tensor(self, key: str, t: Any, shape: tuple[int, ...] | None = None,
+               offsets: tuple[int, ...] | None = None) -> None:
+        """Record torch tensor ``t``, the box at ``offsets`` of a tensor of global ``shape`` (default: all of it)."""
+        sizes = tuple(t.shape)
+        dtype = str(t.dtype).removeprefix("torch.")
+        boxes = self.tensors.setdefault(key, (dtype, tuple(shape or sizes), []))[2]
+        boxes.append((tuple(offsets or (0,) * len(sizes)), sizes, tensor_crc(t)))
+
+    def leaves(self, file: str, state: Any) -> None:
+        """Record every tensor of ``state`` as ``file`` holds it (LOCAL: ShardedTensors by their local shards)."""
+        import torch
+
+        crcs = self.files.setdefault(file, {})
+        for path, leaf in flatten(state, lambda v: isinstance(v, torch.Tensor)):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if type(leaf).__name__ == "ShardedTensor":
+                crc = 0
+                for shard in leaf.local_shards():  # type: ignore[attr-defined]  # a ShardedTensor
+                    crc = tensor_crc(shard.tensor, crc)
+                crcs[key_of(path)] = crc
+            else:
+                crcs[key_of(path)] = tensor_crc(leaf)
+
+    def merge(self, other: Recorder) -> None:
+        for key, (dtype, shape, boxes) in other.tensors.items():
+            mine = self.tensors.setdefault(key, (dtype, shape, []))[2]
+            mine.extend(b for b in boxes if b not in mine)  # a replica written by two ranks counts once
+        self.objects.update(other.objects)
+        for file, crcs in other.files.items():
+            self.files.setdefault(file, {}).update(crcs)
+
+    def keep_only(self, keys: set[str]) -> None:
+        """Drop tensors the checkpoint does not hold after all (a tied weight the HF writer leaves out)."""
+        self.tensors = {k: v for k, v in self.tensors.items() if k in keys}
+
+
+_WRITERS: dict[str, type] = {}
+
+
+def checksum_writer(path: Path, recorder: Recorder) -> Any:
+    """torch's DCP ``FileSystemWriter`` for ``path`` that records, on the rank that writes each item, the
+    CRC-32 of the tensor chunk or serialized object it writes, in the thread that writes it."""
+    if "dcp" not in _WRITERS:
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        class ChecksumWriter(FileSystemWriter):
+            recorder: Recorder
+
+            def write_data(self, plan, planner):
+                for item in plan.items:
+                    data = planner.resolve_data(item)  # idempotent, by SavePlanner's contract
+                    if item.type == WriteItemType.BYTE_IO:
+                        self.recorder.objects[item.index.fqn] = zlib.crc32(data.getbuffer())
+                    else:
+                        chunk = item.tensor_data.chunk
+                        self.recorder.tensor(item.index.fqn, data, tuple(item.tensor_data.size), tuple(chunk.offsets))
+                return super().write_data(plan, planner)
+
+        _WRITERS["dcp"] = ChecksumWriter
+    writer = _WRITERS["dcp"](str(path))
+    writer.recorder = recorder
+    return writer
+
+
+def write_record(directory: Path, recorder: Recorder, *, form: str, world_size: int, step: int | None,
+                 save: int) -> None:
+    def hex_(crc: int) -> str:
+        return f"{crc:08x}"
+
+    doc = {
+        "format": form, "version": VERSION, "world_size": world_size, "step": step, "save": save,
+        "checksum": "crc32",
+        "tensors": {k: {"dtype": dtype, "shape": list(shape),
+                        "chunks": [{"offsets": list(o), "sizes": list(s), "crc32": hex_(c)} for o, s, c in boxes]}
+                    for k, (dtype, shape, boxes) in recorder.tensors.items()},
+        "objects": {k: hex_(c) for k, c in recorder.objects.items()},
+        "files": {f: {k: hex_(c) for k, c in crcs.items()} for f, crcs in recorder.files.items()},
+    }
+    (directory / MANIFEST).write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reading ckptkit.json, as untrusted input
+
+
+@dataclass(frozen=True)
+class Record:
+    """``ckptkit.json``, checked for structure (not yet against the checkpoint)."""
+
+    path: Path
+    format: str
+    world_size: int
+    step: int | None
+    save: int | None
+    tensors: dict[str, tuple[dtypes.DType, tuple[int, ...], tuple[Box, ...]]]
+    objects: dict[str, int]
+    files: dict[str, dict[str, int]]
+
+
+def _int(v: Any, what: str, *, none: bool = False) -> Any:
+    if v is None and none:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{what} should be a non-negative integer, found {v!r:.60}")
+    return v
+
+
+def _ints(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > _MAX_DIMS:
+        raise ValueError(f"{what} should be a list of at most {_MAX_DIMS} integers, found {v!r:.60}")
+    return tuple(_int(n, what) for n in v)
+
+
+def _crc(v: Any, what: str) -> int:
+    if not isinstance(v, str) or not _HEX.fullmatch(v):
+        raise ValueError(f"{what} should be 8 lowercase hex digits, found {v!r:.60}")
+    return int(v, 16)
+
+
+def _dict(v: Any, what: str) -> dict:
+    if not isinstance(v, dict):
+        raise ValueError(f"{what} should be an object, found {type(v).__name__}")
+    return v
+
+
+_KEYS = {"format", "version", "world_size", "step", "save", "checksum", "tensors", "objects", "files"}
+
+
+def _box(c: dict, what: str) -> Box:
+    if c.keys() != {"offsets", "sizes", "crc32"}:
+        raise ValueError(f"{what} chunks need offsets, sizes and crc32, found {sorted(map(str, c))[:4]}")
+    return _ints(c["offsets"], f"{what} offsets"), _ints(c["sizes"], f"{what} sizes"), _crc(c["crc32"], f"{what} crc32")
+
+
+def _parse(path: Path, doc: Any) -> Record:
+    doc = _dict(doc, "the document")
+    unknown = sorted(map(str, doc.keys() - _KEYS))
+    if unknown:
+        raise ValueError(f"unknown fields {unknown[:3]}")
+    version = doc.get("version", 1)
+    missing = sorted((_KEYS if version == VERSION else {"format", "world_size", "step", "tensors"}) - doc.keys())
+    if missing:
+        raise ValueError(f"missing fields {missing}")
+    if doc.get("checksum", "crc32") != "crc32":
+        raise ValueError(f"checksum {doc.get('checksum')!r:.40} is not one ckptkit computes (crc32)")
+    form = doc.get("format")
+    if form not in _FORMS:
+        raise ValueError(f"format should be one of {', '.join(_FORMS)}, found {form!r:.60}")
+    if version not in (1, VERSION):
+        raise ValueError(f"version {version!r:.20} is not one this ckptkit reads (1, {VERSION})")
+    tensors = {}
+    for key, t in _dict(doc.get("tensors", {}), "tensors").items():
+        t = _dict(t, f"tensors[{key!r}]")
+        if t.keys() - {"dtype", "shape", "chunks", "crc32"}:
+            raise ValueError(f"tensors[{key!r}] has unknown fields {sorted(map(str, t))[:4]}")
+        name = t.get("dtype")
+        if not isinstance(name, str):
+            raise ValueError(f"tensors[{key!r}].dtype should be a torch dtype name, found {name!r:.60}")
+        try:
+            dtype = dtypes.by_name(name, where=f"tensors[{key!r}]")
+        except FormatError as e:
+            raise ValueError(str(e)) from None
+        shape = _ints(t.get("shape"), f"tensors[{key!r}].shape")
+        if version == 1:  # one CRC of the whole tensor
+            boxes: tuple[Box, ...] = (((0,) * len(shape), shape, _crc(t.get("crc32"), f"tensors[{key!r}].crc32")),)
+        else:
+            chunks = t.get("chunks")
+            if not isinstance(chunks, list):
+                raise ValueError(f"tensors[{key!r}].chunks should be a list")
+            boxes = tuple(_box(_dict(c, f"tensors[{key!r}].chunks"), f"tensors[{key!r}]") for c in chunks)
+        tensors[key] = (dtype, shape, boxes)
+    objects = {k: _crc(v, f"objects[{k!r}]") for k, v in _dict(doc.get("objects", {}), "objects").items()}
+    files = {}
+    for name, crcs in _dict(doc.get("files", {}), "files").items():
+        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise ValueError(f"files names {name!r:.60}, not a plain file name")
+        files[name] = {k: _crc(v, f"files[{name!r}][{k!r}]") for k, v in _dict(crcs, f"files[{name!r}]").items()}
+    return Record(path, form, _int(doc.get("world_size"), "world_size"), _int(doc.get("step"), "step", none=True),
+                  _int(doc.get("save"), "save", none=True), tensors, objects, files)
+
+
+def read_record(directory: Path | str) -> Record | None:
+    """``directory/ckptkit.json`` checked for structure; None when there is none. Garbage is an error."""
+    path = Path(directory) / MANIFEST
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        if not path.is_file() or path.stat().st_size > _MAX_BYTES:
+            raise ValueError(f"expected a JSON file under {_MAX_BYTES >> 20} MiB")
+        return _parse(path, json.loads(path.read_bytes()))
+    except (ValueError, RecursionError, OSError) as e:
+        raise FormatError(f"{path}: not a valid ckptkit.json ({e}); it is checked as untrusted input, and a "
+                          "damaged one is an error rather than ignored") from None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checking a checkpoint against its record
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    key: str
+    what: str
+
+
+def _box_crc(entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...], files: Files,
+             budget: int) -> int:
+    crc = 0
+    for block in row_blocks(Region(entry, offsets, sizes), budget):
+        crc = zlib.crc32(read_region(block, files), crc)
+    return crc
+
+
+def _span_crc(span: Span, files: Files, key: str, budget: int) -> int:
+    fd = files.fd(span.file, span.offset + span.length, start=span.offset, key=key)
+    crc, pos, end = 0, span.offset, span.offset + span.length
+    while pos < end:
+        data = os.pread(fd, min(budget, end - pos), pos)
+        if not data:
+            raise FormatError(f"{span.file}: {key!r}: unexpected end of file at offset {pos}")
+        crc, pos = zlib.crc32(data, crc), pos + len(data)
+    return crc
+
+
+def _tiles(key: str, dtype: dtypes.DType, shape: tuple[int, ...], boxes: tuple[Box, ...]) -> str | None:
+    """None when ``boxes`` tile a tensor of ``shape`` exactly; else what is wrong (by the manifest's own rule)."""
+    chunks = tuple(Chunk(o, s, Span("ckptkit.json", 0, 1 << 62)) for o, s, _ in boxes)
+    try:
+        TensorEntry(key, (key,), dtype, shape, chunks).validate()
+    except CheckpointError as e:
+        return str(e).replace("in ckptkit.json ", "")
+    return None
+
+
+@dataclass
+class _Job:
+    """One thing to check: a box of a tensor, an object blob, or a LOCAL rank file."""
+
+    key: str
+    weight: int
+    run: Callable[[Files, int], Mismatch | None]
+
+
+def _jobs(record: Record, manifest: Manifest, root: Path, problems: list[Mismatch]) -> list[_Job]:
+    """What there is to check, after checking that the record and the manifest name the same things."""
+    jobs: list[_Job] = []
+    if record.format != manifest.format.value:
+        problems.append(Mismatch(MANIFEST, f"says format {record.format}, the checkpoint is {manifest.format.value}"))
+        return jobs
+    if manifest.world_size is not None and record.world_size != manifest.world_size:
+        problems.append(Mismatch(MANIFEST, f"says world size {record.world_size}, the checkpoint has "
+                                           f"{manifest.world_size} ranks' files"))
+    if record.step is not None and "step" in manifest:
+        entry = manifest["step"]
+        saved = object_value(entry) if not isinstance(entry, TensorEntry) else None
+        if saved != record.step:
+            problems.append(Mismatch("step", f"is {saved!r:.40} in the checkpoint, {record.step} in {MANIFEST}"))
+    if record.files:
+        return jobs + _file_jobs(record, manifest, root, problems)
+    tensors = {t.key: t for t in manifest.tensors}
+    for key in tensors.keys() - record.tensors.keys():
+        problems.append(Mismatch(key, f"has no checksum in {MANIFEST} (added after the save?)"))
+    for key, (dtype, shape, boxes) in record.tensors.items():
+        t = tensors.get(key)
+        if t is None:
+            problems.append(Mismatch(key, f"is in {MANIFEST} but not in the checkpoint"))
+            continue
+        if (t.dtype, t.shape) != (dtype, shape):
+            problems.append(Mismatch(key, f"is {t.dtype} {list(t.shape)} in the checkpoint, {dtype} {list(shape)} "
+                                          f"in {MANIFEST}"))
+            continue
+        wrong = _tiles(key, dtype, shape, boxes)
+        if wrong:
+            problems.append(Mismatch(key, f"{MANIFEST}'s chunks do not tile it: {wrong}"))
+            continue
+        for offsets, sizes, crc in boxes:
+            jobs.append(_Job(key, t.dtype.itemsize * math.prod(sizes), _box_job(t, offsets, sizes, crc)))
+    blobs = {o.key: o for o in manifest.objects if o.blob is not None}
+    if record.objects or record.format == Format.SHARDED.value:
+        for key in blobs.keys() - record.objects.keys():
+            problems.append(Mismatch(key, f"has no checksum in {MANIFEST} (added after the save?)"))
+    for key, crc in record.objects.items():
+        o = blobs.get(key)
+        if o is None or o.blob is None:
+            problems.append(Mismatch(key, f"is in {MANIFEST} but not a serialized entry of the checkpoint"))
+            continue
+        jobs.append(_Job(key, o.blob.length, _blob_job(key, o.blob, crc)))
+    return jobs
+
+
+def _mismatch(key: str, file: str, where: str, want: int, got: int) -> Mismatch:
+    return Mismatch(key, f"{where} in {file} fails its CRC-32 check ({MANIFEST} says {want:08x}, the bytes give "
+                         f"{got:08x}): the checkpoint changed after it was saved")
+
+
+def _box_job(t: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...], want: int):
+    def run(files: Files, budget: int) -> Mismatch | None:
+        got = _box_crc(t, offsets, sizes, files, budget)
+        if got == want:
+            return None
+        where = "the tensor" if sizes == t.shape else f"chunk at {list(offsets)} size {list(sizes)}"
+        names = sorted({cp.src.file for cp in plan_copies(Region(t, offsets, sizes))})
+        return _mismatch(t.key, ", ".join(names), where, want, got)
+    return run
+
+
+def _blob_job(key: str, span: Span, want: int):
+    def run(files: Files, budget: int) -> Mismatch | None:
+        got = _span_crc(span, files, key, budget)
+        return None if got == want else _mismatch(key, span.file, "the serialized entry", want, got)
+    return run
+
+
+def _file_jobs(record: Record, manifest: Manifest, root: Path, problems: list[Mismatch]) -> list[_Job]:
+    """LOCAL: every rank file's tensors, keyed as the file holds them."""
+    template = getattr(manifest, "rank_files", None)
+    names = {template.replace("{rank}", str(r)) for r in range(manifest.world_size or 0)} if template else set()
+    for name in names - record.files.keys():
+        problems.append(Mismatch(name, f"has no checksums in {MANIFEST} (added after the save?)"))
+    jobs = []
+    for name, crcs in record.files.items():
+        file = root / name
+        if name not in names or file.is_symlink() or not file.is_file():
+            problems.append(Mismatch(name, f"is in {MANIFEST} but is not a rank file of the checkpoint"))
+            continue
+        jobs.append(_Job(name, file.stat().st_size, _rank_file_job(file, crcs)))
+    return jobs
+
+
+def _rank_file_job(file: Path, want: dict[str, int]):
+    def run(files: Files, budget: int) -> Mismatch | None:
+        tree = read_archive(str(file.absolute()), extra_globals=sharded_tensor_globals(str(file)))
+        got: dict[str, int] = {}
+        for path, leaf in flatten(tree, lambda v: isinstance(v, (TensorRef, ShardedTensorData))):
+            refs = [leaf] if isinstance(leaf, TensorRef) else \
+                [t for _, t in leaf.local] if isinstance(leaf, ShardedTensorData) else []
+            if not refs:
+                continue
+            crc = 0
+            for ref in refs:
+                for block in row_blocks(Region.whole(ref.as_entry(path)), budget):
+                    crc = zlib.crc32(read_region(block, files), crc)
+            got[key_of(path)] = crc
+        for key in got.keys() - want.keys():
+            return Mismatch(key, f"in {file} has no checksum in {MANIFEST} (added after the save?)")
+        for key, crc in want.items():
+            if key not in got:
+                return Mismatch(key, f"is in {MANIFEST} but not in {file}")
+            if got[key] != crc:
+                return _mismatch(key, str(file), "the tensor", crc, got[key])
+        return None
+    return run
+
+
+def check(record: Record, manifest: Manifest, root: Path | str, *, max_memory: int = 1 << 30, share: int = 0,
+          of: int = 1, progress: Callable[[int], None] = lambda n: None) -> list[Mismatch]:
+    """Everything in which the checkpoint at ``root`` (read as ``manifest``) differs from ``record``.
+
+    The byte checks are split round-robin: this caller does share ``share`` of ``of`` (a rank of a world); the
+    cheap name checks are done by every caller.
+    """
+    problems: list[Mismatch] = []
+    jobs = _jobs(record, manifest, Path(root), problems)
+    budget = max(1 << 16, min(max_memory, 64 << 20))
+    with Files() as files:
+        for job in jobs[share::of]:
+            found = job.run(files, budget)
+            if found:
+                problems.append(found)
+            progress(job.weight)
+    return problems
+
+
+def verify_on_every_rank(root: Path, manifest: Manifest, group: Any = None) -> None:
+    """On every rank of the default process group (or alone): check the checkpoint at ``root`` against its
+    ``ckptkit.json``, each rank a share of the bytes, and raise :class:`ChecksumError` on every rank if any
+    rank found a mismatch. A checkpoint without ``ckptkit.json`` has nothing to check."""
+    record = read_record(root)
+    if record is None:
+        return
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    found = [f"{m.key}: {m.what}" for m in check(record, manifest, root, share=rank, of=world)]
+    if distributed:
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, found, group=group)
+        found = list(dict.fromkeys(f for rank_found in every for f in rank_found))
+    if found:
+        raise ChecksumError(f"{root}: {len(found)} checks against {MANIFEST} failed: {'; '.join(found[:5])}"
+                            f"{' ...' if len(found) > 5 else ''} (pass verify_checksums=False to load anyway)")
