@@ -126,3 +126,12 @@ def test_verify_model_only_with_renames(tmp_path):
     torch.save({"model": {"encoder.w": w}, "optimizer": {"state": {}, "param_groups": []}}, tmp_path / "a.pt")
     torch.save({"enc.w": w}, tmp_path / "b.pt")
     assert verify(tmp_path / "a.pt", tmp_path / "b.pt", model_only=True, renames=["^encoder\\.=enc."]).ok
+
+
+def test_verify_alone_refuses_the_options_of_a_comparison(tmp_path):
+    from ckptkit.errors import UsageError
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+    with pytest.raises(UsageError, match=r"^--atol, --rename compare two checkpoints; with one, all of it is checked$"):
+        verify(tmp_path / "a.pt", atol=0.1, renames=["a=b"])
+    assert verify(tmp_path / "a.pt").ok  # read through: no ckptkit.json
