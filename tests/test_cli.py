@@ -78,12 +78,14 @@ def test_cli_inspect_depth_and_filter(dcp_ckpt, training_state):
     rows = {line.split()[0]: line.split()[1:] for line in lines[header + 1:] if " = " not in line}
     model = training_state["model"]
     model_bytes = sum(t.numel() * t.element_size() for t in model.values())
-    assert rows["model"] == [str(len(model)), f"{sum(t.numel() for t in model.values()):,}", f"{model_bytes}", "B"]
-    assert rows["optimizer"][0] == "2"
+    assert rows["model"] == [str(len(model)), f"{sum(t.numel() for t in model.values()):,}", f"{model_bytes}", "B",
+                             "0"]
+    assert rows["optimizer"][0] == "2" and rows["optimizer"][-1] == "5"  # exp_avg and step; 5 param_group fields
+    assert rows["step"] == ["0", "0", "0", "B", "1"] and not any(" = " in line for line in lines)
     filtered = json.loads(run("inspect", dcp_ckpt, "--filter", "^model\\.t", "--depth", "2", "--json").stdout)
     assert {e["key"] for e in filtered["entries"]} == {"model.tall"}
     assert filtered["objects"] == [] and filtered["tensors"] == 1
-    assert filtered["modules"] == [{"name": "model.tall", "tensors": 1, "parameters": 44, "bytes": 176}]
+    assert filtered["modules"] == [{"name": "model.tall", "tensors": 1, "parameters": 44, "bytes": 176, "objects": 0}]
     text = run("inspect", dcp_ckpt, "--filter", "^model\\.t").stdout.splitlines()[0]
     assert text.endswith(f"(--filter '^model\\\\.t': 1 of {len(flat_tensors(training_state))} tensors)")
 

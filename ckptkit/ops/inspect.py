@@ -93,14 +93,17 @@ def _parameters(m: Manifest, keep: set[str]) -> int | None:
     return sum(by_key[saved].numel for _, saved in chosen if saved in keep)
 
 
-def _modules(tensors: list[TensorEntry], depth: int) -> list[dict[str, Any]]:
+def _modules(entries: list[TensorEntry | ObjectEntry], depth: int) -> list[dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
-    for t in tensors:
-        name = ".".join(t.key.split(".")[:depth])
-        row = rows.setdefault(name, {"name": name, "tensors": 0, "parameters": 0, "bytes": 0})
-        row["tensors"] += 1
-        row["parameters"] += t.numel
-        row["bytes"] += t.nbytes
+    for e in entries:
+        name = ".".join(e.key.split(".")[:depth])
+        row = rows.setdefault(name, {"name": name, "tensors": 0, "parameters": 0, "bytes": 0, "objects": 0})
+        if isinstance(e, TensorEntry):
+            row["tensors"] += 1
+            row["parameters"] += e.numel
+            row["bytes"] += e.nbytes
+        else:
+            row["objects"] += 1
     return list(rows.values())
 
 
@@ -143,7 +146,7 @@ def summary(m: Manifest, *, depth: int | None = None, filter: str | None = None)
     }
     if depth is not None:
         out["depth"] = depth
-        out["modules"] = _modules(tensors, depth)
+        out["modules"] = _modules([*tensors, *objects], depth)
     return out
 
 
@@ -162,8 +165,8 @@ def _short(value: Any) -> str:
 
 
 def render(s: dict[str, Any]) -> str:
-    """:func:`summary` as text: a header, the dtype mix, the format's facts, then modules or tensors, then the
-    other entries."""
+    """:func:`summary` as text: a header, the dtype mix, the format's facts, then a table of modules, or of
+    tensors followed by the other entries."""
     ws = f", world size {s['world_size']}" if s["world_size"] else ""
     filtered = (f" (--filter {s['filter']!r}: {s['tensors']} of {s['tensors_in_checkpoint']} tensors)"
                 if s["filter"] is not None else "")
@@ -176,11 +179,12 @@ def render(s: dict[str, Any]) -> str:
         lines.append("dtypes: " + ", ".join(f"{name} {100 * d['bytes'] / total:.3g}% ({d['tensors']} tensors)"
                                            for name, d in s["dtypes"].items()))
     lines += [f"{k}: {v}" for k, v in s["details"].items()]
-    if "modules" in s:
-        modules = [(r["name"], f"{r['tensors']:,}", f"{r['parameters']:,}", human_size(r["bytes"]))
-                   for r in s["modules"]]
-        lines += _table(("module", "tensors", "parameters", "bytes"), modules, {1, 2, 3})
-    elif s["entries"]:
+    if "modules" in s:  # one row a module: its tensors and other entries counted, not listed
+        modules = [(r["name"], f"{r['tensors']:,}", f"{r['parameters']:,}", human_size(r["bytes"]),
+                    f"{r['objects']:,}") for r in s["modules"]]
+        return "\n".join(lines + _table(("module", "tensors", "parameters", "bytes", "other entries"), modules,
+                                        {1, 2, 3, 4}))
+    if s["entries"]:
         rows = [(e["key"], e["dtype"], str(e["shape"]).replace(" ", ""), human_size(e["bytes"]),
                  f"{len(e['chunks'])} chunk{'s' * (len(e['chunks']) != 1)}" + _in(e)) for e in s["entries"]]
         lines += _table(("tensor", "dtype", "shape", "bytes", "chunks"), rows, {3})
