@@ -359,7 +359,7 @@ def test_report_str_lists_files_renames_drops_and_casts():
         "    model.safetensors    2.5 MB",
         "    config.json          1.0 kB",
         "  renamed (3 keys):",
-        "    layers.N.wq -> model.layers.N.q (x2): rows reordered for rotary embeddings",
+        "    layers.N.wq -> model.layers.N.q (x2): q/k rows reordered (rotary)",
         "    norm        -> model.norm",
         "  left out (1 key):",
         "    lm_head.weight: tied to the input embedding",

@@ -222,8 +222,8 @@ def test_export_hf_torchtitan_dry_run_writes_nothing_and_lists_the_plan(titan_ru
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
     lines = result.stdout.splitlines()
     assert lines[1].startswith("  would write ") and lines[1].endswith("(dry run: nothing written)")
-    assert "    layers.N.attention.qkv_linear.wq.weight -> model.layers.N.self_attn.q_proj.weight (x2): rows " \
-           "reordered for rotary embeddings" in lines
+    assert "    layers.N.attention.qkv_linear.wq.weight -> model.layers.N.self_attn.q_proj.weight (x2): q/k rows " \
+           "reordered (rotary)" in lines
     assert "    layers.N.feed_forward.w3.weight         -> model.layers.N.mlp.up_proj.weight (x2)" in lines
     written = json.loads((root / "hf" / "config.json").read_text())
     assert any(line.startswith("    model.safetensors  ") for line in lines)
@@ -231,7 +231,8 @@ def test_export_hf_torchtitan_dry_run_writes_nothing_and_lists_the_plan(titan_ru
     if written["tie_word_embeddings"]:
         assert "  left out (1 key):" in lines
         assert any(line.startswith("    lm_head.weight: tied to the input embedding") for line in lines)
-    assert "  written as bfloat16 (21 keys):" in lines or "  written as bfloat16 (20 keys):" in lines
+    tied = 1 if written["tie_word_embeddings"] else 0
+    assert f"  written as bfloat16: all {21 - tied} tensors" in lines
 
 
 def test_meta_llama_single_file_to_hf(titan_run, tmp_path):

@@ -68,14 +68,15 @@ class Report:
             if len(self.written) > len(shown):
                 out.append(f"    ... and {len(self.written) - len(shown)} more files")
         reordered = set(self.permuted)
-        out += _listing("renamed", [(old, new, "rows reordered for rotary embeddings" if new in reordered else "")
+        out += _listing("renamed", [(old, new, "q/k rows reordered (rotary)" if new in reordered else "")
                                     for old, new in self.renamed])
         out += _listing("left out", [(key, "", why) for key, why in self.dropped])
         by_dtype: dict[str, list[tuple[str, str, str]]] = {}
         for key, dtype in self.cast:
             by_dtype.setdefault(dtype, []).append((key, "", ""))
         for dtype, keys in by_dtype.items():
-            out += _listing(f"written as {dtype}", keys)
+            out += [f"  written as {dtype}: all {len(keys)} tensors"] if len(keys) == self.tensors else \
+                _listing(f"written as {dtype}", keys)
         out += [f"  note: {n}" for n in self.notes]
         return out
 
