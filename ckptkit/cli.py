@@ -4,10 +4,16 @@ Exit codes: 0 success, 1 ``verify`` found differences, 2 bad input or usage (one
 ``--debug``), 130 interrupted (SIGINT, Ctrl-C), 143 terminated (SIGTERM, as Slurm and Kubernetes send at a
 time-out). An interrupted or terminated run removes its staging directory on the way out; a closed pipe
 (``ckptkit verify A B | head``) ends the run quietly.
+
+Options are shared decorators, each listed under a heading of ``--help`` (:class:`_Option`'s ``section``):
+a command's own options first, then the common ones, LOCAL-only ones last. Every option can also be set from
+the environment: ``CKPTKIT_<COMMAND>_<OPTION>`` (click's ``auto_envvar_prefix``), and the common ones from
+``CKPTKIT_<OPTION>`` for every command at once.
 """
 
 from __future__ import annotations
 
+import inspect as _pyinspect
 import json
 import os
 import signal
@@ -20,6 +26,14 @@ from ._startup import handle
 from .errors import CheckpointError
 
 __all__ = ["main"]
+
+MAPPING = "Key mapping (applied in this order)"
+COMMON = "Common options"
+LOCAL = "LOCAL checkpoints (FSDP1 LOCAL_STATE_DICT)"
+_SECTIONS = (None, MAPPING, COMMON, LOCAL)
+"""Headings in --help order; None is the command's own options. A heading not listed goes before COMMON."""
+_DEBUG = "ckptkit.debug"
+
 
 
 class _Terminated(BaseException):
@@ -34,13 +48,60 @@ def _terminate(signum: int, frame: object) -> None:
     raise _Terminated()
 
 
-def _size(value: str) -> int:
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     from .ops.convert import parse_size
 
-    return parse_size(value, "--max-memory")
+    return parse_size(value, "--" + (param.name or "").replace("_", "-"))
+
+
+class _Option(click.Option):
+    """An option that ``--help`` lists under the heading ``section`` (None: the command's own options)."""
+
+    def __init__(self, *args, section: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.section = section
+
+
+def _option(*decls: str, section: str | None = None, **kwargs):
+    return click.option(*decls, cls=_Option, section=section, **kwargs)
+
+
+def _help_text(command: click.Command) -> str:
+    """The first paragraph of a command's help, whole: the command list shows it untruncated."""
+    return " ".join(_pyinspect.cleandoc(command.help or "").split("\n\n")[0].split())
+
+
+class _Command(click.Command):
+    """``--help`` with options grouped under their headings and an Examples section after them."""
+
+    def __init__(self, *args, examples: tuple[str, ...] = (), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.examples = examples
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        groups: dict[str | None, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None or isinstance(param, click.Argument):
+                continue
+            section = COMMON if param is self.get_help_option(ctx) else getattr(param, "section", None)
+            groups.setdefault(section, []).append(record)
+        rank = {s: i for i, s in enumerate(_SECTIONS)}
+        for section in sorted(groups, key=lambda s: rank.get(s, rank[COMMON] - 0.5)):
+            with formatter.section(section or "Options"):
+                formatter.write_dl(groups[section])
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_epilog(ctx, formatter)
+        if self.examples:
+            with formatter.section("Examples"):
+                for line in self.examples:  # verbatim: commands must not be re-wrapped
+                    formatter.write(f"{'':>{formatter.current_indent}}{line}\n")
 
 
 class _Group(click.Group):
+    command_class = _Command
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
@@ -50,50 +111,110 @@ class _Group(click.Group):
             _quiet_stdout()
             ctx.exit(0)
         except (CheckpointError, OSError) as e:
-            if ctx.params.get("debug"):
+            if ctx.params.get("debug") or ctx.meta.get(_DEBUG):
                 raise
             # One line, whatever the message quotes from a damaged file.
             click.echo(f"ckptkit: error: {' '.join(str(e).splitlines())}", err=True)
             ctx.exit(2)
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, _help_text(cmd)) for name in self.list_commands(ctx)
+                if (cmd := self.get_command(ctx, name)) is not None and not cmd.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--debug", is_flag=True, help="Show tracebacks.")
-@click.version_option(package_name="ckptkit")
+
+@click.group("ckptkit", cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100,
+                                           "auto_envvar_prefix": "CKPTKIT"},
+             epilog="Every option can be set from the environment: CKPTKIT_<COMMAND>_<OPTION> (e.g. "
+                    "CKPTKIT_EXPORT_HF_DTYPE=bf16), and the common options for every command from CKPTKIT_<OPTION> "
+                    "(CKPTKIT_MAX_MEMORY=4GiB, CKPTKIT_QUIET=1). Shell completion: "
+                    "eval \"$(_CKPTKIT_COMPLETE=bash_source ckptkit)\" (zsh_source, fish_source for other shells).")
+@click.option("--debug", is_flag=True, help="Show tracebacks (also accepted after the command).")
+@click.version_option(package_name="ckptkit", prog_name="ckptkit")
 def cli(debug: bool) -> None:
     """Convert, re-shard, export and verify PyTorch FSDP checkpoints, streaming tensor by tensor."""
 
 
-_quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bar or report.")
-_overwrite = click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
-_memory = click.option("--max-memory", default="1GiB", show_default=True, callback=lambda c, p, v: _size(v),
-                       help="Budget for bytes held in memory (dtype casts, verify).")
-_fsync = click.option("--fsync", is_flag=True,
-                      help="fsync every written file before the final rename (durable across power loss; slower).")
+def _set_debug(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.meta[_DEBUG] = True  # ``meta`` is shared by the group's context, which reports errors
+
+
+_debug = _option("--debug", is_flag=True, expose_value=False, callback=_set_debug, section=COMMON,
+                 envvar="CKPTKIT_DEBUG", help="Show tracebacks.")
+_quiet = _option("--quiet", "-q", is_flag=True, section=COMMON, envvar="CKPTKIT_QUIET",
+                 help="No progress bar or report.")
+_overwrite = _option("--overwrite", is_flag=True, section=COMMON, help="Replace DST if it exists.")
+_memory = _option("--max-memory", default="1GiB", show_default=True, metavar="SIZE", callback=_size,
+                  section=COMMON, envvar="CKPTKIT_MAX_MEMORY",
+                  help="Budget for tensor bytes held in memory (dtype casts, verify): 1GiB, 500MB, 1000000.")
+_fsync = _option("--fsync", is_flag=True, section=COMMON, envvar="CKPTKIT_FSYNC",
+                 help="fsync every written file before the final rename (durable across power loss; slower).")
+_dry_run = _option("--dry-run", is_flag=True, section=COMMON,
+                   help="Print the plan (files and sizes, keys renamed, left out and cast, assets copied) and "
+                        "write nothing.")
+
+
+def _presets_help() -> str:
+    from .ops.presets import PRESETS
+
+    return "A named mapping with its tensor transforms: " + "; ".join(f"{p.name}: {p.summary}"
+                                                                      for p in PRESETS.values()) + "."
+
+
+def _preset_names() -> list[str]:
+    from .ops.presets import PRESETS
+
+    return list(PRESETS)
+
+
+_MAPPING = (
+    _option("--key-map", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="FILE.json",
+            section=MAPPING, help="A JSON object of old key to new key (null leaves the key out)."),
+    _option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT", section=MAPPING,
+            help="Rename keys by re.sub (repeatable, applied in order), e.g. '^net\\.=model.' or "
+                 "'\\.attn\\.=.self_attn.'; \\1 refers to a group."),
+    _option("--preset", type=click.Choice(_preset_names()), section=MAPPING, help=_presets_help()),
+    _option("--strict-map", is_flag=True, section=MAPPING,
+            help="Refuse keys that neither --key-map nor a --rename maps (a --preset always refuses keys it does "
+                 "not know)."),
+)
 _LOCAL = (
-    click.option("--rank-files", metavar="PATTERN",
-                 help="LOCAL: rank file names with {rank} for the rank, e.g. 'shard_{rank}.pt' "
-                      "(default: found by name; output: the source's, or rank{rank}.pt)."),
-    click.option("--model", metavar="PKG.MODULE:FACTORY",
-                 help="LOCAL: builds the FSDP1 model, to derive the flat-parameter layout where no "
-                      "flat_layout.json has it."),
-    click.option("--auto-wrap", default="none", show_default=True, metavar="POLICY",
-                 help="LOCAL: FSDP auto-wrap policy of --model: none, size:<min_num_params> or "
-                      "block:<module.path:Class>."),
-    click.option("--use-orig-params/--no-use-orig-params", default=None,
-                 help="LOCAL: whether FSDP wraps --model with use_orig_params (default: told by the saved sizes; "
-                      "off for output)."),
-    click.option("--param-dtype", type=click.Choice(["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),
-                 help="LOCAL: the dtype FSDP computes --model in: MixedPrecision(param_dtype=...), else the "
-                      "parameters' dtype at wrap time. With use_orig_params FSDP aligns parameters to 16 bytes "
-                      "of it (default: the dtype --model builds)."),
+    _option("--rank-files", metavar="PATTERN", section=LOCAL,
+            help="Rank file names with {rank} for the rank, e.g. 'shard_{rank}.pt' "
+                 "(default: found by name; output: the source's, or rank{rank}.pt)."),
+    _option("--model", metavar="PKG.MODULE:FACTORY", section=LOCAL,
+            help="Builds the FSDP1 model, to derive the flat-parameter layout where no "
+                 "flat_layout.json has it."),
+    _option("--auto-wrap", default="none", show_default=True, metavar="POLICY", section=LOCAL,
+            help="FSDP auto-wrap policy of --model: none, size:<min_num_params> or "
+                 "block:<module.path:Class>."),
+    _option("--use-orig-params/--no-use-orig-params", default=None, section=LOCAL,
+            help="Whether FSDP wraps --model with use_orig_params (default: told by the saved sizes; "
+                 "off for output)."),
+    _option("--param-dtype", type=click.Choice(["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),
+            section=LOCAL,
+            help="The dtype FSDP computes --model in: MixedPrecision(param_dtype=...), else the "
+                 "parameters' dtype at wrap time. With use_orig_params FSDP aligns parameters to 16 bytes "
+                 "of it (default: the dtype --model builds)."),
 )
 
 
-def _local(f):
-    for option in reversed(_LOCAL):
-        f = option(f)
-    return f
+def _apply(*options):
+    """One decorator of several, applied so that --help lists them in the order given."""
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return decorate
+
+
+_local = _apply(*_LOCAL)
+_mapping = _apply(*_MAPPING)
+_writing = _apply(_dry_run, _overwrite, _memory, _fsync, _quiet, _debug)
+"""The common options of every command that writes a checkpoint."""
 
 
 def _local_options(rank_files, model, auto_wrap, use_orig_params, param_dtype):
@@ -104,134 +225,169 @@ def _local_options(rank_files, model, auto_wrap, use_orig_params, param_dtype):
 
 
 def _report(report, quiet: bool) -> None:
-    if not quiet:
-        click.echo("\n".join(report.lines()))
+    if not quiet or report.dry_run:
+        click.echo(str(report))
 
 
-@cli.command()
+@cli.command(examples=(
+    "ckptkit inspect ckpt/step-1000",
+    "ckptkit inspect ckpt/step-1000 --depth 3 --filter '^model\\.'",
+    "ckptkit inspect model.safetensors --json | jq .dtypes",
+))
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_option("--depth", type=click.IntRange(min=1), metavar="N",
+         help="A table per module instead of per tensor: keys cut to their first N dotted parts, with tensor count, "
+              "parameters and bytes.")
+@_option("--filter", "pattern", metavar="REGEX", help="Only tensors and entries whose key matches (re.search).")
+@_option("--json", "as_json", is_flag=True,
+         help="Machine-readable output (schema_version 1): numbers as numbers, other entries as JSON values.")
+@_debug
 @_local
-def inspect(path: Path, as_json: bool, **local) -> None:
-    """Show format, world size, tensors with shapes and chunking, and other entries."""
+def inspect(path: Path, depth: int | None, pattern: str | None, as_json: bool, **local) -> None:
+    """Show format, world size, sizes, parameters and dtypes, then tensors (or modules) and other entries."""
     from .ops.inspect import inspect as _inspect, render, summary
 
-    s = summary(_inspect(path, local=_local_options(**local)))
+    s = summary(_inspect(path, local=_local_options(**local)), depth=depth, filter=pattern)
     click.echo(json.dumps(s, indent=2) if as_json else render(s))
 
 
-@cli.command()
+@cli.command(examples=(
+    "ckptkit convert ckpt/step-1000 model.pt --to full",
+    "ckptkit convert ckpt/step-1000 hf-out --to hf --max-shard-size 2GB",
+    "ckptkit convert Llama-3.2-1B titan-init --to sharded --world-size 8 --preset torchtitan-llama",
+))
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--to", "to", required=True, type=click.Choice(["full", "sharded", "local", "hf"]), help="Target format.")
-@click.option("--world-size", default=1, show_default=True, type=click.IntRange(min=1), help="Ranks (sharded, local).")
-@click.option("--max-shard-size", default=None, help="Largest output file, e.g. 5GB (hf, full).")
+@_option("--to", "to", required=True, type=click.Choice(["full", "sharded", "local", "hf"]), help="Target format.")
+@_option("--world-size", default=1, show_default=True, type=click.IntRange(min=1), help="Ranks (sharded, local).")
+@_option("--max-shard-size", default=None, metavar="SIZE", callback=_size,
+         help="Largest output file, e.g. 5GB (hf, full).")
+@_option("--hf-assets", type=click.Path(exists=True, file_okay=False, path_type=Path),
+         help="HF model directory whose config.json gives a --preset the head counts (default: SRC's own "
+              "config.json, or params.json beside it).")
+@_mapping
+@_writing
 @_local
-@_overwrite
-@_memory
-@_fsync
-@_quiet
-def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, fsync, quiet, **local) -> None:
-    """Convert SRC (any format) to DST in format --to."""
+def convert(src, dst, to, world_size, max_shard_size, hf_assets, key_map, renames, preset, strict_map, dry_run,
+            overwrite, max_memory, fsync, quiet, **local) -> None:
+    """Convert SRC (any format) to DST in format --to; with a key mapping, the model part under new names."""
     from .ops.convert import convert as _convert
 
     _report(_convert(src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, overwrite=overwrite,
-                     max_memory=max_memory, fsync=fsync, progress=not quiet, local=_local_options(**local)), quiet)
+                     max_memory=max_memory, fsync=fsync, progress=not quiet, local=_local_options(**local),
+                     preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, hf_assets=hf_assets,
+                     dry_run=dry_run), quiet)
 
 
-@cli.command()
+@cli.command(examples=(
+    "ckptkit reshard ckpt/step-1000 ckpt/step-1000-16 --world-size 16",
+    "ckptkit reshard local-ckpt local-ckpt-2 --world-size 2 --model mypkg.model:build --auto-wrap size:1000000",
+))
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--world-size", required=True, type=click.IntRange(min=1), help="Ranks to lay the checkpoint out for.")
+@_option("--world-size", required=True, type=click.IntRange(min=1), help="Ranks to lay the checkpoint out for.")
+@_writing
 @_local
-@_overwrite
-@_memory
-@_fsync
-@_quiet
-def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) -> None:
+def reshard(src, dst, world_size, dry_run, overwrite, max_memory, fsync, quiet, **local) -> None:
     """Re-lay-out the sharded checkpoint SRC for --world-size ranks (no GPUs, no process group)."""
     from .ops.convert import reshard as _reshard
 
     _report(_reshard(src, dst, world_size=world_size, overwrite=overwrite, max_memory=max_memory,
-                     fsync=fsync, progress=not quiet, local=_local_options(**local)), quiet)
+                     fsync=fsync, progress=not quiet, local=_local_options(**local), dry_run=dry_run), quiet)
 
 
-@cli.command("export-hf")
+@cli.command("export-hf", examples=(
+    "ckptkit export-hf ckpt/step-1000 hf-out --hf-assets base-model/ --dtype bf16",
+    "ckptkit export-hf outputs/checkpoint/step-3000 hf-out --preset torchtitan-llama --hf-assets Llama-3.1-8B/ "
+    "--dry-run",
+    "ckptkit export-hf run/epoch=3.ckpt hf-out --rename '^net\\.=model.' --max-shard-size 2GB",
+))
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--model-key", default="auto", show_default=True,
-              help="Where the model sits, as a dotted path (model, ema.model, state_dict.net); 'auto' finds it: "
-                   "a model/state_dict/model_state_dict/module section, else the tensors beside the training state.")
-@click.option("--dtype", default="keep", show_default=True, type=click.Choice(["keep", "bf16", "fp16", "fp32"]),
-              help="Cast floating tensors; integer and bool tensors keep their dtype.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file.")
-@click.option("--strip-prefix", "strip_prefixes", multiple=True,
-              help="Also strip this leading key prefix (repeatable).")
-@click.option("--keep-wrapper-prefixes", is_flag=True,
-              help="Do not strip module., _orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.")
-@click.option("--hf-assets", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="HF model directory to copy config.json and tokenizer files from (config.json names the dtype "
-                   "written; its tie_word_embeddings decides whether lm_head.weight is left out).")
+@_option("--hf-assets", type=click.Path(exists=True, file_okay=False, path_type=Path),
+         help="HF model directory to copy config.json and tokenizer files from (config.json names the dtype "
+              "written; its tie_word_embeddings decides whether lm_head.weight is left out; a --preset takes "
+              "its head counts).")
+@_option("--dtype", default="keep", show_default=True,
+         type=click.Choice(["keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),
+         help="Cast floating tensors; integer and bool tensors keep their dtype.")
+@_option("--keep-fp32", "keep_fp32", multiple=True, metavar="REGEX",
+         help="Under --dtype bf16|fp16, write floating tensors whose HF name matches in float32 (repeatable). "
+              "Modules the --hf-assets model class keeps in float32 (_keep_in_fp32_modules) are kept too.")
+@_option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE", callback=_size,
+         help="Largest safetensors file.")
+@_option("--model-key", default="auto", show_default=True,
+         help="Where the model sits, as a dotted path (model, ema.model, state_dict.net); 'auto' finds it: "
+              "a model/state_dict/model_state_dict/module section, else the tensors beside the training state.")
+@_option("--strip-prefix", "strip_prefixes", multiple=True, metavar="PREFIX",
+         help="Also strip this leading key prefix (repeatable).")
+@_option("--keep-wrapper-prefixes", is_flag=True,
+         help="Do not strip module., _orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.")
+@_mapping
+@_writing
 @_local
-@_overwrite
-@_memory
-@_fsync
-@_quiet
-def export_hf(src, dst, model_key, dtype, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
-              overwrite, max_memory, fsync, quiet, **local) -> None:
-    """Write the model part of SRC as Hugging Face safetensors in DST."""
+def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
+              key_map, renames, preset, strict_map, dry_run, overwrite, max_memory, fsync, quiet, **local) -> None:
+    """Write the model part of SRC as Hugging Face safetensors in DST, with config and tokenizer files."""
     from .ops.export import export_hf as _export
 
     _report(_export(src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
                     strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
+                    preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, keep_fp32=keep_fp32,
                     overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=not quiet,
-                    local=_local_options(**local)), quiet)
+                    local=_local_options(**local), dry_run=dry_run), quiet)
 
 
-@cli.command()
+@cli.command(examples=(
+    "ckptkit verify ckpt/step-1000 ckpt/step-1000-16",
+    "ckptkit verify ckpt/step-1000 hf-out --model-only --atol 1e-2 --rtol 1e-2   # a bf16 export of fp32 weights",
+    "ckptkit verify runs/exp1   # against the checksums ckptkit.save recorded",
+))
 @click.argument("a", type=click.Path(path_type=Path))
 @click.argument("b", type=click.Path(path_type=Path), required=False)
-@click.option("--model-only", is_flag=True,
-              help="Compare only the model part, found and named as export-hf finds and names it.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@_local
+@_option("--atol", type=click.FloatRange(min=0), metavar="X",
+         help="Compare values, not bits: both sides upcast (dtypes may differ), equal when |a - b| <= atol + rtol * "
+              "|b| (NaN equals NaN).")
+@_option("--rtol", type=click.FloatRange(min=0), metavar="X", help="Relative tolerance of that comparison.")
+@_option("--model-only", is_flag=True,
+         help="Compare only the model part, found and named as export-hf finds and names it.")
+@_option("--strip-prefix", "strip_prefixes", multiple=True, metavar="PREFIX",
+         help="Strip this leading key prefix on both sides first (repeatable), e.g. model. of a Lightning module.")
+@_option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT",
+         help="Rename both sides' keys by re.sub first (repeatable, in order).")
+@_option("--json", "as_json", is_flag=True,
+         help="Machine-readable output (schema_version 1): per differing tensor max_abs_diff, max_rel_diff, "
+              "mismatched of total, first_index with value_a and value_b.")
 @_memory
 @_quiet
-def verify(a, b, model_only, as_json, max_memory, quiet, **local) -> None:
-    """Compare A and B (any formats) key by key and byte by byte; exit 1 if they differ.
+@_debug
+@_local
+def verify(a, b, atol, rtol, model_only, strip_prefixes, renames, as_json, max_memory, quiet, **local) -> None:
+    """Compare A and B (any formats) key by key, bit for bit or within --atol/--rtol; exit 1 if they differ.
 
     With A alone: check A against the checksums its ckptkit.json recorded when ckptkit.save wrote it (exit 1
     on a mismatch), or, without one, read every chunk and entry of A through.
     """
     from .ops.verify import verify as _verify
 
-    r = _verify(a, b, model_only=model_only, max_memory=max_memory, progress=not quiet,
-                local=_local_options(**local))
+    r = _verify(a, b, model_only=model_only, atol=atol, rtol=rtol, strip_prefixes=strip_prefixes, renames=renames,
+                max_memory=max_memory, progress=not quiet, local=_local_options(**local))
     code = 0 if r.ok else 1
     try:
         if as_json:
             click.echo(json.dumps(r.to_json(), indent=2))
         elif not quiet or not r.ok:
-            if b is None:
-                how = "checked against its ckptkit.json" if r.checksums else "read through (no ckptkit.json)"
-                click.echo(f"{r.a} ({r.format_a.value}): {r.tensors} tensors ({r.bytes:,} bytes) and {r.objects} "
-                           f"other entries {how}")
-                click.echo("ok" if r.ok else f"{len(r.differences)} differences:")
-            else:
-                click.echo(f"{a} ({r.format_a.value}) vs {b} ({r.format_b.value if r.format_b else '?'}): "
-                           f"{r.tensors} tensors ({r.bytes:,} bytes) and {r.objects} other entries compared")
-                click.echo("identical" if r.ok else f"{len(r.differences)} differences:")
-            for d in r.differences:
-                click.echo(f"  {d.key}: {d.what}")
+            click.echo(str(r))
         sys.stdout.flush()
     except BrokenPipeError:
         _quiet_stdout()
     sys.exit(code)
 
 
-@cli.command()
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
-              help="Keep the demo's checkpoints here (default: a temporary directory, removed after).")
+@cli.command(examples=("ckptkit demo", "ckptkit demo --workdir /tmp/demo"))
+@_option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+         help="Keep the demo's checkpoints here (default: a temporary directory, removed after).")
+@_debug
 def demo(workdir) -> None:
     """Train a small transformer on 4 gloo ranks, then reshard, export, convert back and verify."""
     from .demo import run_demo

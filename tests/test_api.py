@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import ckptkit
@@ -34,3 +36,44 @@ def test_ckptkit_readme_calls_in_a_fresh_interpreter(tmp_path):
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "2"
+
+
+def test_ckptkit_is_typed_for_type_checkers():
+    from importlib.resources import files
+
+    assert files("ckptkit").joinpath("py.typed").is_file()
+
+
+def test_parse_size_decimal_as_huggingface_hub_binary_and_plain():
+    from huggingface_hub.serialization._base import parse_size_to_int  # the oracle for decimal units
+
+    from ckptkit.errors import UsageError
+    from ckptkit.ops.convert import parse_size
+
+    for text in ("5GB", "1.5MB", "10KB", "2TB", " 3gb "):
+        assert parse_size(text) == parse_size_to_int(text.strip())
+    assert (parse_size("1GiB"), parse_size("512MiB"), parse_size("1000000"), parse_size("7B")) == \
+        (1 << 30, 512 << 20, 1000000, 7)
+    for bad in ("lots", "5 GBs", "", "-1GB"):
+        with pytest.raises(UsageError, match=re.escape(f"--max-memory: expected a size like 5GB, 512MiB or 1000000, "
+                                                       f"got {bad!r}")):
+            parse_size(bad, "--max-memory")
+
+
+def test_progress_bar_is_tqdm_auto_in_a_notebook(monkeypatch):
+    import types
+
+    from ckptkit.io.progress import progress_bar
+
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: object()))
+    chosen = []
+    import tqdm.auto
+
+    real = tqdm.auto.tqdm
+    monkeypatch.setattr(tqdm.auto, "tqdm", lambda **kw: chosen.append(kw) or real(**{**kw, "disable": True}))
+    with progress_bar(3_000_000, "hf", True) as update:
+        update(1_000_000)
+    assert chosen and chosen[0]["unit_divisor"] == 1000  # decimal units, as every size ckptkit prints
+    with progress_bar(10, "hf", False) as update:           # --quiet: no bar
+        update(5)
+    assert len(chosen) == 1

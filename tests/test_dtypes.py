@@ -93,5 +93,6 @@ def test_parse_cast(value, name):
 
 @pytest.mark.parametrize("value", ["int8", "fp8", "float64", ""])
 def test_parse_cast_refuses_what_is_not_a_floating_export_type(value):
-    with pytest.raises(UsageError, match=rf"^--dtype must be one of keep, bf16, fp16, fp32; got {value!r}$"):
+    with pytest.raises(UsageError, match=rf"^--dtype must be one of keep, bf16, fp16, fp32 \(or bfloat16, float16, "
+                                         rf"float32\); got {value!r}$"):
         parse_cast(value)

@@ -159,3 +159,18 @@ def test_execute_failure_leaves_no_staging_and_dst_as_it_was(tmp_path, existing)
         execute(plan, dst, overwrite=True)
     assert (hash_tree(dst) if dst.exists() else None) == before
     assert not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("cast", [None, torch.bfloat16])  # kernel copies per run of rows; a cast per row block
+def test_write_files_streams_a_row_gather_as_torch_indexes_it(tmp_path, cast):
+    import dataclasses
+
+    w = random_bits((6, 5), torch.float32, torch.Generator().manual_seed(3))
+    rows = (4, 5, 0, 2, 1, 3)
+    entry = dataclasses.replace(source(tmp_path, {"w": w})["w"], rows=rows)
+    to = by_name("bfloat16") if cast else None
+    (tmp_path / "out").mkdir()
+    write_files((FilePlan("w.bin", (Region.whole(entry, to),)),), tmp_path / "out", max_memory=24)
+    got = torch.frombuffer(bytearray((tmp_path / "out" / "w.bin").read_bytes()), dtype=cast or torch.float32)
+    want = w[list(rows)]
+    assert_tensor_identical(got.reshape(6, 5), want.to(cast) if cast else want)

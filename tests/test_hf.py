@@ -168,7 +168,8 @@ def test_export_hf_dtype_casts_floating_tensors_only(tmp_path, full_ckpt, traini
 
 
 def test_export_hf_rejects_unknown_dtype(tmp_path, full_ckpt):
-    with pytest.raises(UsageError, match=r"--dtype must be one of keep, bf16, fp16, fp32; got 'int8'"):
+    with pytest.raises(UsageError, match=r"--dtype must be one of keep, bf16, fp16, fp32 \(or bfloat16, float16, "
+                                         r"float32\); got 'int8'"):
         export_hf(full_ckpt, tmp_path / "hf", dtype="int8")
 
 
@@ -249,7 +250,8 @@ def test_export_hf_assets_refuse_tie_when_tensors_differ(tmp_path):
     torch.save(_lm(head_equal=False), tmp_path / "src.pt")
     before = hash_tree(tmp_path / "src.pt")
     with pytest.raises(UsageError, match=r"config\.json says tie_word_embeddings: true, but lm_head\.weight and "
-                                         r"model\.embed_tokens\.weight differ \(bytes differ from element 0 .*\); "
+                                         r"model\.embed_tokens\.weight differ \(24 of 24 elements differ .* first "
+                                         r"at \[0, 0\]: .*\); "
                                          r"refusing to drop lm_head\.weight"):
         export_hf(tmp_path / "src.pt", tmp_path / "hf", hf_assets=assets)
     assert not (tmp_path / "hf").exists()
@@ -399,3 +401,75 @@ def test_export_hf_cast_writes_the_dtype_into_config_json(tmp_path, dtype, name)
         loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf", **kwargs)
         assert loaded.dtype == getattr(torch, name), kwargs
     assert_same_tree(load_hf(tmp_path / "hf"), {k: v.to(getattr(torch, name)) for k, v in model.state_dict().items()})
+
+
+# ------------------------------------------------------------------------------------ precision control
+
+
+def test_export_hf_fp16_keeps_what_t5_keeps_in_fp32_as_transformers_loads_it(tmp_path):
+    # T5's class keeps its feed-forward output projections ("wo") in float32 under float16: the export writes
+    # them so, config.json names float16, and from_pretrained holds the very values written.
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                                num_heads=2, decoder_start_token_id=0))
+    model.save_pretrained(tmp_path / "t5")
+    report = export_hf(tmp_path / "t5", tmp_path / "hf", dtype="float16", hf_assets=tmp_path / "t5")
+    assert any(n.startswith("kept 2 floating tensors in float32 (T5ForConditionalGeneration._keep_in_fp32_modules "
+                            "['wo'])") for n in report.notes), report.notes
+    out = load_hf(tmp_path / "hf")
+    for k, v in model.state_dict().items():
+        if k in out:
+            assert_tensor_identical(out[k], v if ".wo." in k else v.half(), k)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float16"
+    loaded = T5ForConditionalGeneration.from_pretrained(tmp_path / "hf")
+    for k, v in loaded.state_dict().items():
+        if k in out:
+            assert_tensor_identical(v, out[k], k)
+    # Under bfloat16 only the strict list applies, and T5 has none.
+    report = export_hf(tmp_path / "t5", tmp_path / "bf", dtype="bf16", hf_assets=tmp_path / "t5")
+    assert {t.dtype for t in load_hf(tmp_path / "bf").values()} == {torch.bfloat16}
+
+
+def test_export_hf_keep_fp32_regex(tmp_path):
+    state = {"model.norm.weight": torch.randn(4), "layers.0.input_layernorm.weight": torch.randn(4),
+             "layers.0.proj.weight": torch.randn(4, 4), "steps": torch.arange(3)}
+    torch.save(state, tmp_path / "src.pt")
+    report = export_hf(tmp_path / "src.pt", tmp_path / "hf", dtype="bf16", keep_fp32=["norm"])
+    out = load_hf(tmp_path / "hf")
+    assert {k: v.dtype for k, v in out.items()} == {"model.norm.weight": torch.float32,
+                                                   "layers.0.input_layernorm.weight": torch.float32,
+                                                   "layers.0.proj.weight": torch.bfloat16, "steps": torch.int64}
+    assert "kept 2 floating tensors in float32 (--keep-fp32 'norm')" in report.notes
+    assert "cast 1 floating tensors to bfloat16; others kept their dtype" in report.notes
+    assert dict(report.cast) == {"layers.0.proj.weight": "bfloat16"}
+    with pytest.raises(UsageError, match=r"--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype"):
+        export_hf(tmp_path / "src.pt", tmp_path / "x", keep_fp32=["norm"])
+    with pytest.raises(UsageError, match=r"--keep-fp32 '\(': not a regular expression"):
+        export_hf(tmp_path / "src.pt", tmp_path / "x", dtype="fp16", keep_fp32=["("])
+
+
+# ------------------------------------------------------------------------------------ dry runs
+
+
+@pytest.mark.parametrize("write, kwargs", [
+    (export_hf, {"dtype": "bf16"}),                                 # a cast
+    (convert, {"to": "sharded", "world_size": 3}),                  # rank files and .metadata
+    (convert, {"to": "hf", "renames": ["^model\\.="]}),             # a rename
+])
+def test_dry_run_writes_nothing_and_lists_the_files_the_run_writes(tmp_path, full_ckpt, write, kwargs):
+    before = hash_tree(tmp_path)
+    dry = write(full_ckpt, tmp_path / "out", dry_run=True, **kwargs)
+    assert hash_tree(tmp_path) == before and dry.dry_run
+    assert str(dry).splitlines()[1].endswith("(dry run: nothing written)")
+    done = write(full_ckpt, tmp_path / "out", **kwargs)
+    on_disk = {str(p.relative_to(tmp_path / "out")): p.stat().st_size for p in (tmp_path / "out").rglob("*")}
+    assert dict(dry.written) == on_disk == dict(done.written)
+    assert (dry.renamed, dry.dropped, dry.cast) == (done.renamed, done.dropped, done.cast)
+
+
+def test_dry_run_refuses_what_the_run_would_refuse(tmp_path, full_ckpt):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(UsageError, match=r"already exists; pass --overwrite"):
+        convert(full_ckpt, tmp_path / "out", to="full", dry_run=True)

@@ -253,3 +253,57 @@ def test_row_blocks_keep_the_cast():
     blocks = row_blocks(Region.whole(w, cast=BF16), 8)  # bf16 rows are 4 bytes: 2 rows a block
     assert _boxes(blocks) == [((0, 0), (2, 2)), ((2, 0), (2, 2))]
     assert {b.cast for b in blocks} == {BF16}
+
+
+# ------------------------------------------------------------------------------------------ row gathers
+
+
+def gathered(shape, rows, *chunks):
+    return TensorEntry("w", ("w",), F32, tuple(shape), tuple(chunks), rows=tuple(rows))
+
+
+def test_plan_copies_row_gather_one_copy_per_run_of_rows():
+    # A 4x2 tensor (8 bytes a row) whose rows are source rows 2, 3, 0, 1: two runs of two rows.
+    w = gathered((4, 2), (2, 3, 0, 1), chunk((0, 0), (4, 2), "f", 100))
+    assert plan_copies(Region.whole(w)) == (
+        cp("f", 116, 16, 0),    # f[116:132] -> dst[0:16]   source rows 2-3
+        cp("f", 100, 16, 16),   # f[100:116] -> dst[16:32]  source rows 0-1
+    )
+
+
+def test_plan_copies_row_gather_rotary_permutation_of_two_chunks():
+    # The rotary q/k order of one head of 4 rows: HF row r is interleaved row (0, 2, 1, 3)[r]. The source is
+    # two Shard(0) chunks of 2 rows; each output row is one row of one chunk (4 bytes a row, 1 column).
+    w = gathered((4, 1), (0, 2, 1, 3), chunk((0, 0), (2, 1), "r0"), chunk((2, 0), (2, 1), "r1"))
+    assert plan_copies(Region.whole(w)) == (
+        cp("r0", 0, 4, 0),      # r0[0:4] -> dst[0:4]    source row 0
+        cp("r1", 0, 4, 4),      # r1[0:4] -> dst[4:8]    source row 2 (first of r1)
+        cp("r0", 4, 4, 8),      # r0[4:8] -> dst[8:12]   source row 1
+        cp("r1", 4, 4, 12),     # r1[4:8] -> dst[12:16]  source row 3
+    )
+
+
+def test_plan_copies_row_gather_of_a_sub_box():
+    # Rows 1-2, column 1 of a 3x2 gathered tensor (rows = 2, 0, 1): output row 1 is source row 0, row 2 is
+    # source row 1, one run; column 1 of a row is 4 bytes at +4.
+    w = gathered((3, 2), (2, 0, 1), chunk((0, 0), (3, 2), "f"))
+    assert plan_copies(Region(w, (1, 1), (2, 1))) == (
+        cp("f", 4, 4, 0),       # f[4:8]   -> dst[0:4]  source row 0, column 1
+        cp("f", 12, 4, 4),      # f[12:16] -> dst[4:8]  source row 1, column 1
+    )
+
+
+def test_row_blocks_of_a_gather_keep_it():
+    # A cast splits a gathered tensor into row blocks; each block gathers its own rows.
+    w = gathered((4, 2), (3, 2, 1, 0), chunk((0, 0), (4, 2), "f"))
+    blocks = row_blocks(Region.whole(w, BF16), 2 * 2 * 2)   # two bf16 rows a block
+    assert [b.offsets for b in blocks] == [(0, 0), (2, 0)]
+    assert [plan_copies(b) for b in blocks] == [
+        (cp("f", 24, 8, 0), cp("f", 16, 8, 8)),   # output rows 0-1: source rows 3, 2
+        (cp("f", 8, 8, 0), cp("f", 0, 8, 8)),     # output rows 2-3: source rows 1, 0
+    ]
+
+
+def test_row_gather_refuses_what_is_not_a_permutation():
+    with pytest.raises(IncompleteCheckpointError, match=r"a row gather must permute the 3 rows of shape \[3, 2\]"):
+        gathered((3, 2), (0, 0, 1), chunk((0, 0), (3, 2), "f"))

@@ -324,13 +324,15 @@ def test_verify_reports_each_difference(tmp_path, zoo):
     report = verify(tmp_path / "a.pt", tmp_path / "b.pt", max_memory=64)
     assert not report.ok
     got = {d.key: d.what for d in report.differences}
+    was, now = zoo["tall"][7, 2], changed["tall"][7, 2]
     assert got == {
         "single": f"only in {tmp_path / 'a.pt'}",
         "new": f"only in {tmp_path / 'b.pt'}",
         "i64": "dtype int64 vs int32",
         "f16": "shape [4] vs [3]",
-        # 64 bytes of budget: 32-byte blocks of 2 rows; row 7 is in the block from row 6, element 4+2
-        "tall": "bytes differ from element 6 of the row block starting at row 6",
+        # 64 bytes of budget: the bytes compare in blocks of 2 rows; the element is named by its index
+        "tall": f"1 of 44 elements differ bit for bit; max abs diff {abs(was - now):.6g}, max rel diff "
+                f"{abs((was - now) / now):.6g}; first at [7, 2]: {was.item()!r} vs {now.item()!r}",
     }
 
 

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from ..errors import FormatError, UsageError
 
-__all__ = ["DTYPES", "DType", "by_name", "by_safetensors", "parse_cast", "parse_floating"]
+__all__ = ["DTYPES", "CastName", "DType", "FloatName", "by_name", "by_safetensors", "parse_cast", "parse_floating"]
+
+FloatName = Literal["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]
+"""The floating dtypes a conversion casts to, short or as torch names them."""
+CastName = Literal["keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]
+"""``--dtype``: ``keep``, or a :data:`FloatName`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +89,8 @@ def parse_cast(value: str) -> DType | None:
     try:
         return _BY_NAME[_CASTS[value]]
     except KeyError:
-        raise UsageError(f"--dtype must be one of keep, bf16, fp16, fp32; got {value!r}") from None
+        raise UsageError(f"--dtype must be one of keep, bf16, fp16, fp32 (or bfloat16, float16, float32); "
+                         f"got {value!r}") from None
 
 
 def parse_floating(value: str, option: str) -> DType:

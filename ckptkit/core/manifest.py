@@ -12,13 +12,13 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import IncompleteCheckpointError
 from .boxes import extent
 from .dtypes import DType, by_name
 
-__all__ = ["Chunk", "Format", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of",
+__all__ = ["Chunk", "Format", "FormName", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of",
            "map_tensor_refs"]
 
 Path_ = tuple  # a state-dict path: str keys and int list indices, e.g. ("optim", "param_groups", 0, "lr")
@@ -31,6 +31,10 @@ class Format(str, enum.Enum):
     HF = "hf"
     VERL = "verl"
     DEEPSPEED = "deepspeed"
+
+
+FormName = Literal["full", "sharded", "local", "hf"]
+"""The forms ckptkit writes, as :class:`Format` values."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,15 @@ class TensorEntry:
     chunks: tuple[Chunk, ...]
     sidecar: str | None = None
     """As for :attr:`ObjectEntry.sidecar`: the file beside the checkpoint's own that holds this tensor."""
+    rows: tuple[int, ...] | None = None
+    """A row gather: row ``i`` of this tensor is row ``rows[i]`` of the tensor its chunks describe (a key
+    mapping's rotary q/k permutation); None: the chunks' own order. Byte copies honour it
+    (:func:`ckptkit.core.plan.plan_copies`), so it streams like any other tensor."""
+
+    def __post_init__(self) -> None:
+        if self.rows is not None and (not self.shape or sorted(self.rows) != list(range(self.shape[0]))):
+            raise IncompleteCheckpointError(f"tensor {self.key!r}: a row gather must permute the "
+                                            f"{self.shape[0] if self.shape else 0} rows of shape {list(self.shape)}")
 
     @property
     def numel(self) -> int:

@@ -7,6 +7,7 @@ list of source byte ranges that produce its row-major bytes. The executor then m
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -16,7 +17,8 @@ from .boxes import row_major
 from .dtypes import DType
 from .manifest import Span, TensorEntry
 
-__all__ = ["Copy", "FilePlan", "Bytes", "Part", "Region", "WritePlan", "plan_copies", "row_blocks"]
+__all__ = ["Copy", "FilePlan", "Bytes", "Part", "Region", "WritePlan", "gather_copies", "plan_copies", "row_blocks",
+           "row_runs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,8 @@ class Copy:
 
 def plan_copies(region: Region) -> tuple[Copy, ...]:
     """Source byte ranges that make up ``region`` (in the entry's own dtype), coalesced, ordered by ``dst``."""
+    if region.entry.rows is not None:
+        return gather_copies(region)
     entry, ro, rs = region.entry, region.offsets, region.sizes
     isz, n = entry.dtype.itemsize, len(entry.shape)
     if math.prod(rs) == 0:
@@ -136,6 +140,33 @@ def plan_copies(region: Region) -> tuple[Copy, ...]:
             f"tensor {entry.key!r}: chunks supply {covered} of the {math.prod(rs) * isz} bytes of box "
             f"{list(ro)}+{list(rs)} (a rank file or chunk is missing)")
     return tuple(merged)
+
+
+def row_runs(rows: tuple[int, ...], start: int, stop: int) -> list[tuple[int, int, int]]:
+    """Rows ``[start, stop)`` of a gather as ``(first, end, source first)`` runs whose source rows follow on."""
+    runs: list[tuple[int, int, int]] = []
+    for i in range(start, stop):
+        if runs and rows[i] == runs[-1][2] + (i - runs[-1][0]):
+            runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
+        else:
+            runs.append((i, i + 1, rows[i]))
+    return runs
+
+
+def gather_copies(region: Region) -> tuple[Copy, ...]:
+    """:func:`plan_copies` of a row-gathered entry (:attr:`TensorEntry.rows`): each run of rows whose source
+    rows follow on is a box of the source tensor, planned as any box is and moved to its place in the region."""
+    entry, ro, rs = region.entry, region.offsets, region.sizes
+    if entry.rows is None:
+        return plan_copies(region)
+    source = dataclasses.replace(entry, rows=None)
+    row_bytes = math.prod(rs[1:]) * entry.dtype.itemsize
+    copies: list[Copy] = []
+    for first, end, src in row_runs(entry.rows, ro[0], ro[0] + rs[0]):
+        shift = (first - ro[0]) * row_bytes
+        box = Region(source, (src, *ro[1:]), (end - first, *rs[1:]))
+        copies += [Copy(c.src, c.dst + shift) for c in plan_copies(box)]
+    return tuple(copies)
 
 
 def row_blocks(region: Region, budget: int) -> list[Region]:

@@ -74,6 +74,8 @@ class Target:
     """Largest output file in bytes (HF, FULL); None writes one file."""
     cast: DType | None = None
     """Floating tensors are cast to this dtype; others keep theirs."""
+    keep_fp32: frozenset[str] = frozenset()
+    """Keys of floating tensors written in float32 whatever ``cast`` says (HF: ``--keep-fp32``)."""
     destination: str = ""
     """Where the output goes: FULL writes one ``torch.save`` file when it names one (``model.pt``)."""
     local: LocalOptions = LocalOptions()
@@ -188,7 +190,7 @@ def regions_in(value: Any, cast: DType | None = None) -> Any:
 
 def split_files(regions: dict[str, Region], pattern: str, max_shard_size: int | None) -> dict[str, list[str]]:
     """File name to keys, by huggingface_hub's own splitter (keys keep their order; a big tensor gets a file)."""
-    from huggingface_hub.serialization._base import split_state_dict_into_shards_factory
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
 
     split = split_state_dict_into_shards_factory(
         regions, get_storage_size=lambda r: r.nbytes, filename_pattern=pattern,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..codecs.safetensors_header import file_parts, read_header
+from ..core.dtypes import by_name
 from ..core.manifest import Format, Manifest
 from ..core.plan import Bytes, FilePlan, Region, WritePlan
 from ..errors import FormatError, UsageError
@@ -17,6 +18,7 @@ from .base import FormatIO, Target, WriteOptions, cast_for, index_json, read_ind
 
 __all__ = ["HfIO", "HfOptions"]
 
+FLOAT32 = by_name("float32")
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -25,6 +27,8 @@ INDEX = "model.safetensors.index.json"
 class HfOptions(WriteOptions):
     max_shard_size: int | None = None
     """Largest safetensors file in bytes; None writes one file."""
+    keep_fp32: frozenset[str] = frozenset()
+    """Keys of floating tensors written in float32 whatever ``cast`` says."""
 
 
 class HfIO(FormatIO):
@@ -65,12 +69,12 @@ class HfIO(FormatIO):
         return Manifest(Format.HF, str(path.absolute()), tuple(tensors), (), None, tuple(dict(details).items()))
 
     def options(self, target: Target, manifest: Manifest) -> HfOptions:
-        return HfOptions(cast=target.cast, max_shard_size=target.max_shard_size)
+        return HfOptions(cast=target.cast, max_shard_size=target.max_shard_size, keep_fp32=target.keep_fp32)
 
     def plan(self, manifest: Manifest, options: HfOptions) -> WritePlan:
         regions: dict[str, Region] = {}
         for t in manifest.tensors:
-            region = Region.whole(t, cast_for(t.dtype, options.cast))
+            region = Region.whole(t, cast_for(t.dtype, FLOAT32 if t.key in options.keep_fp32 else options.cast))
             if region.dtype.safetensors is None:
                 raise UsageError(f"tensor {t.key!r} has dtype {region.dtype}, which safetensors cannot store")
             regions[t.key] = region

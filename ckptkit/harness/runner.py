@@ -178,7 +178,7 @@ def _convert(cell: Cell, src: Path, dst: Path, assets: Path) -> str | None:
     if cell.operation == "reshard":
         reshard(src, dst, world_size=cell.target.world_size)
     else:
-        convert(src, dst, to=cell.target.form.value, world_size=cell.target.world_size)
+        convert(src, dst, to=cell.target.form, world_size=cell.target.world_size)
     report = verify(src, dst)
     if report.ok:
         return None

@@ -2,28 +2,32 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import overload
 
-from ..core.manifest import Format, Manifest
+from ..core.manifest import Format, FormName, Manifest, TensorEntry
 from ..core.plan import FilePlan, WritePlan
 from ..errors import UsageError
 from ..formats import LocalOptions, Target, detect, io_for, is_empty_container
 from ..formats.dcp import check_blobs
 from ..io.execute import DEFAULT_MAX_MEMORY, execute, execute_distributed
-from ..io.progress import progress_bar
+from ..io.progress import human_size, progress_bar
 from ..io.publish import check_destination
+from .hfconfig import check_single_file, find_config
+from .mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
+from .presets import preset
 from .select import meta_groups, select_model
 
-__all__ = ["Report", "convert", "parse_size", "reshard", "sources_of", "write"]
+__all__ = ["Changes", "Report", "convert", "map_model", "parse_size", "reshard", "sources_of", "write"]
 
 
 
 @dataclass(frozen=True)
 class Report:
-    """What a conversion wrote."""
+    """What a conversion wrote, or with ``dry_run`` would write; ``str(report)`` lists it readably."""
 
     source: str
     source_format: Format
@@ -36,17 +40,84 @@ class Report:
     seconds: float
     world_size: int | None = None
     notes: tuple[str, ...] = ()
+    written: tuple[tuple[str, int], ...] = ()
+    """(path relative to the destination, bytes) of each output file."""
+    renamed: tuple[tuple[str, str], ...] = ()
+    """(old key, new key) for each key a key mapping renamed."""
+    dropped: tuple[tuple[str, str], ...] = ()
+    """(key, why) for each model tensor left out: tied weights, a mapping's leavings."""
+    cast: tuple[tuple[str, str], ...] = ()
+    """(key, dtype written) for each tensor written in another dtype than it was read in."""
+    permuted: tuple[str, ...] = ()
+    """Keys whose rows a key mapping reordered (a preset's rotary q/k order)."""
+    dry_run: bool = False
+    """Nothing was written: the report says what would be."""
 
     def lines(self) -> list[str]:
         ws = f" for {self.world_size} ranks" if self.world_size else ""
-        return [f"{self.source} ({self.source_format.value}) -> "
-                f"{self.destination} ({self.destination_format.value}{ws})",
-                f"  {self.tensors} tensors, {self.objects} other entries, {self.bytes / 1e6:.1f} MB "
-                f"in {self.files} files, {self.seconds:.2f} s",
-                *(f"  note: {n}" for n in self.notes)]
+        what = f"{self.tensors} tensors, {self.objects} other entries, {human_size(self.bytes)} in {self.files} files"
+        out = [f"{self.source} ({self.source_format.value}) -> "
+               f"{self.destination} ({self.destination_format.value}{ws})",
+               f"  would write {what} (dry run: nothing written)" if self.dry_run
+               else f"  {what}, {self.seconds:.2f} s"]
+        shown = self.written if self.dry_run else self.written[:_FILES_SHOWN]
+        if shown:
+            width = max(len(name) for name, _ in shown)
+            out.append("  files:" if self.dry_run else "  wrote:")
+            out += [f"    {name:<{width}}  {human_size(n):>8}" for name, n in shown]
+            if len(self.written) > len(shown):
+                out.append(f"    ... and {len(self.written) - len(shown)} more files")
+        reordered = set(self.permuted)
+        out += _listing("renamed", [(old, new, "q/k rows reordered (rotary)" if new in reordered else "")
+                                    for old, new in self.renamed])
+        out += _listing("left out", [(key, "", why) for key, why in self.dropped])
+        by_dtype: dict[str, list[tuple[str, str, str]]] = {}
+        for key, dtype in self.cast:
+            by_dtype.setdefault(dtype, []).append((key, "", ""))
+        for dtype, keys in by_dtype.items():
+            out += [f"  written as {dtype}: all {len(keys)} tensors"] if len(keys) == self.tensors else \
+                _listing(f"written as {dtype}", keys)
+        out += [f"  note: {n}" for n in self.notes]
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
 
 
-_BINARY = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_FILES_SHOWN = 12
+_LAYER = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
+def _listing(title: str, rows: list[tuple[str, str, str]]) -> list[str]:
+    """(key, new key or "", why) ``rows`` under ``title``: one line for all layers alike (``layers.N.``), with a
+    count, new keys lined up."""
+    if not rows:
+        return []
+    grouped: dict[tuple[str, str, str], int] = {}
+    for key, new, why in rows:
+        pattern = (_LAYER.sub("N", key), _LAYER.sub("N", new), why)
+        grouped[pattern] = grouped.get(pattern, 0) + 1
+    width = max(len(key) for key, _, _ in grouped)
+    lines = [f"  {title} ({len(rows)} key{'s' * (len(rows) != 1)}):"]
+    for (key, new, why), n in grouped.items():
+        text = f"{key:<{width}} -> {new}" if new else key
+        lines.append(f"    {text}" + (f" (x{n})" if n > 1 else "") + (f": {why}" if why else ""))
+    return lines
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What happened to the model's keys and dtypes before writing, as :class:`Report` lists it."""
+
+    renamed: tuple[tuple[str, str], ...] = ()
+    dropped: tuple[tuple[str, str], ...] = ()
+    cast: tuple[tuple[str, str], ...] = ()
+    permuted: tuple[str, ...] = ()
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]I?B|B)?\s*", re.IGNORECASE)
 
 
 @overload
@@ -56,21 +127,15 @@ def parse_size(value: None, option: str = ...) -> None: ...
 
 
 def parse_size(value: int | str | None, option: str = "--max-shard-size") -> int | None:
-    """``"5GB"`` (decimal, by huggingface_hub's own parser, as HF uses) or ``"1GiB"`` (binary) to bytes."""
+    """``"5GB"`` (decimal, as huggingface_hub's ``max_shard_size`` counts), ``"1GiB"`` (binary) or a byte count.
+
+    huggingface_hub parses its sizes with a private helper, so the same decimal units are parsed here."""
     if value is None or isinstance(value, int):
         return value
-    text = value.strip().upper()
-    unit = next((u for u in _BINARY if text.endswith(u)), None)
-    try:
-        if unit:
-            return int(float(text[: -len(unit)]) * _BINARY[unit])
-        if text.isdigit():
-            return int(text)
-        from huggingface_hub.serialization._base import parse_size_to_int
-
-        return parse_size_to_int(text)
-    except ValueError as e:
-        raise UsageError(f"{option}: expected a size like 5GB, 512MiB or 1000000, got {value!r}") from e
+    m = _SIZE.fullmatch(value)
+    if m is None:
+        raise UsageError(f"{option}: expected a size like 5GB, 512MiB or 1000000, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
 def sources_of(manifest: Manifest, src: Path | str | None = None) -> tuple[Path, ...]:
@@ -82,9 +147,12 @@ def sources_of(manifest: Manifest, src: Path | str | None = None) -> tuple[Path,
 
 def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, overwrite: bool,
           max_memory: int, fsync: bool, progress: bool, extra_files: tuple[FilePlan, ...] = (),
-          notes: tuple[str, ...] = (), distributed: bool = False, src: Path | str | None = None) -> Report:
+          notes: tuple[str, ...] = (), distributed: bool = False, src: Path | str | None = None,
+          dry_run: bool = False, changes: Changes = Changes()) -> Report:
     """Write ``manifest`` as ``fmt`` to ``dst``. ``src`` is the input as the user named it: ``dst`` may not be,
-    hold or lie inside it (nor any file read from it)."""
+    hold or lie inside it (nor any file read from it). With ``dry_run``, only plan it (and check the
+    destination) and report what would be written. ``changes`` are the renames, drops and casts made on the
+    way, for the report."""
     start = time.perf_counter()
     notes += _left_out(manifest, fmt)
     sources = sources_of(manifest, src)
@@ -95,15 +163,17 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, o
     io = io_for(fmt)
     plan = io.plan(manifest, io.options(target, manifest))
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file)
-    if distributed:
+    if distributed and not dry_run:
         execute_distributed(plan, Path(dst), overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync)
-    else:
+    elif not dry_run:  # a dry run is planned and its destination checked: nothing to write
         with progress_bar(plan.total_bytes, f"{fmt.value}", progress) as update:
             execute(plan, Path(dst), overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync,
                     progress=update)
     ws = target.world_size if fmt in (Format.SHARDED, Format.LOCAL) else None
     return Report(manifest.root, manifest.format, str(dst), fmt, len(manifest.tensors), len(manifest.objects),
-                  plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes)
+                  plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes,
+                  tuple((f.relpath, f.nbytes) for f in plan.files), changes.renamed, changes.dropped, changes.cast,
+                  changes.permuted, dry_run)
 
 
 def _left_out(manifest: Manifest, fmt: Format) -> tuple[str, ...]:
@@ -122,10 +192,26 @@ def _not_held(manifest: Manifest, fmt: Format) -> tuple[str, ...]:
     return ()
 
 
-def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: int = 1,
+def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path | str,
+              hf_assets: Path | str | None, to_hf: bool | None) -> MappedKeys:
+    """The model's tensors under ``mapping``; a preset gets its head counts from the model's config
+    (:func:`ckptkit.ops.hfconfig.find_config`: ``hf_assets``, the source's own ``config.json``, Meta's
+    ``params.json`` beside it)."""
+    shape = None
+    if mapping.preset is not None:
+        chosen = preset(mapping.preset)
+        check_single_file(chosen, Path(src))
+        config = find_config(Path(src), hf_assets) if chosen.needs_shape or hf_assets is not None else None
+        shape = config.shape() if config is not None else None
+    return map_keys(tensors, mapping, shape=shape, to_hf=to_hf)
+
+
+def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_size: int = 1,
             max_shard_size: int | str | None = None, overwrite: bool = False,
             max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
-            local: LocalOptions | None = None) -> Report:
+            local: LocalOptions | None = None, preset: str | None = None,
+            renames: Renames = (), key_map: KeyMapSource = None,
+            strict_map: bool = False, hf_assets: Path | str | None = None, dry_run: bool = False) -> Report:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``, streaming tensor by tensor.
 
     FULL output is one ``torch.save`` file when ``dst`` ends in .pt/.pth/.bin/.ckpt and no shard size is
@@ -134,33 +220,51 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | str, world_size: i
     config and tokenizer files). SHARDED output from another form carries Lightning's ``meta.pt`` (the groups
     that are neither the model nor optimizer state, also kept in the DCP), so Lightning loads it too.
 
+    A key mapping (:mod:`ckptkit.ops.mapping`) renames the model's weights: ``key_map`` (a dict, or a JSON
+    file of old key to new key or null), then ``renames`` (``'REGEX=REPLACEMENT'``, in order), then a
+    ``preset`` (``torchtitan-llama``, ``meta-llama``, ``qwen2``, ``mistral``), which maps from whichever side
+    the keys are named in to the other (towards HF names for ``to="hf"``) and takes head counts from
+    ``hf_assets``' config.json (default: the source's own). ``strict_map`` refuses keys nothing mapped. With a
+    mapping, the output holds the model part only: optimizer state names parameters its own way.
+
     ``local`` (:class:`LocalOptions`) applies to a LOCAL source or output: ``rank_files`` names the rank
     files (``"shard_{rank}.pt"``); ``model`` (``"package.module:factory"``), ``auto_wrap``,
     ``use_orig_params`` and ``param_dtype`` (``MixedPrecision(param_dtype=...)``) say how FSDP wraps the
     model, from which the flat-parameter layout is derived where no ``flat_layout.json`` has it.
+
+    ``dry_run`` plans and reports the output without writing anything.
     """
     fmt = io_for(to).format
     local = local or LocalOptions()
+    mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
     manifest = detect(src, local).read(Path(src))
     notes: tuple[str, ...] = ()
-    if fmt is Format.HF:
+    changes = Changes()
+    if fmt is Format.HF or mapping:
         # A model file holds the model: the same part, under the same names, as export-hf writes.
         sel = select_model(manifest)
-        manifest, notes = Manifest(manifest.format, manifest.root, sel.tensors), sel.notes
+        tensors, notes = sel.tensors, sel.notes
+        if mapping:
+            mapped = map_model(tensors, mapping, src, hf_assets, to_hf=True if fmt is Format.HF else None)
+            tensors, notes = mapped.tensors, notes + mapped.notes
+            changes = Changes(mapped.renamed, mapped.dropped, permuted=mapped.permuted)
+            if fmt is not Format.HF:
+                notes += ("a key mapping renames the model's weights: the output holds the model part only",)
+        manifest = Manifest(manifest.format, manifest.root, tensors)
     target = Target(world_size=world_size, max_shard_size=parse_size(max_shard_size), destination=str(dst),
                     local=local, meta_groups=meta_groups(manifest) if fmt is Format.SHARDED else None)
     return write(manifest, fmt, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
-                 progress=progress, notes=notes, src=src)
+                 progress=progress, notes=notes, src=src, dry_run=dry_run, changes=changes)
 
 
 def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: bool = False,
             max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
-            local: LocalOptions | None = None) -> Report:
+            local: LocalOptions | None = None, dry_run: bool = False) -> Report:
     """Re-lay-out a sharded checkpoint for ``world_size`` ranks, in its own format; no GPU or process group.
 
     ``local`` is as for :func:`convert`; the output keeps the source's rank file names and layout, and a
     DCP source's Lightning ``meta.pt``. Another framework's sharded layout that ckptkit reads but does not
-    write (verl, DeepSpeed) becomes SHARDED (DCP).
+    write (verl, DeepSpeed) becomes SHARDED (DCP). ``dry_run`` plans and reports without writing.
     """
     reader = detect(src, local)
     fmt = reader.format
@@ -173,4 +277,4 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: boo
     manifest = reader.read(Path(src))
     groups = meta_groups(manifest) if fmt is Format.SHARDED else None
     return write(manifest, fmt, dst, Target(world_size=world_size, meta_groups=groups), overwrite=overwrite,
-                 max_memory=max_memory, fsync=fsync, progress=progress, notes=notes, src=src)
+                 max_memory=max_memory, fsync=fsync, progress=progress, notes=notes, src=src, dry_run=dry_run)

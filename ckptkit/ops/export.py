@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
-from ..core.dtypes import DType, parse_cast
+from ..core.dtypes import CastName, DType, by_name, parse_cast
 from ..core.manifest import Format, Manifest, TensorEntry
 from ..core.plan import Bytes, FilePlan
 from ..errors import FormatError, UsageError
 from ..formats import LocalOptions, Target, detect
+from ..formats.base import cast_for
 from ..io.execute import DEFAULT_MAX_MEMORY
 from ..io.sources import Files
-from .convert import Report, parse_size, write
+from .convert import Changes, Report, map_model, parse_size, write
+from .hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
+from .mapping import KeyMapSource, Renames, key_mapping
 from .select import select_model
 from .verify import first_difference
 
@@ -23,6 +28,7 @@ ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "vocab.txt", "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
 _EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight", "shared.weight")
 _MAX_ASSET = 256 << 20
+FLOAT32 = by_name("float32")
 
 
 def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict]:
@@ -43,47 +49,6 @@ def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict]:
     if not isinstance(config, dict):
         raise FormatError(f"{directory / 'config.json'}: expected a JSON object, found {type(config).__name__}")
     return tuple(plans), config
-
-
-TIE_DEFAULTS = {
-    "llama": False, "llama4": False, "mistral": False, "mixtral": False, "qwen2": False, "qwen2_moe": False,
-    "qwen3": False, "qwen3_moe": False, "phi": False, "phi3": False, "gpt_neox": False, "deepseek_v3": False,
-    "olmo2": False, "gemma": True, "gemma2": True, "gemma3": True, "gemma3_text": True, "gpt2": True, "opt": True,
-    "t5": True, "falcon": True,
-}
-"""``tie_word_embeddings`` when config.json omits it, per ``model_type`` (the config classes of transformers
-5.23); used where transformers is not installed to ask."""
-
-
-def _transformers_default(model_type: str) -> bool | None:
-    try:
-        from transformers import AutoConfig
-    except ImportError:
-        return None
-    try:
-        value = getattr(AutoConfig.for_model(model_type), "tie_word_embeddings", None)
-    except (KeyError, ValueError):  # a model type this transformers does not know
-        return None
-    return value if isinstance(value, bool) else None
-
-
-def tie_word_embeddings(config: dict) -> tuple[bool | None, str]:
-    """Whether the model ties ``lm_head`` to its input embedding, and why: as config.json states it; else the
-    default of its ``model_type``, from transformers' config class when transformers is importable, else
-    from :data:`TIE_DEFAULTS`; else None (unknown)."""
-    stated = config.get("tie_word_embeddings")
-    if isinstance(stated, bool):
-        return stated, f"config.json says tie_word_embeddings: {str(stated).lower()}"
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str):
-        return None, "config.json states neither tie_word_embeddings nor a model_type"
-    default, source = _transformers_default(model_type), "transformers' config class"
-    if default is None:
-        default, source = TIE_DEFAULTS.get(model_type), "ckptkit's table of defaults"
-    if default is None:
-        return None, f"config.json omits tie_word_embeddings and the default of model_type {model_type!r} is unknown"
-    return default, (f"config.json omits tie_word_embeddings; model_type {model_type!r} defaults to "
-                     f"{str(default).lower()} ({source})")
 
 
 def _untie(tensors: list[TensorEntry], config: dict, max_memory: int) -> tuple[list[TensorEntry], str | None]:
@@ -131,44 +96,104 @@ def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: lis
     return assets, f"config.json: dtype and torch_dtype set to {dtype}, the dtype written{said}"
 
 
-def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: str = "keep",
+def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: CastName = "keep",
               max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
-              strip_wrappers: bool = True, hf_assets: Path | str | None = None, overwrite: bool = False,
+              strip_wrappers: bool = True, hf_assets: Path | str | None = None, preset: str | None = None,
+              renames: Renames = (), key_map: KeyMapSource = None,
+              strict_map: bool = False, keep_fp32: Iterable[str] = (), overwrite: bool = False,
               max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
-              distributed: bool = False, local: LocalOptions | None = None) -> Report:
+              distributed: bool = False, local: LocalOptions | None = None, dry_run: bool = False) -> Report:
     """Write the model tensors of ``src`` as HF safetensors at ``dst`` (with the index file when sharded).
 
-    ``dtype`` is ``keep`` or one of ``bf16``/``fp16``/``fp32``; a cast touches floating tensors only.
+    ``dtype`` is ``keep`` or one of ``bf16``/``fp16``/``fp32`` (or ``bfloat16``/``float16``/``float32``); a cast
+    touches floating tensors only. Under a cast, floating tensors whose key matches a regular expression of
+    ``keep_fp32`` (searched anywhere in the HF name), and those transformers keeps in float32 when it loads the
+    config's model class in that dtype (``_keep_in_fp32_modules`` under fp16, ``_keep_in_fp32_modules_strict``
+    under fp16 and bf16), are written in float32; config.json names the cast dtype, as ``save_pretrained``
+    does for such a model.
+
     The model part is found by :mod:`ckptkit.ops.select`'s rule (``model_key`` names it explicitly, as a
     dotted path); a checkpoint of training state alone is refused. Wrapper prefixes are stripped unless
-    ``strip_wrappers=False``. ``hf_assets`` copies config and tokenizer files (by default those the checkpoint
-    carries: verl's ``huggingface/``); ``lm_head.weight`` is left out only when the model ties it (the
-    config's ``tie_word_embeddings``, else its ``model_type``'s default) and it equals the input embedding. The
-    copied config.json names the dtype written after a cast, or where it named another one.
+    ``strip_wrappers=False``. A key mapping then renames the keys, as for :func:`ckptkit.convert` (``key_map``,
+    ``renames``, ``preset`` towards HF names, ``strict_map``). ``hf_assets`` copies config and tokenizer files
+    (by default those the checkpoint carries: verl's ``huggingface/``); ``lm_head.weight`` is left out only when
+    the model ties it (the config's ``tie_word_embeddings``, else its ``model_type``'s default) and it equals
+    the input embedding. The copied config.json names the dtype written after a cast, or where it named another.
+
+    ``dry_run`` plans and reports the output (files and sizes, keys renamed, left out and cast, assets copied)
+    without writing anything.
 
     In a save hook, call it from rank 0 alone, or with ``distributed=True`` from every rank of the default
     process group: each rank then writes its share of the output files and rank 0 publishes the result.
     """
     cast = parse_cast(dtype)
+    keep_patterns = _patterns(keep_fp32, "--keep-fp32")
+    if keep_patterns and cast is None:
+        raise UsageError("--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype bf16 or fp16")
+    mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
     manifest = detect(src, local).read(Path(src))
     sel = select_model(manifest, model_key, tuple(strip_prefixes), strip_wrappers)
     notes = list(sel.notes)
     tensors = list(sel.tensors)
     assets: tuple[FilePlan, ...] = ()
+    config: dict | None = None
+    renamed: tuple[tuple[str, str], ...] = ()
+    permuted: tuple[str, ...] = ()
+    dropped: list[tuple[str, str]] = []
     if hf_assets is None and manifest.hf_assets is not None:
         hf_assets = manifest.hf_assets
         notes.append(f"config and tokenizer from the checkpoint's {Path(hf_assets).name}/")
+    if mapping:
+        mapped = map_model(tuple(tensors), mapping, src, hf_assets, to_hf=True)
+        tensors, renamed, dropped, permuted = (list(mapped.tensors), mapped.renamed, list(mapped.dropped),
+                                               mapped.permuted)
+        notes += mapped.notes
     if hf_assets is not None:
         assets, config = _assets(Path(hf_assets))
+        kept = {t.key for t in tensors}
         tensors, tie_note = _untie(tensors, config, max_memory)
+        dropped += [(k, "tied to the input embedding") for k in kept - {t.key for t in tensors}]
         assets, dtype_note = _with_written_dtype(assets, config, tensors, cast)
         notes += [n for n in (tie_note, dtype_note) if n]
         notes.append("copied " + ", ".join(p.relpath for p in assets))
+    keep, keep_note = _kept_in_fp32(tensors, keep_patterns, config, cast)
+    casts = tuple((t.key, to.name) for t in tensors
+                  if (to := cast_for(t.dtype, FLOAT32 if t.key in keep else cast)) is not None)
     if cast:
-        n = sum(1 for t in tensors if t.dtype.is_floating and t.dtype != cast)
+        n = sum(1 for t in tensors if t.dtype.is_floating and t.dtype != cast and t.key not in keep)
         notes.append(f"cast {n} floating tensors to {cast}; others kept their dtype")
+    notes += [keep_note] if keep_note else []
     model = Manifest(manifest.format, manifest.root, tuple(tensors))
-    target = Target(max_shard_size=parse_size(max_shard_size), cast=cast)
+    target = Target(max_shard_size=parse_size(max_shard_size), cast=cast, keep_fp32=frozenset(keep))
     return write(model, Format.HF, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
                  progress=progress and not distributed, extra_files=assets, notes=tuple(notes), distributed=distributed,
-                 src=src)
+                 src=src, dry_run=dry_run, changes=Changes(renamed, tuple(dropped), casts, permuted))
+
+
+def _patterns(values: Iterable[str], option: str) -> tuple[re.Pattern, ...]:
+    try:
+        return tuple(re.compile(v) for v in values)
+    except re.error as e:
+        raise UsageError(f"{option} {e.pattern!r}: not a regular expression ({e})") from None
+
+
+def _kept_in_fp32(tensors: list[TensorEntry], patterns: tuple[re.Pattern, ...], config: dict | None,
+                  cast: DType | None) -> tuple[set[str], str | None]:
+    """The floating tensors written in float32 under ``cast``: those ``--keep-fp32`` names, and those the config's
+    model class keeps in float32 when transformers loads it in ``cast``; and a note saying which and why."""
+    if cast is None or cast == FLOAT32:
+        return set(), None
+    modules, said = keep_in_fp32(config, cast) if config is not None else (None, None)
+    keep, why = set(), []
+    for t in tensors:
+        if not t.dtype.is_floating:
+            continue
+        if any(p.search(t.key) for p in patterns) or (modules is not None and modules.search(t.key)):
+            keep.add(t.key)
+    if patterns:
+        why.append("--keep-fp32 " + " ".join(repr(p.pattern) for p in patterns))
+    if said:
+        why.append(said)
+    if not keep:
+        return keep, (f"no tensor matches {'; '.join(why)}" if why else None)
+    return keep, f"kept {len(keep)} floating tensors in float32 ({'; '.join(why)})"

@@ -1,16 +1,32 @@
-"""What a checkpoint holds, as a dict (``--json``) or as text."""
+"""What a checkpoint holds, as JSON data (``--json``) or as text: sizes, parameters, the dtype mix, and a table per
+module (``--depth``) or per tensor, optionally narrowed by ``--filter``.
+
+The JSON form (:data:`SCHEMA_VERSION`) holds numbers as numbers and every non-tensor value as JSON: plain data
+as itself, anything else as a typed description (``{"type": "tensor", "dtype": ..., "shape": ...}``,
+``{"type": "bytes", "length": ...}``, ``{"type": "object", "class": ..., "state": ...}``), never a Python repr.
+"""
 
 from __future__ import annotations
 
-from collections import Counter
+import math
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..core.manifest import Manifest, ObjectEntry
-from ..errors import CheckpointError
+from ..codecs.pickle_read import Call, Record, Ref
+from ..core.dtypes import DType
+from ..core.manifest import Manifest, ObjectEntry, TensorEntry, TensorRef
+from ..errors import CheckpointError, UsageError
 from ..formats import LocalOptions, detect, object_value
+from ..io.progress import human_size
+from .select import select_model
 
-__all__ = ["inspect", "render", "summary"]
+__all__ = ["SCHEMA_VERSION", "human_count", "inspect", "json_value", "render", "summary"]
+
+SCHEMA_VERSION = 1
+"""Of :func:`summary`; raised when a field changes meaning or goes away."""
+_VALUE_WIDTH = 100
 
 
 def inspect(path: Path | str, *, local: LocalOptions | None = None) -> Manifest:
@@ -19,41 +35,163 @@ def inspect(path: Path | str, *, local: LocalOptions | None = None) -> Manifest:
     return detect(path, local).read(Path(path))
 
 
-def summary(m: Manifest) -> dict[str, Any]:
-    return {
+def human_count(n: int) -> str:
+    """A parameter count as people say it: ``950``, ``124M``, ``1.2B``."""
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            value = n / size
+            return f"{value:.1f}{unit}" if value < 99.95 else f"{value:.0f}{unit}"
+    return str(n)
+
+
+def json_value(value: Any) -> Any:
+    """``value`` as JSON data: plain data as itself, anything else as a typed description."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"type": "float", "value": str(value)}
+    if isinstance(value, (bytes, bytearray)):
+        return {"type": "bytes", "length": len(value)}
+    if isinstance(value, complex):
+        return {"type": "complex", "real": json_value(value.real), "imag": json_value(value.imag)}
+    if isinstance(value, (list, tuple)):
+        return [json_value(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return {"type": "set", "items": [json_value(v) for v in value]}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: json_value(v) for k, v in value.items()}
+        return {"type": "dict", "items": [[json_value(k), json_value(v)] for k, v in value.items()]}
+    if isinstance(value, TensorRef):
+        return {"type": "tensor", "dtype": value.dtype.name, "shape": list(value.shape)}
+    if isinstance(value, DType):
+        return {"type": "dtype", "name": value.name}
+    if isinstance(value, Ref):
+        return {"type": "global", "name": f"{value.module}.{value.name}"}
+    if isinstance(value, Call):
+        return {"type": "call", "function": f"{value.func.module}.{value.func.name}", "args": json_value(value.args)}
+    if isinstance(value, Record):
+        name = value._pickle_name
+        return {"type": "object", "class": f"{name.module}.{name.name}", "state": json_value(dict(vars(value)))}
+    return {"type": type(value).__name__}
+
+
+def _value(entry: ObjectEntry) -> Any:
+    try:
+        return json_value(object_value(entry))
+    except CheckpointError as e:  # a Lightning meta.pt with classes off the allow-list: shown, not run
+        return {"type": "unreadable", "error": str(e)}
+
+
+def _parameters(m: Manifest, keep: set[str]) -> int | None:
+    """Elements of the model part's tensors (those in ``keep``), or None where the checkpoint has no model part."""
+    try:
+        chosen = select_model(m).saved_keys
+    except UsageError:
+        return None
+    by_key = {t.key: t for t in m.tensors}
+    return sum(by_key[saved].numel for _, saved in chosen if saved in keep)
+
+
+def _modules(entries: list[TensorEntry | ObjectEntry], depth: int) -> list[dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    for e in entries:
+        name = ".".join(e.key.split(".")[:depth])
+        row = rows.setdefault(name, {"name": name, "tensors": 0, "parameters": 0, "bytes": 0, "objects": 0})
+        if isinstance(e, TensorEntry):
+            row["tensors"] += 1
+            row["parameters"] += e.numel
+            row["bytes"] += e.nbytes
+        else:
+            row["objects"] += 1
+    return list(rows.values())
+
+
+def summary(m: Manifest, *, depth: int | None = None, filter: str | None = None) -> dict[str, Any]:
+    """The manifest as JSON data: ``filter`` (a regular expression searched in each key) narrows the tensors and
+    entries, ``depth`` adds a table of modules (keys cut to their first ``depth`` segments)."""
+    try:
+        pattern = re.compile(filter) if filter is not None else None
+    except re.error as e:
+        raise UsageError(f"--filter {filter!r}: not a regular expression ({e})") from None
+    if depth is not None and depth < 1:
+        raise UsageError(f"--depth must be 1 or more, got {depth}")
+    tensors = [t for t in m.tensors if pattern is None or pattern.search(t.key)]
+    objects = [o for o in m.objects if pattern is None or pattern.search(o.key)]
+    by_dtype: dict[str, dict[str, int]] = {}
+    for t in tensors:
+        row = by_dtype.setdefault(t.dtype.name, {"tensors": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["bytes"] += t.nbytes
+    out: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
         "path": m.root,
         "format": m.format.value,
         "world_size": m.world_size,
-        "tensors": len(m.tensors),
-        "bytes": m.nbytes,
-        "dtypes": dict(Counter(t.dtype.name for t in m.tensors)),
+        "filter": filter,
+        "tensors": len(tensors),
+        "tensors_in_checkpoint": len(m.tensors),
+        "bytes": sum(t.nbytes for t in tensors),
+        "elements": sum(t.numel for t in tensors),
+        "parameters": _parameters(m, {t.key for t in tensors}),
+        "dtypes": dict(sorted(by_dtype.items(), key=lambda kv: -kv[1]["bytes"])),
         "details": dict(m.details),
-        "entries": [{"key": t.key, "dtype": t.dtype.name, "shape": list(t.shape),
+        "entries": [{"key": t.key, "dtype": t.dtype.name, "shape": list(t.shape), "elements": t.numel,
+                     "bytes": t.nbytes,
                      "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": Path(c.span.file).name}
                                 for c in t.chunks], **({"file": t.sidecar} if t.sidecar else {})}
-                    for t in m.tensors],
+                    for t in tensors],
         "objects": [{"key": o.key, "value": _value(o), **({"file": o.sidecar} if o.sidecar else {})}
-                    for o in m.objects],
+                    for o in objects],
     }
+    if depth is not None:
+        out["depth"] = depth
+        out["modules"] = _modules([*tensors, *objects], depth)
+    return out
 
 
-def _value(entry: ObjectEntry) -> str:
-    try:
-        return repr(object_value(entry))[:200]
-    except CheckpointError as e:  # a Lightning meta.pt with classes off the allow-list: shown, not run
-        return f"<not readable as data: {e}>"
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    return ["  " + "  ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths,
+                                                                                                     strict=True)))
+            .rstrip() for r in (header, *rows)]
+
+
+def _short(value: Any) -> str:
+    import json
+
+    text = json.dumps(value, separators=(", ", ": "))
+    return text if len(text) <= _VALUE_WIDTH else text[:_VALUE_WIDTH - 3] + "..."
 
 
 def render(s: dict[str, Any]) -> str:
+    """:func:`summary` as text: a header, the dtype mix, the format's facts, then a table of modules, or of
+    tensors followed by the other entries."""
     ws = f", world size {s['world_size']}" if s["world_size"] else ""
-    dts = ", ".join(f"{k} x{v}" for k, v in s["dtypes"].items())
-    lines = [f"{s['path']}: {s['format']}{ws}",
-             f"{s['tensors']} tensors, {s['bytes']:,} bytes ({dts or 'none'}); {len(s['objects'])} other entries"]
+    filtered = (f" (--filter {s['filter']!r}: {s['tensors']} of {s['tensors_in_checkpoint']} tensors)"
+                if s["filter"] is not None else "")
+    n = s["parameters"]
+    params = "" if n is None else f"; model: {n:,} parameters" + (f" ({human_count(n)})" if n >= 1000 else "")
+    lines = [f"{s['path']}: {s['format']}{ws}{filtered}",
+             f"{s['tensors']} tensors, {human_size(s['bytes'])}{params}; {len(s['objects'])} other entries"]
+    if s["dtypes"]:
+        total = s["bytes"] or 1
+        lines.append("dtypes: " + ", ".join(f"{name} {100 * d['bytes'] / total:.3g}% ({d['tensors']} tensors)"
+                                           for name, d in s["dtypes"].items()))
     lines += [f"{k}: {v}" for k, v in s["details"].items()]
-    width = max((len(e["key"]) for e in s["entries"]), default=0)
-    for e in s["entries"]:
-        chunks = len(e["chunks"])
-        lines.append(f"  {e['key']:<{width}}  {e['dtype']:<14} {str(e['shape']):<20} "
-                     f"{chunks} chunk{'s' * (chunks != 1)}" + (f"  ({e['file']})" if "file" in e else ""))
-    lines += [f"  {o['key']} = {o['value']}" + (f"  ({o['file']})" if "file" in o else "") for o in s["objects"]]
+    if "modules" in s:  # one row a module: its tensors and other entries counted, not listed
+        modules = [(r["name"], f"{r['tensors']:,}", f"{r['parameters']:,}", human_size(r["bytes"]),
+                    f"{r['objects']:,}") for r in s["modules"]]
+        return "\n".join(lines + _table(("module", "tensors", "parameters", "bytes", "other entries"), modules,
+                                        {1, 2, 3, 4}))
+    if s["entries"]:
+        rows = [(e["key"], e["dtype"], str(e["shape"]).replace(" ", ""), human_size(e["bytes"]),
+                 f"{len(e['chunks'])} chunk{'s' * (len(e['chunks']) != 1)}" + _in(e)) for e in s["entries"]]
+        lines += _table(("tensor", "dtype", "shape", "bytes", "chunks"), rows, {3})
+    lines += [f"  {o['key']} = {_short(o['value'])}" + _in(o) for o in s["objects"]]
     return "\n".join(lines)
+
+
+def _in(entry: dict[str, Any]) -> str:
+    """Where an entry lives when not in the checkpoint's own files (Lightning's meta.pt)."""
+    return f"  ({entry['file']})" if "file" in entry else ""

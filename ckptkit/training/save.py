@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from ..core.manifest import key_of
+from ..core.manifest import FormName, key_of
 from ..core.tree import flatten
 from ..errors import CheckpointError, UsageError
 from ..formats import detect
@@ -140,7 +140,7 @@ def _replaceable(path: Path) -> bool:
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
-         scheduler: Any = None, extra_state: Any = None, form: str = "sharded", step: int | None = None,
+         scheduler: Any = None, extra_state: Any = None, form: FormName = "sharded", step: int | None = None,
          keep_last: int | None = None, max_total_gb: float | None = None, async_save: bool = False,
          hf_assets: str | os.PathLike | None = None) -> SaveHandle:
     """Save model (+ optimizer, scheduler, extra state) in ``form``; call on every rank.
