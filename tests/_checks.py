@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -179,3 +181,10 @@ class Evil:
 
     def __reduce__(self):
         return (os.system, (f"echo hacked > {self.marker}",))
+
+
+def record_start(data: bytes, info: zipfile.ZipInfo) -> int:
+    """Where a stored zip record's bytes start in ``data``: after its local header, whose name and extra
+    field lengths may differ from the central directory's."""
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    return info.header_offset + 30 + name_len + extra_len

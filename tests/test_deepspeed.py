@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import struct
 import zipfile
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from _checks import assert_tensor_identical, load_dcp, load_full, load_hf
+from _checks import assert_tensor_identical, load_dcp, load_full, load_hf, record_start
 from _deepspeed import Config, register_standins, replace_in, torch_zero_to_fp32, write_checkpoint
 from ckptkit.cli import cli
 from ckptkit.core.manifest import Format
@@ -240,8 +239,7 @@ def test_deepspeed_byte_flips_give_an_error_or_what_the_bytes_say(tmp_path):
         clean = target.read_bytes()
         with zipfile.ZipFile(target) as z:
             info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
-        name_len, extra_len = struct.unpack("<HH", clean[info.header_offset + 26:info.header_offset + 30])
-        start = info.header_offset + 30 + name_len + extra_len
+        start = record_start(clean, info)
         outcomes = {"refused": 0, "as torch reads it": 0, "untampered": 0}
         for pos in range(start, start + info.file_size, 31):
             data = bytearray(clean)

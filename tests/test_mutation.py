@@ -30,7 +30,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from _checks import hash_tree, load_dcp, load_full, load_hf, make_training_state, make_zoo, tensor_bits
+from _checks import (
+    hash_tree,
+    load_dcp,
+    load_full,
+    load_hf,
+    make_training_state,
+    make_zoo,
+    record_start,
+    tensor_bits,
+)
 
 SEED = int(os.environ.get("CKPTKIT_MUTATION_SEED", "20261122"))  # fixed in CI; vary it to explore
 CASES_PER_SOURCE = 40
@@ -154,8 +163,7 @@ def _zip_regions(data: bytes) -> tuple[list[tuple[int, int]], tuple[int, int] | 
     z = zipfile.ZipFile(io.BytesIO(data))
     structure, pkl = [], None
     for info in z.infolist():
-        n, e = struct.unpack_from("<HH", data, info.header_offset + 26)
-        start = info.header_offset + 30 + n + e
+        start = record_start(data, info)
         structure.append((info.header_offset, start))
         if info.filename.endswith("data.pkl"):
             pkl = (start, start + info.file_size)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import bisect
 import io
 import pickle
-import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _checks import assert_same_tree, load_full, make_zoo, random_bits
+from _checks import assert_same_tree, load_full, make_zoo, random_bits, record_start
 from ckptkit.codecs.torchzip_read import is_archive, read_archive
 from ckptkit.codecs.torchzip_write import PartsTensor, _central, archive_parts
 from ckptkit.core.dtypes import DTYPES, by_name
@@ -170,8 +169,7 @@ def _records(path: Path) -> list[tuple[str, int]]:
     raw = path.read_bytes()
     with zipfile.ZipFile(path) as z:
         for info in z.infolist():
-            name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30])
-            out.append((info.filename.split("/", 1)[1], info.header_offset + 30 + name_len + extra_len))
+            out.append((info.filename.split("/", 1)[1], record_start(raw, info)))
     return out
 
 

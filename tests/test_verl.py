@@ -15,7 +15,6 @@ import json
 import os
 import resource
 import shutil
-import struct
 import zipfile
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from _checks import assert_tensor_identical, load_dcp, load_full, load_hf
+from _checks import assert_tensor_identical, load_dcp, load_full, load_hf, record_start
 from _verl import save_like_verl, tiny_llama
 from ckptkit.cli import cli
 from ckptkit.core.manifest import Format
@@ -275,8 +274,7 @@ def test_verl_byte_flips_in_the_pickles_give_an_error_or_what_torch_reads(saved,
     clean = target.read_bytes()
     with zipfile.ZipFile(target) as z:
         info = z.getinfo("model_world_size_2_rank_1/data.pkl")
-    name_len, extra_len = struct.unpack("<HH", clean[info.header_offset + 26:info.header_offset + 30])
-    start = info.header_offset + 30 + name_len + extra_len
+    start = record_start(clean, info)
     untampered = expected(saved["fsdp2-ws2"])["model"]
     outcomes = {"refused": 0, "as torch reads it": 0, "untampered": 0}
     for pos in range(start, start + info.file_size, 37):
