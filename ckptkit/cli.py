@@ -70,6 +70,33 @@ _memory = click.option("--max-memory", default="1GiB", show_default=True, callba
                        help="Budget for bytes held in memory (dtype casts, verify).")
 _fsync = click.option("--fsync", is_flag=True,
                       help="fsync every written file before the final rename (durable across power loss; slower).")
+_storage = click.option(
+    "--storage-options", metavar="JSON", callback=lambda c, p, v: _storage_options(v),
+    help="For s3://, gs://, az://, hf:// paths: keyword arguments of their fsspec filesystem, e.g. "
+         "'{\"endpoint_url\": \"http://127.0.0.1:9000\"}' or '{\"profile\": \"prod\"}' for s3fs (default: "
+         "AWS_ENDPOINT_URL, AWS_PROFILE, ... as each library reads them).")
+
+
+def _storage_options(value: str | None) -> dict | None:
+    if value is None:
+        return None
+    try:
+        options = json.loads(value)
+    except ValueError as e:
+        raise click.BadParameter(f"expected a JSON object, got {value!r} ({e})", param_hint="--storage-options") from e
+    if not isinstance(options, dict):
+        raise click.BadParameter(f"expected a JSON object, got {value!r}", param_hint="--storage-options")
+    return options
+
+
+def _assets_dir(value: str | None) -> str | None:
+    from .io.remote import is_url
+
+    if value is not None and not is_url(value) and not Path(value).is_dir():
+        raise click.BadParameter(f"directory {value!r} does not exist", param_hint="--hf-assets")
+    return value
+
+
 _LOCAL = (
     click.option("--rank-files", metavar="PATTERN",
                  help="LOCAL: rank file names with {rank} for the rank, e.g. 'shard_{rank}.pt' "
@@ -109,20 +136,21 @@ def _report(report, quiet: bool) -> None:
 
 
 @cli.command()
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_local
-def inspect(path: Path, as_json: bool, **local) -> None:
+@_storage
+def inspect(path: str, as_json: bool, storage_options, **local) -> None:
     """Show format, world size, tensors with shapes and chunking, and other entries."""
     from .ops.inspect import inspect as _inspect, render, summary
 
-    s = summary(_inspect(path, local=_local_options(**local)))
+    s = summary(_inspect(path, local=_local_options(**local), storage_options=storage_options))
     click.echo(json.dumps(s, indent=2) if as_json else render(s))
 
 
 @cli.command()
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
 @click.option("--to", "to", required=True, type=click.Choice(["full", "sharded", "local", "hf"]), help="Target format.")
 @click.option("--world-size", default=1, show_default=True, type=click.IntRange(min=1), help="Ranks (sharded, local).")
 @click.option("--max-shard-size", default=None, help="Largest output file, e.g. 5GB (hf, full).")
@@ -131,34 +159,39 @@ def inspect(path: Path, as_json: bool, **local) -> None:
 @_memory
 @_fsync
 @_quiet
-def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, fsync, quiet, **local) -> None:
+@_storage
+def convert(src, dst, to, world_size, max_shard_size, overwrite, max_memory, fsync, quiet, storage_options,
+            **local) -> None:
     """Convert SRC (any format) to DST in format --to."""
     from .ops.convert import convert as _convert
 
     _report(_convert(src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, overwrite=overwrite,
-                     max_memory=max_memory, fsync=fsync, progress=not quiet, local=_local_options(**local)), quiet)
+                     max_memory=max_memory, fsync=fsync, progress=not quiet, local=_local_options(**local),
+                     storage_options=storage_options), quiet)
 
 
 @cli.command()
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
 @click.option("--world-size", required=True, type=click.IntRange(min=1), help="Ranks to lay the checkpoint out for.")
 @_local
 @_overwrite
 @_memory
 @_fsync
 @_quiet
-def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) -> None:
+@_storage
+def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, storage_options, **local) -> None:
     """Re-lay-out the sharded checkpoint SRC for --world-size ranks (no GPUs, no process group)."""
     from .ops.convert import reshard as _reshard
 
     _report(_reshard(src, dst, world_size=world_size, overwrite=overwrite, max_memory=max_memory,
-                     fsync=fsync, progress=not quiet, local=_local_options(**local)), quiet)
+                     fsync=fsync, progress=not quiet, local=_local_options(**local),
+                     storage_options=storage_options), quiet)
 
 
 @cli.command("export-hf")
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
 @click.option("--model-key", default="auto", show_default=True,
               help="Where the model sits, as a dotted path (model, ema.model, state_dict.net); 'auto' finds it: "
                    "a model/state_dict/model_state_dict/module section, else the tensors beside the training state.")
@@ -169,7 +202,7 @@ def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) 
               help="Also strip this leading key prefix (repeatable).")
 @click.option("--keep-wrapper-prefixes", is_flag=True,
               help="Do not strip module., _orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.")
-@click.option("--hf-assets", type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.option("--hf-assets", metavar="DIR", callback=lambda c, p, v: _assets_dir(v),
               help="HF model directory to copy config.json and tokenizer files from (config.json names the dtype "
                    "written; its tie_word_embeddings decides whether lm_head.weight is left out).")
 @_local
@@ -177,27 +210,29 @@ def reshard(src, dst, world_size, overwrite, max_memory, fsync, quiet, **local) 
 @_memory
 @_fsync
 @_quiet
+@_storage
 def export_hf(src, dst, model_key, dtype, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
-              overwrite, max_memory, fsync, quiet, **local) -> None:
+              overwrite, max_memory, fsync, quiet, storage_options, **local) -> None:
     """Write the model part of SRC as Hugging Face safetensors in DST."""
     from .ops.export import export_hf as _export
 
     _report(_export(src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
                     strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
                     overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=not quiet,
-                    local=_local_options(**local)), quiet)
+                    local=_local_options(**local), storage_options=storage_options), quiet)
 
 
 @cli.command()
-@click.argument("a", type=click.Path(path_type=Path))
-@click.argument("b", type=click.Path(path_type=Path), required=False)
+@click.argument("a", type=click.Path(path_type=str))
+@click.argument("b", type=click.Path(path_type=str), required=False)
 @click.option("--model-only", is_flag=True,
               help="Compare only the model part, found and named as export-hf finds and names it.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_local
 @_memory
 @_quiet
-def verify(a, b, model_only, as_json, max_memory, quiet, **local) -> None:
+@_storage
+def verify(a, b, model_only, as_json, max_memory, quiet, storage_options, **local) -> None:
     """Compare A and B (any formats) key by key and byte by byte; exit 1 if they differ.
 
     With A alone: check A against the checksums its ckptkit.json recorded when ckptkit.save wrote it (exit 1
@@ -206,7 +241,7 @@ def verify(a, b, model_only, as_json, max_memory, quiet, **local) -> None:
     from .ops.verify import verify as _verify
 
     r = _verify(a, b, model_only=model_only, max_memory=max_memory, progress=not quiet,
-                local=_local_options(**local))
+                local=_local_options(**local), storage_options=storage_options)
     code = 0 if r.ok else 1
     try:
         if as_json:

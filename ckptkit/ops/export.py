@@ -11,6 +11,7 @@ from ..core.plan import Bytes, FilePlan
 from ..errors import FormatError, UsageError
 from ..formats import LocalOptions, Target, detect
 from ..io.execute import DEFAULT_MAX_MEMORY
+from ..io.remote import as_path
 from ..io.sources import Files
 from .convert import Report, parse_size, write
 from .select import select_model
@@ -135,7 +136,8 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
               max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
               strip_wrappers: bool = True, hf_assets: Path | str | None = None, overwrite: bool = False,
               max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
-              distributed: bool = False, local: LocalOptions | None = None) -> Report:
+              distributed: bool = False, local: LocalOptions | None = None,
+              storage_options: dict | None = None) -> Report:
     """Write the model tensors of ``src`` as HF safetensors at ``dst`` (with the index file when sharded).
 
     ``dtype`` is ``keep`` or one of ``bf16``/``fp16``/``fp32``; a cast touches floating tensors only.
@@ -148,9 +150,13 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
 
     In a save hook, call it from rank 0 alone, or with ``distributed=True`` from every rank of the default
     process group: each rank then writes its share of the output files and rank 0 publishes the result.
+
+    ``src``, ``dst`` and ``hf_assets`` may be URLs; ``storage_options`` go to their filesystem (see
+    :func:`ckptkit.convert`).
     """
     cast = parse_cast(dtype)
-    manifest = detect(src, local).read(Path(src))
+    src, dst = as_path(src, storage_options), as_path(dst, storage_options)
+    manifest = detect(src, local).read(src)
     sel = select_model(manifest, model_key, tuple(strip_prefixes), strip_wrappers)
     notes = list(sel.notes)
     tensors = list(sel.tensors)
@@ -159,7 +165,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         hf_assets = manifest.hf_assets
         notes.append(f"config and tokenizer from the checkpoint's {Path(hf_assets).name}/")
     if hf_assets is not None:
-        assets, config = _assets(Path(hf_assets))
+        assets, config = _assets(as_path(hf_assets, storage_options))
         tensors, tie_note = _untie(tensors, config, max_memory)
         assets, dtype_note = _with_written_dtype(assets, config, tensors, cast)
         notes += [n for n in (tie_note, dtype_note) if n]

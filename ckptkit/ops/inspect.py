@@ -9,14 +9,17 @@ from typing import Any
 from ..core.manifest import Manifest, ObjectEntry
 from ..errors import CheckpointError
 from ..formats import LocalOptions, detect, object_value
+from ..io.remote import as_path
 
 __all__ = ["inspect", "render", "summary"]
 
 
-def inspect(path: Path | str, *, local: LocalOptions | None = None) -> Manifest:
+def inspect(path: Path | str, *, local: LocalOptions | None = None, storage_options: dict | None = None) -> Manifest:
     """The manifest of the checkpoint at ``path``: format, tensors with their chunks, other entries.
-    ``local`` says how to read a LOCAL checkpoint (see :func:`ckptkit.convert`)."""
-    return detect(path, local).read(Path(path))
+    ``local`` says how to read a LOCAL checkpoint (see :func:`ckptkit.convert`). A URL's checkpoint is read
+    by its headers alone, with range requests; ``storage_options`` go to its filesystem."""
+    path = as_path(path, storage_options)
+    return detect(path, local).read(path)
 
 
 def summary(m: Manifest) -> dict[str, Any]:

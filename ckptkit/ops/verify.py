@@ -13,6 +13,7 @@ from ..formats import LocalOptions, detect, object_value
 from ..io.execute import DEFAULT_MAX_MEMORY
 from ..io.progress import progress_bar
 from ..io.publish import resolve
+from ..io.remote import as_path, is_url
 from ..io.sources import Files, read_region
 from . import checksums
 from .select import select_model
@@ -91,7 +92,7 @@ def _entries(manifest: Manifest, model_only: bool) -> tuple[dict[str, TensorEntr
 
 def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = False,
            max_memory: int = DEFAULT_MAX_MEMORY, progress: bool = False,
-           local: LocalOptions | None = None) -> VerifyReport:
+           local: LocalOptions | None = None, storage_options: dict | None = None) -> VerifyReport:
     """Compare every key, dtype, shape and byte of ``a`` and ``b``.
 
     ``model_only`` compares just the model part of each, named as ``export_hf`` names it, so that a training
@@ -100,12 +101,15 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     Without ``b``, ``a`` is checked against its own ``ckptkit.json`` (the checksums ``ckptkit.save``
     recorded; a run directory means the step ``latest`` names); without one, every chunk and entry of ``a``
     is read through, which finds what is missing or unreadable. A damaged ``ckptkit.json`` raises.
+    Either side may be a URL; ``storage_options`` go to its filesystem.
     """
+    pa = as_path(a, storage_options)
     if b is None:
         if model_only:
             raise UsageError("--model-only compares two checkpoints; with one, all of it is checked")
-        return _verify_alone(Path(a), max_memory, progress, local)
-    ma, mb = detect(a, local).read(Path(a)), detect(b, local).read(Path(b))
+        return _verify_alone(pa, max_memory, progress, local)
+    pb = as_path(b, storage_options)
+    ma, mb = detect(pa, local).read(pa), detect(pb, local).read(pb)
     ta, oa = _entries(ma, model_only)
     tb, ob = _entries(mb, model_only)
     diffs = [Difference(k, f"only in {a}") for k in {**ta, **oa} if k not in tb and k not in ob]
@@ -131,7 +135,7 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
 
 
 def _verify_alone(path: Path, max_memory: int, progress: bool, local: LocalOptions | None) -> VerifyReport:
-    ckpt = resolve(path)
+    ckpt = path if is_url(path) else resolve(path)  # run directories (latest) are ckptkit.save's, local ones
     manifest = detect(ckpt, local).read(ckpt)
     record = checksums.read_record(ckpt)
     total = manifest.nbytes + sum(o.blob.length for o in manifest.objects if o.blob)
