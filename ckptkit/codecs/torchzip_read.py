@@ -278,11 +278,15 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
     def bad(what: str) -> FormatError:
         return FormatError(f"{where}: not a torch.save archive torch can read ({what})")
 
-    tail_len = min(length, _EOCD.size + 0xFFFF)
-    window.seek(length - tail_len)
-    tail = window.read(tail_len)
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or at + _EOCD.size > len(tail):
+    # The end record is the archive's last 22 bytes unless a comment follows it (up to 64 KiB): look in the
+    # window's tail first, which a remote read fetched already, and further back only if it is not there.
+    for tail_len in (min(length, _Window._EDGE), min(length, _EOCD.size + 0xFFFF)):
+        window.seek(length - tail_len)
+        tail = window.read(tail_len)
+        at = tail.rfind(b"PK\x05\x06")
+        if at >= 0 and at + _EOCD.size <= len(tail):
+            break
+    else:
         raise bad("no end of central directory record; truncated?")
     _, disk, cd_disk, on_disk, count, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, at)
     eocd = length - tail_len + at

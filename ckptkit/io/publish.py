@@ -383,6 +383,8 @@ def _check_object_destination(dst: RemotePath, overwrite: bool, sources: tuple[P
                 raise UsageError(f"destination {url} overlaps the input {there}; ckptkit never writes into its "
                                  "input (nor next to what it reads, where the output would change what the input "
                                  "means)")
+    # What a dead run of this host left at DST is not an output: remove it before asking whether DST exists.
+    recover_objects(dst.parent)
     if not overwrite and dst.exists():
         raise UsageError(f"{url} already exists; pass --overwrite (overwrite=True) to replace it")
     return cast(Path, dst)

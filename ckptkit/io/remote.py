@@ -123,13 +123,15 @@ def as_path(path: str | Path, storage_options: dict | None = None) -> Path:
     """``path`` as a :class:`pathlib.Path` (local) or a :class:`RemotePath` (a URL) that stands in for one.
 
     ``file://`` URLs are local paths. A path pathlib made of a URL (``s3:/bucket``) is refused rather than
-    read or written as a local directory named ``s3:``.
+    read or written as a local directory named ``s3:``. A URL given as a string is looked at afresh: the
+    filesystem's cached listings (another process may have written since) are dropped.
     """
     if isinstance(path, RemotePath):
         return cast(Path, path)
     text = str(path)
     if is_url(text):
         fs, inner = filesystem(text, storage_options)
+        fs.invalidate_cache()
         return cast(Path, RemotePath(fs, inner))
     if text.lower().startswith("file://"):
         return Path(text[len("file://"):])
