@@ -61,7 +61,14 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     g = torch.Generator().manual_seed(5)
     torch.save({"big": torch.randn(3 << 20, generator=g), "small": torch.arange(5)}, root / "big.pt")
     convert(root / "big.pt", root / "big-dcp", to="sharded", world_size=1)
-    return {"state": root / "state.pt", "dcp": root / "dcp", "tiny": root / "tiny-dcp", "big": root / "big-dcp"}
+    # The other forms a source comes in, made of those: read from S3 by test_each_source_form_reads_from_s3.
+    export_hf(root / "dcp", root / "hf", max_shard_size=200)
+    export_hf(root / "dcp", root / "hf-file")
+    convert(root / "tiny-dcp", root / "local", to="local", world_size=2, local=LocalOptions(model=MODEL))
+    convert(root / "tiny-dcp", root / "full-shards", to="full", max_shard_size=400)
+    return {"state": root / "state.pt", "dcp": root / "dcp", "tiny": root / "tiny-dcp", "big": root / "big-dcp",
+            "hf": root / "hf", "hf-file": root / "hf-file" / "model.safetensors", "local": root / "local",
+            "full-shards": root / "full-shards"}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -190,6 +197,29 @@ def test_command_on_s3_writes_what_it_writes_locally(s3, sources, tmp_path, comm
         assert s3.uploads() == []
 
 
+@pytest.mark.parametrize("source", ["hf", "hf-file", "local", "full-shards"])
+def test_each_source_form_reads_from_s3_as_it_reads_locally(s3, sources, tmp_path, source):
+    """The forms COMMANDS does not read (it reads DCP and a torch.save file): inspected and converted from S3."""
+    local_src = sources[source]
+    url = s3.put(local_src, f"src/{local_src.name}")
+    local, remote_summary = summary(inspect(local_src)), summary(inspect(url))
+    assert remote_summary.pop("path") == url and local.pop("path") == str(local_src)
+    assert remote_summary == local
+    convert(local_src, tmp_path / "want", to="sharded", world_size=2)
+    convert(url, tmp_path / "got", to="sharded", world_size=2, max_memory=1 << 20)
+    assert digest(tmp_path / "got") == digest(tmp_path / "want")
+
+
+def test_cli_convert_to_s3_writes_the_bucket_and_nothing_in_the_working_directory(s3, sources, tmp_path):
+    done = subprocess.run([*CLI, "convert", str(sources["state"]), s3.url("out"), "--to", "hf", "-q"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert list(tmp_path.iterdir()) == []  # no "s3:" directory, nor anything else
+    assert s3.objects() == ["out/model.safetensors"]
+    convert(sources["state"], tmp_path / "want", to="hf")
+    assert digest(s3.get("out", tmp_path / "got")) == digest(tmp_path / "want")
+
+
 def test_full_output_on_s3_loads_in_torch_straight_from_the_bucket(s3, sources):
     convert(s3.put(sources["dcp"], "dcp"), s3.url("model.pt"), to="full")
     loaded = torch.load(io.BytesIO(s3.fs.cat(f"{s3.name}/model.pt")), weights_only=True)
@@ -220,7 +250,9 @@ def test_inspect_of_s3_reads_headers_only_with_range_requests(s3, sources, monke
 def test_inspect_cli_reads_an_s3_checkpoint_with_storage_options(s3, sources, moto_server, monkeypatch):
     url = s3.put(sources["dcp"], "ckpt")
     monkeypatch.delenv("AWS_ENDPOINT_URL")
-    assert run_cli("inspect", url).returncode == 2  # without the endpoint, it is not this server's bucket
+    once = {"config_kwargs": {"retries": {"max_attempts": 1}}}  # botocore's options reach it: no retries
+    done = run_cli("inspect", url, "--storage-options", json.dumps(once))
+    assert done.returncode == 2 and done.stderr.startswith(f"ckptkit: error: {url}: ")  # AWS's bucket, not moto's
     done = run_cli("inspect", url, "--json", "--storage-options", json.dumps({"endpoint_url": moto_server}))
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["tensors"] == len(inspect(sources["dcp"]).tensors)
