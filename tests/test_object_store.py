@@ -30,6 +30,7 @@ from ckptkit.errors import FormatError, UsageError
 from ckptkit.formats import LocalOptions
 from ckptkit.io import remote, transfer
 from ckptkit.io.remote import Job, RemoteFiles, RemotePath, as_path, coalesce
+from ckptkit.io.sources import Files
 from ckptkit.ops.convert import convert, reshard
 from ckptkit.ops.export import export_hf
 from ckptkit.ops.inspect import inspect, summary
@@ -158,6 +159,24 @@ def test_remote_files_ahead_keeps_order_and_bounds_what_is_in_flight():
     assert peak[0] == 2
 
 
+def test_gathered_reads_fetch_each_source_in_few_requests_and_serve_every_read(tmp_path):
+    """Two sources read alternately, with small gaps (a DCP's archive headers) and one far jump: each window's
+    reads of a source become one request, and every read gets its own bytes."""
+    data = {name: os.urandom(1 << 18) for name in "ab"}
+    for name, content in data.items():
+        (tmp_path / name).write_bytes(content)
+    spans = [(s, s + 1000) for s in range(0, 20_000, 1100)] + [(150_000, 151_000)]  # 100-byte gaps, then a jump
+    reads = [transfer._Read(str(tmp_path / name), s, e, "t") for s, e in spans for name in "ab"]
+    with Files() as files:
+        jobs = list(transfer._gathered(iter(reads), files, window=12_000))
+        got = [bytes(job.run()) for job in jobs]  # in order, as RemoteFiles.ahead runs them
+    assert got == [data[Path(r.path).name][r.start:r.end] for r in reads]
+    requests = [job.nbytes for job in jobs if not job.inline]
+    # 19 spans: three windows of 12 reads (6 spans of each source: 6,500 bytes with the gaps), then the last
+    # span and the jump, too far (over transfer._GAP) to join
+    assert requests == [6500] * 6 + [1000] * 4, requests
+
+
 # --------------------------------------------------------------------------------------------------------
 # Every command, from S3 and to S3, byte for byte as locally
 
@@ -217,6 +236,16 @@ def test_cli_convert_to_s3_writes_the_bucket_and_nothing_in_the_working_director
     assert list(tmp_path.iterdir()) == []  # no "s3:" directory, nor anything else
     assert s3.objects() == ["out/model.safetensors"]
     convert(sources["state"], tmp_path / "want", to="hf")
+    assert digest(s3.get("out", tmp_path / "got")) == digest(tmp_path / "want")
+
+
+def test_export_hf_copies_assets_from_s3_to_s3_as_locally(s3, sources, tmp_path):
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": False}))
+    (assets / "tokenizer.json").write_text("{}")
+    export_hf(sources["dcp"], tmp_path / "want", dtype="bf16", hf_assets=assets)
+    export_hf(s3.put(sources["dcp"], "ckpt"), s3.url("out"), dtype="bf16", hf_assets=s3.put(assets, "assets"))
     assert digest(s3.get("out", tmp_path / "got")) == digest(tmp_path / "want")
 
 
@@ -407,6 +436,22 @@ def test_a_killed_upload_leaves_no_committed_output_and_the_next_run_cleans_up(s
     assert s3.uploads() == [] and not s3.leftovers()
     convert(src, tmp_path / "want", to="sharded")
     assert digest(s3.get("out", tmp_path / "got")) == digest(tmp_path / "want")
+
+
+def test_a_killed_overwrite_of_a_single_file_keeps_the_old_one_and_the_next_run_aborts_its_upload(s3, tmp_path):
+    src = _big_multipart_source(tmp_path)
+    convert(src, s3.url("model.pt"), to="full")
+    old = s3.fs.cat(f"{s3.name}/model.pt")
+    torch.save({"big": torch.zeros(6 << 20)}, tmp_path / "other.pt")
+    proc = _paused_run(tmp_path, "convert", str(tmp_path / "other.pt"), s3.url("model.pt"), "--to", "full",
+                       "--overwrite", "--max-memory", "8MiB", "-q")
+    proc.kill()
+    proc.communicate()
+    assert s3.uploads() == ["model.pt"] and s3.fs.cat(f"{s3.name}/model.pt") == old  # the old object stands
+    done = run_cli("convert", str(src), s3.url("model.pt"), "--to", "full", "--overwrite", "-q")
+    assert done.returncode == 0, done.stderr
+    assert "(model.pt is complete; aborted 1 unfinished uploads)" in done.stderr, done.stderr
+    assert s3.uploads() == [] and not s3.leftovers() and s3.fs.cat(f"{s3.name}/model.pt") == old
 
 
 def test_sigterm_mid_upload_aborts_it_and_removes_what_was_put(s3, tmp_path):

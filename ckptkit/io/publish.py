@@ -526,7 +526,11 @@ def recover_objects(directory: RemotePath) -> list[str]:
             continue
         dst = directory / m["name"]
         if _is_committed(dst, m["commit"]):
-            done.append(f"removed {marker.name} ({dst.name} is complete)")
+            # A single file DST that is there may be the old copy a killed overwrite left standing: its upload
+            # of the new one is still open (a committed directory had every upload complete before its commit).
+            uploads = abort_uploads(dst, under=False) if m["commit"] is None else 0
+            done.append(f"removed {marker.name} ({dst.name} is complete"
+                        + (f"; aborted {uploads} unfinished uploads" if uploads else "") + ")")
         else:
             if m["commit"] is not None:
                 _remove_tree(dst)

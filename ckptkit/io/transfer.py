@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from ..core.dtypes import DType
 from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_copies, row_blocks
@@ -41,6 +41,9 @@ __all__ = ["FILES_AT_ONCE", "StreamWriter", "execute_remote", "file_pieces"]
 FILES_AT_ONCE = 4
 """Output files uploaded at once (each upload sends its parts one after another)."""
 _MIN_PART, _MAX_PART = 5 << 20, 64 << 20
+_GAP = 64 << 10
+"""Bytes between two reads of a source that a gathered request fetches rather than making two (a DCP chunk's
+``torch.save`` archive headers lie between one tensor's bytes and the next)."""
 
 Cast = Callable[[bytearray, DType, DType], memoryview]
 """The local executor's cast: source bytes, their dtype, the dtype to write."""
@@ -48,25 +51,102 @@ Cast = Callable[[bytearray, DType, DType], memoryview]
 
 def file_pieces(parts: tuple[Part, ...], files: Files, budget: int,
                 cast_bytes: Cast) -> Iterator[bytes | bytearray | memoryview]:
-    """The bytes of a file made of ``parts``, front to back, with at most ``budget`` bytes read ahead and a
-    cast's row block within it too."""
-    return files.remote.ahead(_jobs(parts, files, budget, cast_bytes), budget)
+    """The bytes of a file made of ``parts``, front to back, with at most ``budget`` bytes read ahead (half
+    in flight, half gathered: :func:`_gathered`) and a cast's row block within it too."""
+    return files.remote.ahead(_gathered(_jobs(parts, files, budget, cast_bytes), files, budget // 2), budget // 2)
 
 
-def _jobs(parts: tuple[Part, ...], files: Files, budget: int, cast_bytes: Cast) -> Iterator[Job]:
+class _Read(NamedTuple):
+    """Source bytes ``[start, end)`` of ``path`` that a file needs, for tensor ``key``."""
+
+    path: str
+    start: int
+    end: int
+    key: str
+
+
+def _jobs(parts: tuple[Part, ...], files: Files, budget: int, cast_bytes: Cast) -> Iterator[Job | _Read]:
     for part in parts:
         if isinstance(part, Bytes):
             yield Job(part.nbytes, functools.partial(bytes, part.data), inline=True)
         elif part.cast is None or part.cast == part.entry.dtype:
             ranges = ((cp.src.file, cp.src.offset, cp.src.offset + cp.src.length) for cp in plan_copies(part))
             for path, start, end in coalesce(ranges, PIECE):
-                yield Job(end - start, files.job(path, start, end, key=part.entry.key))
+                yield _Read(path, start, end, part.entry.key)
         else:
             # A block's source bytes and their cast copy are alive at once (as in the local executor).
             both = part.entry.dtype.itemsize + part.cast.itemsize
             for block in row_blocks(part, max(1, budget * part.cast.itemsize // both)):
                 yield Job(block.nbytes, functools.partial(_cast_block, block, part.cast, files, cast_bytes),
                           inline=True)
+
+
+def _gathered(items: Iterator[Job | _Read], files: Files, window: int) -> Iterator[Job]:
+    """``items`` as jobs, the reads of each window of about ``window`` bytes gathered: the reads of one source
+    within it that follow each other (up to :data:`_GAP` apart, :data:`~.remote.PIECE` in all) are one request,
+    made where the first of them falls and kept until the last is served. An output interleaves its sources
+    (an HF file takes each tensor's chunks from every rank of a DCP, whose rank files hold tensor after
+    tensor), so a source's next bytes are rarely the very next read; gathered, a 4-rank export asks for up to
+    8 MiB at a time instead of one tensor's share, and a checkpoint of many small chunks is not one request
+    per chunk. What is held stays within the window."""
+    pending: list[Job | _Read] = []
+    held = 0
+    for item in items:
+        pending.append(item)
+        if isinstance(item, _Read):
+            held += item.end - item.start
+            if held >= window:
+                yield from _gather(pending, files)
+                pending, held = [], 0
+    yield from _gather(pending, files)
+
+
+class _Run:
+    """Bytes ``[start, end)`` of one source, fetched once for the ``left`` reads that lie in it."""
+
+    def __init__(self, path: str, start: int, end: int) -> None:
+        self.path, self.start, self.end, self.left = path, start, end, 1
+        self.data: bytes | bytearray | memoryview = b""
+
+    def first(self, fetch: Callable[[], bytes | bytearray], start: int, end: int) -> memoryview:
+        """Fetch the run (on the pool) and serve its first read."""
+        self.data = fetch()
+        return self.take(start, end)
+
+    def take(self, start: int, end: int) -> memoryview:
+        """Serve a read (in the consumer's thread, after :meth:`first`'s result was taken); the last lets go."""
+        piece = memoryview(self.data)[start - self.start:end - self.start]
+        self.left -= 1
+        if not self.left:
+            self.data = b""
+        return piece
+
+
+def _gather(items: list[Job | _Read], files: Files) -> Iterator[Job]:
+    planned: list[Job | tuple[_Read, _Run, bool]] = []  # a read, its run, and whether it makes the request
+    last: dict[str, _Run] = {}  # each source's run still open to the next read
+    for item in items:
+        if isinstance(item, Job):
+            planned.append(item)
+            continue
+        files.job(item.path, item.start, item.end, key=item.key)  # each read's span checked, with its key
+        run = last.get(item.path)
+        if run is not None and run.end <= item.start <= run.end + _GAP and item.end - run.start <= PIECE:
+            run.end, run.left = item.end, run.left + 1
+            planned.append((item, run, False))
+        else:
+            last[item.path] = run = _Run(item.path, item.start, item.end)
+            planned.append((item, run, True))
+    for entry in planned:
+        if isinstance(entry, Job):
+            yield entry
+            continue
+        read, run, makes = entry
+        if makes:
+            fetch = files.job(run.path, run.start, run.end, key=read.key)
+            yield Job(run.end - run.start, functools.partial(run.first, fetch, read.start, read.end))
+        else:
+            yield Job(read.end - read.start, functools.partial(run.take, read.start, read.end), inline=True)
 
 
 def _cast_block(block: Region, to: DType, files: Files, cast_bytes: Cast) -> memoryview:
