@@ -181,6 +181,32 @@ _MAPPING = (
             help="Refuse keys that neither --key-map nor a --rename maps (a --preset always refuses keys it does "
                  "not know)."),
 )
+_storage = _option(
+    "--storage-options", metavar="JSON", callback=lambda c, p, v: _storage_options(v), section=COMMON,
+    envvar="CKPTKIT_STORAGE_OPTIONS",
+    help="For s3://, gs://, az://, hf:// paths: keyword arguments of their fsspec filesystem, e.g. "
+         "'{\"endpoint_url\": \"http://127.0.0.1:9000\"}' or '{\"profile\": \"prod\"}' for s3fs (default: "
+         "AWS_ENDPOINT_URL, AWS_PROFILE, ... as each library reads them).")
+
+
+def _storage_options(value: str | None) -> dict | None:
+    if value is None:
+        return None
+    try:
+        options = json.loads(value)
+    except ValueError as e:
+        raise click.BadParameter(f"expected a JSON object, got {value!r} ({e})", param_hint="--storage-options") from e
+    if not isinstance(options, dict):
+        raise click.BadParameter(f"expected a JSON object, got {value!r}", param_hint="--storage-options")
+    return options
+
+
+def _assets_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from .io.remote import is_url
+
+    if value is not None and not is_url(value) and not Path(value).is_dir():
+        raise click.BadParameter(f"directory {value!r} does not exist", param_hint="--hf-assets")
+    return value
 _LOCAL = (
     _option("--rank-files", metavar="PATTERN", section=LOCAL,
             help="Rank file names with {rank} for the rank, e.g. 'shard_{rank}.pt' "
@@ -213,7 +239,7 @@ def _apply(*options):
 
 _local = _apply(*_LOCAL)
 _mapping = _apply(*_MAPPING)
-_writing = _apply(_dry_run, _overwrite, _memory, _fsync, _quiet, _debug)
+_writing = _apply(_dry_run, _overwrite, _memory, _fsync, _quiet, _storage, _debug)
 """The common options of every command that writes a checkpoint."""
 
 
@@ -234,7 +260,7 @@ def _report(report, quiet: bool) -> None:
     "ckptkit inspect ckpt/step-1000 --depth 3 --filter '^model\\.'",
     "ckptkit inspect model.safetensors --json | jq .dtypes",
 ))
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=click.Path(path_type=str))
 @_option("--depth", type=click.IntRange(min=1), metavar="N",
          help="A table per module instead of per tensor: keys cut to their first N dotted parts, with tensor count, "
               "parameters and bytes.")
@@ -242,12 +268,15 @@ def _report(report, quiet: bool) -> None:
 @_option("--json", "as_json", is_flag=True,
          help="Machine-readable output (schema_version 1): numbers as numbers, other entries as JSON values.")
 @_debug
+@_storage
 @_local
-def inspect(path: Path, depth: int | None, pattern: str | None, as_json: bool, **local) -> None:
+def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, storage_options,
+            **local) -> None:
     """Show format, world size, sizes, parameters and dtypes, then tensors (or modules) and other entries."""
     from .ops.inspect import inspect as _inspect, render, summary
 
-    s = summary(_inspect(path, local=_local_options(**local)), depth=depth, filter=pattern)
+    s = summary(_inspect(path, local=_local_options(**local), storage_options=storage_options), depth=depth,
+                filter=pattern)
     click.echo(json.dumps(s, indent=2) if as_json else render(s))
 
 
@@ -256,44 +285,45 @@ def inspect(path: Path, depth: int | None, pattern: str | None, as_json: bool, *
     "ckptkit convert ckpt/step-1000 hf-out --to hf --max-shard-size 2GB",
     "ckptkit convert Llama-3.2-1B titan-init --to sharded --world-size 8 --preset torchtitan-llama",
 ))
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
 @_option("--to", "to", required=True, type=click.Choice(["full", "sharded", "local", "hf"]), help="Target format.")
 @_option("--world-size", default=1, show_default=True, type=click.IntRange(min=1), help="Ranks (sharded, local).")
 @_option("--max-shard-size", default=None, metavar="SIZE", callback=_size,
          help="Largest output file, e.g. 5GB (hf, full).")
-@_option("--hf-assets", type=click.Path(exists=True, file_okay=False, path_type=Path),
+@_option("--hf-assets", metavar="DIR", callback=_assets_dir,
          help="HF model directory whose config.json gives a --preset the head counts (default: SRC's own "
               "config.json, or params.json beside it).")
 @_mapping
 @_writing
 @_local
 def convert(src, dst, to, world_size, max_shard_size, hf_assets, key_map, renames, preset, strict_map, dry_run,
-            overwrite, max_memory, fsync, quiet, **local) -> None:
+            overwrite, max_memory, fsync, quiet, storage_options, **local) -> None:
     """Convert SRC (any format) to DST in format --to; with a key mapping, the model part under new names."""
     from .ops.convert import convert as _convert
 
     _report(_convert(src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, overwrite=overwrite,
                      max_memory=max_memory, fsync=fsync, progress=not quiet, local=_local_options(**local),
                      preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, hf_assets=hf_assets,
-                     dry_run=dry_run), quiet)
+                     dry_run=dry_run, storage_options=storage_options), quiet)
 
 
 @cli.command(examples=(
     "ckptkit reshard ckpt/step-1000 ckpt/step-1000-16 --world-size 16",
     "ckptkit reshard local-ckpt local-ckpt-2 --world-size 2 --model mypkg.model:build --auto-wrap size:1000000",
 ))
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
 @_option("--world-size", required=True, type=click.IntRange(min=1), help="Ranks to lay the checkpoint out for.")
 @_writing
 @_local
-def reshard(src, dst, world_size, dry_run, overwrite, max_memory, fsync, quiet, **local) -> None:
+def reshard(src, dst, world_size, dry_run, overwrite, max_memory, fsync, quiet, storage_options, **local) -> None:
     """Re-lay-out the sharded checkpoint SRC for --world-size ranks (no GPUs, no process group)."""
     from .ops.convert import reshard as _reshard
 
     _report(_reshard(src, dst, world_size=world_size, overwrite=overwrite, max_memory=max_memory,
-                     fsync=fsync, progress=not quiet, local=_local_options(**local), dry_run=dry_run), quiet)
+                     fsync=fsync, progress=not quiet, local=_local_options(**local), dry_run=dry_run,
+                     storage_options=storage_options), quiet)
 
 
 @cli.command("export-hf", examples=(
@@ -302,9 +332,9 @@ def reshard(src, dst, world_size, dry_run, overwrite, max_memory, fsync, quiet, 
     "--dry-run",
     "ckptkit export-hf run/epoch=3.ckpt hf-out --rename '^net\\.=model.' --max-shard-size 2GB",
 ))
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
-@_option("--hf-assets", type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
+@_option("--hf-assets", metavar="DIR", callback=_assets_dir,
          help="HF model directory to copy config.json and tokenizer files from (config.json names the dtype "
               "written; its tie_word_embeddings decides whether lm_head.weight is left out; a --preset takes "
               "its head counts).")
@@ -327,7 +357,8 @@ def reshard(src, dst, world_size, dry_run, overwrite, max_memory, fsync, quiet, 
 @_writing
 @_local
 def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
-              key_map, renames, preset, strict_map, dry_run, overwrite, max_memory, fsync, quiet, **local) -> None:
+              key_map, renames, preset, strict_map, dry_run, overwrite, max_memory, fsync, quiet, storage_options,
+              **local) -> None:
     """Write the model part of SRC as Hugging Face safetensors in DST, with config and tokenizer files."""
     from .ops.export import export_hf as _export
 
@@ -335,7 +366,8 @@ def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefi
                     strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
                     preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, keep_fp32=keep_fp32,
                     overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=not quiet,
-                    local=_local_options(**local), dry_run=dry_run), quiet)
+                    local=_local_options(**local), dry_run=dry_run,
+                    storage_options=storage_options), quiet)
 
 
 @cli.command(examples=(
@@ -343,8 +375,8 @@ def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefi
     "ckptkit verify ckpt/step-1000 hf-out --model-only --atol 1e-2 --rtol 1e-2   # a bf16 export of fp32 weights",
     "ckptkit verify runs/exp1   # against the checksums ckptkit.save recorded",
 ))
-@click.argument("a", type=click.Path(path_type=Path))
-@click.argument("b", type=click.Path(path_type=Path), required=False)
+@click.argument("a", type=click.Path(path_type=str))
+@click.argument("b", type=click.Path(path_type=str), required=False)
 @_option("--atol", type=click.FloatRange(min=0), metavar="X",
          help="Compare values, not bits: both sides upcast (dtypes may differ), equal when |a - b| <= atol + rtol * "
               "|b| (NaN equals NaN).")
@@ -361,8 +393,10 @@ def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefi
 @_memory
 @_quiet
 @_debug
+@_storage
 @_local
-def verify(a, b, atol, rtol, model_only, strip_prefixes, renames, as_json, max_memory, quiet, **local) -> None:
+def verify(a, b, atol, rtol, model_only, strip_prefixes, renames, as_json, max_memory, quiet, storage_options,
+           **local) -> None:
     """Compare A and B (any formats) key by key, bit for bit or within --atol/--rtol; exit 1 if they differ.
 
     With A alone: check A against the checksums its ckptkit.json recorded when ckptkit.save wrote it (exit 1
@@ -371,7 +405,8 @@ def verify(a, b, atol, rtol, model_only, strip_prefixes, renames, as_json, max_m
     from .ops.verify import verify as _verify
 
     r = _verify(a, b, model_only=model_only, atol=atol, rtol=rtol, strip_prefixes=strip_prefixes, renames=renames,
-                max_memory=max_memory, progress=not quiet, local=_local_options(**local))
+                max_memory=max_memory, progress=not quiet, local=_local_options(**local),
+                storage_options=storage_options)
     code = 0 if r.ok else 1
     try:
         if as_json:

@@ -69,3 +69,77 @@ def hf_ckpt(tmp_path, zoo) -> Path:
     path.mkdir()
     save_file(zoo, path / "model.safetensors")
     return path
+
+
+# --------------------------------------------------------------------------------------------------------
+# An S3 server on loopback: moto's, as s3fs's own tests run it
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """One moto S3 server for the session, on 127.0.0.1 and a free port; its address."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto_server, monkeypatch, request):
+    """A fresh bucket of its own on the moto server, with credentials and endpoint in the environment for this
+    test only (the way users point s3fs at an S3-compatible store: AWS_ENDPOINT_URL)."""
+    import re
+
+    import s3fs
+
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    bucket = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:50] + "-b"
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir(bucket)
+    yield _Bucket(fs, bucket)
+    fs.rm(bucket, recursive=True)
+
+
+class _Bucket:
+    def __init__(self, fs, name: str) -> None:
+        self.fs, self.name = fs, name
+
+    def url(self, key: str = "") -> str:
+        return f"s3://{self.name}/{key}".rstrip("/")
+
+    def put(self, local: Path, key: str) -> str:
+        """Upload a local file or directory tree to ``key``; its URL."""
+        self.fs.put(str(local), f"{self.name}/{key}", recursive=local.is_dir())
+        self.fs.invalidate_cache()
+        return self.url(key)
+
+    def get(self, key: str, local: Path) -> Path:
+        self.fs.invalidate_cache()
+        self.fs.get(f"{self.name}/{key}", str(local), recursive=True)
+        return local
+
+    def objects(self, prefix: str = "") -> list[str]:
+        """Every object under ``prefix`` (relative to the bucket), sorted."""
+        self.fs.invalidate_cache()
+        root = f"{self.name}/{prefix}".rstrip("/")
+        return sorted(p[len(self.name) + 1:] for p in self.fs.find(root, withdirs=False))
+
+    def leftovers(self) -> list[str]:
+        """Markers of runs in flight (or killed) that ckptkit puts beside a destination."""
+        return [k for k in self.objects() if ".ckptkit-" in k]
+
+    def uploads(self) -> list[str]:
+        """Keys of the multipart uploads begun and neither completed nor aborted."""
+        out = self.fs.call_s3("list_multipart_uploads", Bucket=self.name)
+        return sorted(u["Key"] for u in out.get("Uploads", []))

@@ -36,7 +36,7 @@ def read_header(file: Path) -> tuple[list[TensorEntry], dict[str, str]]:
     and tensors that tile the data section from its first byte to the end of the file with no gap.
     """
     where, size = str(file), file.stat().st_size
-    with open(file, "rb") as f:
+    with file.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise FormatError(f"{where}: {size} bytes is too short for a safetensors file")

@@ -8,9 +8,9 @@ central directory gives record offsets and :class:`SafeUnpickler` rebuilds tenso
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import math
-import os
 import re
 import struct
 from collections.abc import Callable
@@ -21,10 +21,11 @@ from ..core.boxes import extent, row_major
 from ..core.dtypes import DType
 from ..core.manifest import Span, TensorRef
 from ..errors import FormatError
+from ..io.sources import opened
 from .pickle_read import SafeUnpickler, check_tree, keep_call, strided_layout
 
-__all__ = ["ARCHIVE_MAGIC", "OBJECT_GLOBALS", "TENSOR", "WRAPPER_SUBCLASS", "Tag", "is_archive", "load_blob",
-           "read_archive", "subclass_rebuild"]
+__all__ = ["ARCHIVE_MAGIC", "OBJECT_GLOBALS", "TENSOR", "WRAPPER_SUBCLASS", "Tag", "archive_edges", "is_archive",
+           "load_blob", "read_archive", "subclass_rebuild"]
 
 
 class _Window(io.RawIOBase):
@@ -34,11 +35,11 @@ class _Window(io.RawIOBase):
 
     _EDGE = 4096
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self._fd, self._start, self._len, self._pos = fd, start, length, 0
-        self._head = os.pread(fd, min(length, self._EDGE), start)
+    def __init__(self, pread: Callable[[int, int], bytes], start: int, length: int) -> None:
+        self._pread, self._start, self._len, self._pos = pread, start, length, 0
+        self._head = pread(min(length, self._EDGE), start)
         tail_at = max(0, length - self._EDGE)
-        self._tail_at, self._tail = tail_at, os.pread(fd, length - tail_at, start + tail_at)
+        self._tail_at, self._tail = tail_at, pread(length - tail_at, start + tail_at)
 
     def readable(self) -> bool:
         return True
@@ -62,18 +63,24 @@ class _Window(io.RawIOBase):
         elif self._pos >= self._tail_at:
             data = self._tail[self._pos - self._tail_at:end - self._tail_at]
         else:
-            data = os.pread(self._fd, end - self._pos, self._start + self._pos)
+            data = self._pread(end - self._pos, self._start + self._pos)
         self._pos += len(data)
         return data
+
+
+def archive_edges(start: int, length: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The byte ranges (start, end) :func:`read_archive` reads first from an archive of ``length`` bytes at
+    ``start``: a reader of remote chunks fetches them ahead."""
+    tail_at = max(0, length - _Window._EDGE)
+    return (start, start + min(length, _Window._EDGE)), (start + tail_at, start + length)
 
 
 ARCHIVE_MAGIC = b"PK\x03\x04"
 
 
 def is_archive(path: str, offset: int = 0) -> bool:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(4) == ARCHIVE_MAGIC
+    with opened(path) as (pread, _):
+        return pread(4, offset) == ARCHIVE_MAGIC
 
 
 class _Storage:
@@ -294,11 +301,15 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
     def bad(what: str) -> FormatError:
         return FormatError(f"{where}: not a torch.save archive torch can read ({what})")
 
-    tail_len = min(length, _EOCD.size + 0xFFFF)
-    window.seek(length - tail_len)
-    tail = window.read(tail_len)
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or at + _EOCD.size > len(tail):
+    # The end record is the archive's last 22 bytes unless a comment follows it (up to 64 KiB): look in the
+    # window's tail first, which a remote read fetched already, and further back only if it is not there.
+    for tail_len in (min(length, _Window._EDGE), min(length, _EOCD.size + 0xFFFF)):
+        window.seek(length - tail_len)
+        tail = window.read(tail_len)
+        at = tail.rfind(b"PK\x05\x06")
+        if at >= 0 and at + _EOCD.size <= len(tail):
+            break
+    else:
         raise bad("no end of central directory record; truncated?")
     _, disk, cd_disk, on_disk, count, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, at)
     eocd = length - tail_len + at
@@ -393,29 +404,28 @@ def _check_small_records(records: dict[str, Span], window: _Window, start: int, 
 
 
 def read_archive(path: str, start: int = 0, length: int | None = None, *, where: str = "",
-                 extra_globals: dict | None = None, fd: int | None = None, tree: bool = True) -> Any:
+                 extra_globals: dict | None = None, pread: Callable[[int, int], bytes] | None = None,
+                 tree: bool = True) -> Any:
     """Unpickle the archive's ``data.pkl`` with tensors as :class:`TensorRef` byte spans into ``path``.
 
-    ``fd``, an open descriptor of ``path``, saves an open per call when reading many chunks of one file.
-    ``tree`` checks that what the pickle built can be walked as a tree (:func:`check_tree`); a caller that
-    only takes one tensor out of it (a DCP chunk) may skip that.
+    ``pread``, ``os.pread`` bound to an open ``path`` (:meth:`Files.pread`), saves an open per call when
+    reading many chunks of one file; ``path`` may be a URL. ``tree`` checks that what the pickle built can be
+    walked as a tree (:func:`check_tree`); a caller that only takes one tensor out of it (a DCP chunk) may skip
+    that.
     """
     where = where or path
-    own = fd is None
-    file_fd = os.open(path, os.O_RDONLY) if fd is None else fd
-    try:
-        if length is None:
-            length = os.fstat(file_fd).st_size - start
-        window = _Window(file_fd, start, length)
+    with contextlib.ExitStack() as stack:
+        if pread is None:
+            pread, size = stack.enter_context(opened(path))
+            length = size - start if length is None else length
+        assert length is not None, "a caller passing pread passes the archive's length"
+        window = _Window(pread, start, length)
         records = _records(window, path, where)
         if "data.pkl" not in records:
             raise FormatError(f"{where}: no data.pkl record; not a torch.save archive "
                               "(legacy pre-1.6 files are not supported)")
         window.seek(records["data.pkl"].offset - start)
         data = window.read(records["data.pkl"].length)
-    finally:
-        if own:
-            os.close(file_fd)
 
     def persistent_load(pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):

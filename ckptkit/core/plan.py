@@ -72,6 +72,9 @@ class WritePlan:
     files: tuple[FilePlan, ...]
     single_file: bool = False
     """The destination is one file (``files`` has one entry) rather than a directory."""
+    commit: str | None = None
+    """The file whose presence makes the output a checkpoint (DCP's ``.metadata``, an index): where the store
+    cannot rename a directory into place (object stores), it is written last, after every other file."""
     total_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..core.manifest import Format, Manifest
 from ..errors import CheckpointError, FormatError, UsageError
+from ..io.remote import as_path
 from .base import FormatIO, LocalOptions, Target, is_empty_container, object_value
 from .dcp import DcpIO
 from .deepspeed import DeepSpeedIO
@@ -41,8 +42,8 @@ def io_for(fmt: Format | str) -> FormatIO:
 
 
 def detect(path: Path | str, local: LocalOptions | None = None) -> FormatIO:
-    """The reader for ``path``; ``local`` applies if it is a LOCAL checkpoint."""
-    path = Path(path)
+    """The reader for ``path`` (a local path or a URL); ``local`` applies if it is a LOCAL checkpoint."""
+    path = as_path(path)
     if not path.exists():
         raise FormatError(f"{path}: no such file or directory")
     if path.is_file() and is_rank_file(path):
@@ -61,4 +62,4 @@ def detect(path: Path | str, local: LocalOptions | None = None) -> FormatIO:
 
 
 def read(path: Path | str) -> Manifest:
-    return detect(path).read(Path(path))
+    return detect(path).read(as_path(path))

@@ -17,8 +17,8 @@ reading. One whose pickle is off the allow-list is carried as it is.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from ..codecs.pickle_read import (
     strided_layout,
 )
 from ..codecs.pickle_write import dumps
-from ..codecs.torchzip_read import ARCHIVE_MAGIC, read_archive
+from ..codecs.torchzip_read import ARCHIVE_MAGIC, archive_edges, read_archive
 from ..codecs.torchzip_write import archive_parts
 from ..core import dtypes
 from ..core.boxes import shard0_boxes
@@ -150,6 +150,7 @@ class DcpIO(FormatIO):
             offset = None if getattr(idx, "offset", None) is None else tuple(idx.offset)
             storage[(idx.fqn, offset)] = info
         paths = getattr(md, "planner_data", None) or {}
+        files.expect(_chunk_edges(root, md, storage))
         tensors: list[TensorEntry] = []
         objects: list[ObjectEntry] = []
         rank_files: set[str] = set()
@@ -189,12 +190,12 @@ class DcpIO(FormatIO):
             for c in sm.chunks:
                 offsets, sizes = _counts(c.offsets, f"{key!r} chunk offsets"), _counts(c.sizes, f"{key!r} chunk sizes")
                 span = locate(key, offsets)
-                fd = files.fd(span.file, span.offset + span.length, start=span.offset, key=key)
-                if os.pread(fd, 4, span.offset) != ARCHIVE_MAGIC:
+                pread = files.pread(span.file, span.offset + span.length, start=span.offset, key=key)
+                if pread(4, span.offset) != ARCHIVE_MAGIC:
                     raise FormatError(
                         f"{span.file}: {key!r} chunk at {list(offsets)} is not a torch.save record; DCP saved with "
                         "serialization_format=SAFETENSORS or a custom storage writer is not supported")
-                ref = read_archive(span.file, span.offset, span.length, fd=fd, tree=False,
+                ref = read_archive(span.file, span.offset, span.length, pread=pread, tree=False,
                                    where=f"{span.file}: {key!r} chunk {list(offsets)}")
                 if not isinstance(ref, TensorRef) or ref.shape != sizes or ref.dtype != dtype:
                     found = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
@@ -268,7 +269,21 @@ class DcpIO(FormatIO):
         files.append(FilePlan(METADATA, (Bytes(dumps(md, protocol=2)),)))
         if any(e.sidecar == META for e in manifest.entries) or options.meta_groups is not None:
             files.append(FilePlan(META, _meta_parts(manifest, options)))
-        return WritePlan(tuple(files))
+        return WritePlan(tuple(files), commit=METADATA)
+
+
+def _chunk_edges(root: Path, md: Any, storage: dict) -> Iterator[tuple[str, int, int]]:
+    """Where the chunk archives' headers are, in the order :meth:`DcpIO._interpret` reads them, for a remote
+    checkpoint's read-ahead. Metadata too damaged to say ends the list; the reading loop names the fault."""
+    try:
+        for key, sm in md.state_dict_metadata.items():
+            for c in getattr(sm, "chunks", None) or ():
+                info = storage.get((key, tuple(c.offsets)))
+                if info is not None:
+                    for start, end in archive_edges(int(info.offset), int(info.length)):
+                        yield str(root / info.relative_path), start, end
+    except Exception:
+        return
 
 
 def _read_meta(path: Path, groups: set[str]) -> tuple[list[TensorEntry], list[ObjectEntry], str]:

@@ -101,7 +101,8 @@ class FullIO(FormatIO):
             items = [(t.path, regions[t.key]) for t in manifest.tensors]
             items += [(o.path, regions_in(object_value(o), options.cast)) for o in manifest.objects]
             name = "model.pt" if options.single_file else "pytorch_model.bin"
-            return WritePlan((FilePlan(name, archive_parts(unflatten(items))),), single_file=options.single_file)
+            return WritePlan((FilePlan(name, archive_parts(unflatten(items))),), single_file=options.single_file,
+                             commit=name)
         if manifest.objects:
             raise UsageError(f"{manifest.root}: sharded FULL output (pytorch_model-*.bin) holds model tensors only, "
                              f"but the checkpoint has {len(manifest.objects)} non-tensor entries; "
@@ -110,4 +111,4 @@ class FullIO(FormatIO):
         plans = [FilePlan(name, archive_parts({k: regions[k] for k in keys})) for name, keys in files.items()]
         if len(plans) > 1:
             plans.append(FilePlan(INDEX, (Bytes(index_json(files, regions)),)))
-        return WritePlan(tuple(plans))
+        return WritePlan(tuple(plans), commit=plans[-1].relpath)

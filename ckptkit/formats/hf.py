@@ -82,4 +82,4 @@ class HfIO(FormatIO):
         plans = [FilePlan(name, file_parts([regions[k] for k in keys])) for name, keys in files.items()]
         if len(plans) > 1:
             plans.append(FilePlan(INDEX, (Bytes(index_json(files, regions)),)))
-        return WritePlan(tuple(plans))
+        return WritePlan(tuple(plans), commit=plans[-1].relpath)

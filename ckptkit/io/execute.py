@@ -10,12 +10,15 @@ import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from ..core.dtypes import DType
 from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_copies, row_blocks
 from ..errors import FormatError, UsageError
 from .publish import Staging, check_destination, stage
+from .remote import RemotePath, is_url
 from .sources import Files, read_region
+from .transfer import StreamWriter, execute_remote
 
 __all__ = ["DEFAULT_MAX_MEMORY", "execute", "execute_distributed", "write_files"]
 
@@ -87,11 +90,13 @@ class _Writer:
 
 def write_files(files: tuple[FilePlan, ...], stage: Path, *, max_memory: int = DEFAULT_MAX_MEMORY,
                 fsync: bool = False, progress: Callable[[int], None] = lambda n: None,
-                names: dict[str, Path] | None = None) -> None:
+                names: dict[str, Path] | None = None, streamed: bool = False) -> None:
     """Write ``files`` under the existing directory ``stage``. An error while writing names the file by
-    ``names`` (relpath to the path the user will see: the destination, not the staging directory)."""
+    ``names`` (relpath to the path the user will see: the destination, not the staging directory).
+    ``streamed``: some sources are URLs, whose bytes come by ranged requests (:mod:`.transfer`)."""
     with Files() as sources:
-        writer = _Writer(sources, max_memory, progress)
+        writer = StreamWriter(sources, max_memory, progress, _cast) if streamed else _Writer(sources, max_memory,
+                                                                                           progress)
         for fp in files:
             path = stage / fp.relpath
             try:
@@ -117,11 +122,15 @@ def _names(plan: WritePlan, dst: Path) -> dict[str, Path]:
 def execute(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
             max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False,
             progress: Callable[[int], None] = lambda n: None) -> Path:
-    """Write every file of ``plan`` under a staging directory and move the result to ``dst`` atomically."""
+    """Write every file of ``plan`` under a staging directory and move the result to ``dst`` atomically.
+    A URL ``dst`` (an object store) is written in place, its commit file last (:func:`.transfer.execute_remote`)."""
+    if is_url(dst):
+        return execute_remote(plan, cast(RemotePath, dst), overwrite=overwrite, sources=sources,
+                              max_memory=max_memory, cast_bytes=_cast, progress=progress)
     dst = check_destination(dst, overwrite=overwrite, sources=sources)
     with stage(dst, replace=overwrite) as staging:
         write_files(plan.files, staging.path, max_memory=max_memory, fsync=fsync, progress=progress,
-                    names=_names(plan, dst))
+                    names=_names(plan, dst), streamed=any(map(is_url, sources)))
         staging.commit(replace=overwrite, file=plan.files[0].relpath if plan.single_file else None, fsync=fsync)
     return dst
 
@@ -136,6 +145,9 @@ def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, 
     """
     import torch.distributed as dist
 
+    if is_url(dst):
+        raise UsageError(f"{dst}: distributed writes go to a local or shared filesystem; an object store is written "
+                         "by one process")
     rank, world = dist.get_rank(), dist.get_world_size()
     dst = Path(dst).absolute()
     staging: Staging | None = None
@@ -154,7 +166,7 @@ def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, 
     staging = staging or Staging(dst, Path(where), owner=False)
     try:
         write_files(plan.files[rank::world], staging.path, max_memory=max_memory, fsync=fsync,
-                    names=_names(plan, dst))
+                    names=_names(plan, dst), streamed=any(map(is_url, sources)))
         failed = None
     except Exception as e:
         failed = e

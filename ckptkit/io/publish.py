@@ -23,9 +23,13 @@ the same steps run as two plain renames under an ``flock`` of DST's directory: n
 other ckptkit runs (not against other programs), and a kill between the renames leaves the old copy under
 ``.NAME.ckptkit-old-HOST-PID``, which recovery renames back if DST is missing.
 
-On an object store (no rename, no flock) the steps would map to: stage = a fresh prefix; commit = write the
-checkpoint's commit file last (DCP's ``.metadata``, the HF index, or the single file); abort = delete the
-prefix; recover = delete prefixes of writers that are gone.
+On an object store (a URL DST: no rename, no flock) the same four steps are :class:`ObjectStaging`'s. There is
+no staging name to rename from, so the output is written in place and its *commit file* (DCP's ``.metadata``,
+the HF index, ``flat_layout.json``, or the single file itself) is put last: until then every reader refuses
+DST as incomplete. Each object appears whole or not at all (a multipart upload becomes visible when it
+completes). :func:`stage_object` puts a marker ``.NAME.ckptkit-partial-HOST-PID`` beside DST, which names the
+run and its commit file; :meth:`ObjectStaging.abort` deletes what the run put; :func:`recover_objects` cleans
+up after runs of this host that are gone (marker, objects of an uncommitted DST, S3 multipart uploads).
 
 Run directories (``ckptkit.save(..., step=N)``) add, after the commit: ``latest`` (a file naming the newest
 step directory, written atomically) and rotation (:func:`rotate`), which keeps the most recent *saves*, counted
@@ -48,11 +52,14 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
+from .remote import RemotePath, abort_uploads, is_url, url_error
 
-__all__ = ["COMPLETE", "LATEST", "Staging", "StepDir", "check_destination", "complete_steps", "next_save",
-           "point_latest", "recover", "resolve", "rotate", "stage", "step_dir"]
+__all__ = ["COMPLETE", "LATEST", "ObjectStaging", "Staging", "StepDir", "check_destination", "complete_steps",
+           "next_save", "point_latest", "recover", "recover_objects", "resolve", "rotate", "stage", "stage_object",
+           "step_dir"]
 
 COMPLETE = ".ckptkit-complete"
 LATEST = "latest"
@@ -341,9 +348,13 @@ def recover(directory: Path | str) -> list[str]:
 def check_destination(dst: Path | str, *, overwrite: bool, sources: tuple[Path | str, ...] = ()) -> Path:
     """Refuse a destination that exists (unless ``overwrite``), or that is, holds or lies inside any of
     ``sources``: the input the user named and every file read from it. Returns DST made absolute."""
+    if is_url(dst):
+        return _check_object_destination(cast(RemotePath, dst), overwrite, sources)
     dst = Path(dst).absolute()
     places = {dst.parent.resolve() / dst.name, dst.resolve()}  # where the rename lands; what a link names
     for src in sources:
+        if is_url(src):
+            continue  # a URL is never a local place
         src = Path(src).resolve()
         for d in places:
             if d == src or src in d.parents or d in src.parents:
@@ -352,6 +363,184 @@ def check_destination(dst: Path | str, *, overwrite: bool, sources: tuple[Path |
     if _exists(dst) and not overwrite:
         raise UsageError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
     return dst
+
+
+# --------------------------------------------------------------------------------------------------------
+# Object stores
+
+
+def _check_object_destination(dst: RemotePath, overwrite: bool, sources: tuple[Path | str, ...]) -> Path:
+    if dst.fs.protocol in ("hf", ("hf",)):
+        raise UsageError(f"{dst}: ckptkit reads hf:// but does not write there; write the output locally and "
+                         "upload it (huggingface-cli upload)")
+    if "/" not in dst.path.strip("/"):
+        raise UsageError(f"{dst}: name a prefix inside the bucket (s3://bucket/name), not the bucket itself")
+    url = str(dst)
+    for src in sources:
+        if is_url(src):
+            there = str(src).rstrip("/")
+            if url == there or there.startswith(url + "/") or url.startswith(there + "/"):
+                raise UsageError(f"destination {url} overlaps the input {there}; ckptkit never writes into its "
+                                 "input (nor next to what it reads, where the output would change what the input "
+                                 "means)")
+    # What a dead run of this host left at DST is not an output: remove it before asking whether DST exists.
+    recover_objects(dst.parent)
+    if not overwrite and dst.exists():
+        raise UsageError(f"{url} already exists; pass --overwrite (overwrite=True) to replace it")
+    return cast(Path, dst)
+
+
+class ObjectStaging:
+    """An output on an object store, written in place at ``dst``; owned by this process until :meth:`commit` or
+    :meth:`abort`.
+
+    Call order: 1. :func:`stage_object` makes it; 2. the writer calls :meth:`started` for each file, then puts
+    it whole, every file before the commit file, the commit file last; 3. :meth:`commit`; or, on any failure,
+    4. :meth:`abort`.
+    """
+
+    def __init__(self, dst: RemotePath, marker: RemotePath, single_file: bool) -> None:
+        self.dst, self.marker, self.single_file = dst, marker, single_file
+        self._started: list[RemotePath] = []
+
+    def target(self, relpath: str) -> RemotePath:
+        """Where the plan's file ``relpath`` goes."""
+        return self.dst if self.single_file else self.dst / relpath
+
+    def started(self, relpath: str) -> RemotePath:
+        """Record that the writer is putting ``relpath`` (removed again by :meth:`abort`); returns its place."""
+        target = self.target(relpath)
+        self._started.append(target)
+        return target
+
+    def commit(self) -> Path:
+        """The commit file is in place: the output is complete. Removes the marker."""
+        _remove_objects([self.marker])
+        return cast(Path, self.dst)
+
+    def abort(self) -> None:
+        """Remove what this run put (a single file's upload never completed, so the old DST stays), then the
+        marker. S3 multipart uploads in progress were aborted by their writers; a kill leaves them to
+        :func:`recover_objects`."""
+        try:
+            _remove_objects([] if self.single_file else self._started)
+        finally:
+            _remove_objects([self.marker])
+
+    def __enter__(self) -> ObjectStaging:
+        return self
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        if exc is not None:
+            self.abort()
+
+
+def _remove_objects(paths: list[RemotePath]) -> None:
+    if not paths:
+        return
+    fs = paths[0].fs
+    with contextlib.suppress(FileNotFoundError):
+        try:
+            fs.rm([p.path for p in paths])
+        except Exception as e:
+            raise url_error(str(paths[0]), e) from e
+
+
+def _is_committed(dst: RemotePath, commit: str | None) -> bool:
+    return dst.is_file() if commit is None else (dst / commit).exists()
+
+
+def stage_object(dst: RemotePath, *, replace: bool, commit: str | None) -> ObjectStaging:
+    """Clean up after dead runs beside ``dst``, check it, put this run's marker beside it and, with ``replace``,
+    remove the old DST: its commit file first, so that no reader ever sees old files beside new ones.
+
+    ``commit`` is the plan's commit file, None when DST is the single file itself (an upload replaces an old
+    object atomically as it completes, so the old one stays until then).
+    """
+    recover_objects(dst.parent)
+    writers = _markers(dst.parent, dst.name)
+    if writers and not replace:
+        m = writers[0][1]
+        raise UsageError(f"{dst} is being written by {m['host']} process {m['pid']} (its marker "
+                         f"{writers[0][0].name} is beside it); if that run is gone, pass --overwrite to replace it")
+    if not replace and dst.exists():
+        raise UsageError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
+    marker = dst.parent / _owned_name(dst.name, "partial")
+    note = {"host": _host(), "pid": os.getpid(), "dst": str(dst), "commit": commit}
+    try:
+        marker.fs.pipe_file(marker.path, (json.dumps(note) + "\n").encode())
+    except Exception as e:
+        raise url_error(str(marker), e) from e
+    staging = ObjectStaging(dst, marker, single_file=commit is None)
+    try:
+        _remove_objects([path for path, _ in writers])  # replace=True takes over from them
+        if commit is not None and replace and dst.exists():
+            _remove_objects([dst / commit])
+            _remove_tree(dst)
+        abort_uploads(dst, under=commit is not None)
+    except BaseException:
+        staging.abort()
+        raise
+    return staging
+
+
+def _remove_tree(dst: RemotePath) -> None:
+    try:
+        dst.fs.rm(dst.path, recursive=True)
+    except FileNotFoundError:
+        pass
+    except Exception as e:
+        raise url_error(str(dst), e) from e
+
+
+def _markers(directory: RemotePath, name: str | None = None) -> list[tuple[RemotePath, dict]]:
+    """The markers in ``directory`` (of DST ``name``, or of any), each with what it says."""
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        m = _LEFTOVER.fullmatch(entry.name)
+        if not m or m["kind"] != "partial" or (name is not None and m["name"] != name):
+            continue
+        try:
+            note = json.loads(entry.read_bytes()[:_SMALL_FILE])
+        except (ValueError, OSError):
+            note = {}
+        found.append((entry, {"host": m["host"], "pid": int(m["pid"]), "name": m["name"],
+                              "commit": note.get("commit") if isinstance(note, dict) else None}))
+    return found
+
+
+def recover_objects(directory: RemotePath) -> list[str]:
+    """Clean up after runs of this host that are gone, whose markers are in ``directory``: an output they did not
+    commit is removed with its multipart uploads, then the marker. Says so on stderr; returns what it did.
+
+    Markers of other hosts are left alone (their PIDs mean nothing here): :func:`stage_object` names them, and
+    ``--overwrite`` replaces what they left.
+    """
+    done = []
+    for marker, m in _markers(directory):
+        if m["host"] != _host() or not _pid_gone(m["pid"]):
+            continue
+        dst = directory / m["name"]
+        if _is_committed(dst, m["commit"]):
+            # A single file DST that is there may be the old copy a killed overwrite left standing: its upload
+            # of the new one is still open (a committed directory had every upload complete before its commit).
+            uploads = abort_uploads(dst, under=False) if m["commit"] is None else 0
+            done.append(f"removed {marker.name} ({dst.name} is complete"
+                        + (f"; aborted {uploads} unfinished uploads" if uploads else "") + ")")
+        else:
+            if m["commit"] is not None:
+                _remove_tree(dst)
+            uploads = abort_uploads(dst, under=m["commit"] is not None)
+            done.append(f"removed {dst.name}, which it had not completed"
+                        + (f", and {uploads} unfinished uploads" if uploads else "") + f"; removed {marker.name}")
+        _remove_objects([marker])
+    if done:
+        _note(f"{directory}: cleaned up after runs that are gone: {'; '.join(done)}")
+    return done
 
 
 # --------------------------------------------------------------------------------------------------------

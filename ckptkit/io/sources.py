@@ -1,24 +1,37 @@
-"""Source bytes: read-only descriptors opened once each, and the row-major bytes of a region read from them."""
+"""Source bytes: read-only descriptors opened once each, and the row-major bytes of a region read from them.
+
+A source named by URL (a checkpoint on an object store) is read through :class:`~.remote.RemoteFiles` instead:
+:meth:`Files.pread`, :meth:`Files.read` and :func:`read_region` take either; :meth:`Files.fd` is local only.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from collections.abc import Callable, Iterable, Iterator
 
-from ..core.plan import Region, plan_copies
+from ..core.plan import Copy, Region, plan_copies
 from ..errors import FormatError
+from .remote import PIECE, Range, RemoteFiles, bounds_error, coalesce, is_url
 
-__all__ = ["Files", "read_region"]
+__all__ = ["Files", "opened", "read_region"]
 
 
 class Files:
-    """Read-only descriptors of source files, opened once each, with sizes checked against every read."""
+    """Read-only descriptors of source files, opened once each, with sizes checked against every read.
 
-    def __init__(self) -> None:
+    ``remote`` shares one :class:`RemoteFiles` (its pool of requests) between several ``Files``."""
+
+    def __init__(self, remote: RemoteFiles | None = None) -> None:
         self._fds: dict[str, tuple[int, int]] = {}
+        self._remote, self._own_remote = remote, remote is None
 
     def fd(self, path: str, need_end: int, *, start: int = 0, key: str = "") -> int:
         """The descriptor of ``path``, which must hold bytes ``[start, need_end)`` (read for ``key``)."""
         if path not in self._fds:
+            if is_url(path):
+                raise FormatError(f"{path}: a URL has no file descriptor; read it with Files.pread or Files.read")
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as e:
@@ -27,22 +40,77 @@ class Files:
         fd, size = self._fds[path]
         if 0 <= start <= need_end <= size:
             return fd
-        what = f"{key!r} " if key else ""
-        if start < 0 or need_end < start:
-            raise FormatError(f"{path}: {what}is said to lie at offset {start}, {need_end - start} bytes long; "
-                              "offsets and lengths cannot be negative")
-        raise FormatError(f"{path}: {what}needs bytes up to offset {need_end} but the file has {size} (truncated?)")
+        raise bounds_error(path, key, start, need_end, size)
+
+    def size(self, path: str) -> int:
+        """The size of ``path`` (local or URL)."""
+        if is_url(path):
+            return self.remote.size(path)
+        self.fd(path, 0)
+        return self._fds[path][1]
+
+    @property
+    def remote(self) -> RemoteFiles:
+        if self._remote is None:
+            self._remote = RemoteFiles()
+        return self._remote
+
+    def pread(self, path: str, need_end: int, *, start: int = 0, key: str = "") -> Callable[[int, int], bytes]:
+        """``os.pread`` bound to ``path`` (local or URL), which must hold bytes ``[start, need_end)``."""
+        if is_url(path):
+            return self.remote.pread(path, need_end, start, key)
+        return functools.partial(os.pread, self.fd(path, need_end, start=start, key=key))
+
+    def read(self, path: str, offset: int, length: int, *, key: str = "") -> bytes:
+        """``length`` bytes of ``path`` (local or URL) from ``offset``."""
+        if is_url(path):
+            return self.remote.read(path, offset, length, key)
+        fd = self.fd(path, offset + length, start=offset, key=key)
+        parts = []
+        while length > 0:
+            data = os.pread(fd, length, offset)
+            if not data:
+                raise FormatError(f"{path}: unexpected end of file at offset {offset}")
+            parts.append(data)
+            offset, length = offset + len(data), length - len(data)
+        return b"".join(parts)
+
+    def job(self, path: str, start: int, end: int, *, key: str = "") -> Callable[[], bytes | bytearray]:
+        """A function that reads bytes ``[start, end)`` of ``path`` (local or URL) from any thread; the span is
+        checked against the file here, in the caller's."""
+        if is_url(path):
+            self.remote.check(path, start, end, key)
+            return functools.partial(RemoteFiles.get, path, start, end)
+        return functools.partial(_pread_exact, self.fd(path, end, start=start, key=key), start, end, path)
+
+    def expect(self, ranges: Iterable[Range]) -> None:
+        """Announce the reads to come, in order, so that remote ones are fetched ahead (local ones need not)."""
+        ranges = iter(ranges)
+        first = next(ranges, None)
+        if first is not None and is_url(first[0]):
+            self.remote.expect(_chain(first, ranges))
 
     def close(self) -> None:
         for fd, _ in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        if self._remote is not None and self._own_remote:
+            self._remote.close()
 
     def __enter__(self) -> Files:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _pread_exact(fd: int, start: int, end: int, path: str) -> bytes | bytearray:
+    data = os.pread(fd, end - start, start)
+    if len(data) == end - start:
+        return data
+    buf = bytearray(end - start)  # a short read: the rest, or the error naming where the file ended
+    _pread_into(fd, memoryview(buf), start, path)
+    return buf
 
 
 def _pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
@@ -53,11 +121,48 @@ def _pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
         view, offset = view[n:], offset + n
 
 
+@contextlib.contextmanager
+def opened(path: str) -> Iterator[tuple[Callable[[int, int], bytes], int]]:
+    """``os.pread`` of ``path`` (local or URL) and its size, for one reader; a local file is open for the block."""
+    if is_url(path):
+        remote = RemoteFiles()
+        try:
+            yield remote.pread(path, 0), remote.size(path)
+        finally:
+            remote.close()
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield functools.partial(os.pread, fd), os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def _chain(first: Range, rest: Iterable[Range]) -> Iterable[Range]:
+    yield first
+    yield from rest
+
+
 def read_region(region: Region, files: Files) -> bytearray:
     """The row-major bytes of ``region`` in the entry's dtype (``region.cast`` is not applied here)."""
     buf = bytearray(Region(region.entry, region.offsets, region.sizes).nbytes)
     view = memoryview(buf)
-    for cp in plan_copies(region):
+    copies = plan_copies(region)
+    if copies and is_url(copies[0].src.file):
+        _fetch_into(view, copies, files.remote, region.entry.key)
+        return buf
+    for cp in copies:
         fd = files.fd(cp.src.file, cp.src.offset + cp.src.length, start=cp.src.offset, key=region.entry.key)
         _pread_into(fd, view[cp.dst:cp.dst + cp.src.length], cp.src.offset, cp.src.file)
     return buf
+
+
+def _fetch_into(view: memoryview, copies: tuple[Copy, ...], remote: RemoteFiles, key: str) -> None:
+    """The copies' bytes into ``view``, fetched concurrently (``view`` bounds what is in flight)."""
+    for cp in copies:
+        remote.check(cp.src.file, cp.src.offset, cp.src.offset + cp.src.length, key)
+    pieces = [(cp.dst + (start - cp.src.offset), (url, start, end)) for cp in copies
+              for url, start, end in coalesce([(cp.src.file, cp.src.offset, cp.src.offset + cp.src.length)], PIECE)]
+    for (dst, (_, start, end)), data in zip(pieces, remote.fetch((r for _, r in pieces), max(len(view), 1)),
+                                            strict=True):
+        view[dst:dst + end - start] = data

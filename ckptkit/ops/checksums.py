@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import zlib
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from ..core.plan import Region, plan_copies, row_blocks
 from ..core.tree import flatten
 from ..errors import CheckpointError, ChecksumError, FormatError
 from ..formats import object_value
+from ..io.remote import as_path
 from ..io.sources import Files, read_region
 
 __all__ = ["MANIFEST", "Mismatch", "Record", "Recorder", "check", "checksum_writer", "read_record", "tensor_crc",
@@ -255,7 +255,7 @@ def _parse(path: Path, doc: Any) -> Record:
 
 def read_record(directory: Path | str) -> Record | None:
     """``directory/ckptkit.json`` checked for structure; None when there is none. Garbage is an error."""
-    path = Path(directory) / MANIFEST
+    path = as_path(directory) / MANIFEST
     if not path.exists() and not path.is_symlink():
         return None
     try:
@@ -286,12 +286,9 @@ def _box_crc(entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...
 
 
 def _span_crc(span: Span, files: Files, key: str, budget: int) -> int:
-    fd = files.fd(span.file, span.offset + span.length, start=span.offset, key=key)
     crc, pos, end = 0, span.offset, span.offset + span.length
     while pos < end:
-        data = os.pread(fd, min(budget, end - pos), pos)
-        if not data:
-            raise FormatError(f"{span.file}: {key!r}: unexpected end of file at offset {pos}")
+        data = files.read(span.file, pos, min(budget, end - pos), key=key)
         crc, pos = zlib.crc32(data, crc), pos + len(data)
     return crc
 
@@ -434,7 +431,7 @@ def check(record: Record, manifest: Manifest, root: Path | str, *, max_memory: i
     cheap name checks are done by every caller.
     """
     problems: list[Mismatch] = []
-    jobs = _jobs(record, manifest, Path(root), problems)
+    jobs = _jobs(record, manifest, as_path(root), problems)
     budget = max(1 << 16, min(max_memory, 64 << 20))
     with Files() as files:
         for job in jobs[share::of]:

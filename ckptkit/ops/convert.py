@@ -16,6 +16,7 @@ from ..formats.dcp import check_blobs
 from ..io.execute import DEFAULT_MAX_MEMORY, execute, execute_distributed
 from ..io.progress import human_size, progress_bar
 from ..io.publish import check_destination
+from ..io.remote import as_path
 from .hfconfig import check_single_file, find_config
 from .mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
 from .presets import preset
@@ -142,7 +143,7 @@ def sources_of(manifest: Manifest, src: Path | str | None = None) -> tuple[Path,
     """What an output must stay clear of: the input the user named and every file a conversion reads."""
     files = {c.span.file for t in manifest.tensors for c in t.chunks}
     files |= {o.blob.file for o in manifest.objects if o.blob is not None}
-    return tuple(Path(p) for p in sorted({str(src) if src is not None else manifest.root, manifest.root, *files}))
+    return tuple(as_path(p) for p in sorted({str(src) if src is not None else manifest.root, manifest.root, *files}))
 
 
 def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, overwrite: bool,
@@ -156,18 +157,19 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, o
     start = time.perf_counter()
     notes += _left_out(manifest, fmt)
     sources = sources_of(manifest, src)
-    check_destination(dst, overwrite=overwrite, sources=sources)
+    check_destination(as_path(dst), overwrite=overwrite, sources=sources)
     # Decoded now, whatever the target: a DCP writer copies them verbatim, and a damaged one means a checkpoint
     # torch cannot load, which no output may hide.
     check_blobs(manifest)
     io = io_for(fmt)
     plan = io.plan(manifest, io.options(target, manifest))
-    plan = WritePlan(plan.files + extra_files, single_file=plan.single_file)
+    plan = WritePlan(plan.files + extra_files, single_file=plan.single_file, commit=plan.commit)
     if distributed and not dry_run:
-        execute_distributed(plan, Path(dst), overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync)
+        execute_distributed(plan, as_path(dst), overwrite=overwrite, sources=sources, max_memory=max_memory,
+                            fsync=fsync)
     elif not dry_run:  # a dry run is planned and its destination checked: nothing to write
         with progress_bar(plan.total_bytes, f"{fmt.value}", progress) as update:
-            execute(plan, Path(dst), overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync,
+            execute(plan, as_path(dst), overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync,
                     progress=update)
     ws = target.world_size if fmt in (Format.SHARDED, Format.LOCAL) else None
     return Report(manifest.root, manifest.format, str(dst), fmt, len(manifest.tensors), len(manifest.objects),
@@ -211,7 +213,8 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
             max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
             local: LocalOptions | None = None, preset: str | None = None,
             renames: Renames = (), key_map: KeyMapSource = None,
-            strict_map: bool = False, hf_assets: Path | str | None = None, dry_run: bool = False) -> Report:
+            strict_map: bool = False, hf_assets: Path | str | None = None, dry_run: bool = False,
+            storage_options: dict | None = None) -> Report:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``, streaming tensor by tensor.
 
     FULL output is one ``torch.save`` file when ``dst`` ends in .pt/.pth/.bin/.ckpt and no shard size is
@@ -233,11 +236,15 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
     model, from which the flat-parameter layout is derived where no ``flat_layout.json`` has it.
 
     ``dry_run`` plans and reports the output without writing anything.
+
+    ``src`` and ``dst`` may be URLs (``s3://``, ``gs://``, ``az://``; ``hf://`` to read); ``storage_options``
+    go to their filesystem (``{"endpoint_url": ..., "profile": ...}`` for s3fs).
     """
     fmt = io_for(to).format
     local = local or LocalOptions()
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
-    manifest = detect(src, local).read(Path(src))
+    src, dst = as_path(src, storage_options), as_path(dst, storage_options)
+    manifest = detect(src, local).read(src)
     notes: tuple[str, ...] = ()
     changes = Changes()
     if fmt is Format.HF or mapping:
@@ -259,13 +266,16 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
 
 def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: bool = False,
             max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
-            local: LocalOptions | None = None, dry_run: bool = False) -> Report:
+            local: LocalOptions | None = None, dry_run: bool = False,
+            storage_options: dict | None = None) -> Report:
     """Re-lay-out a sharded checkpoint for ``world_size`` ranks, in its own format; no GPU or process group.
 
     ``local`` is as for :func:`convert`; the output keeps the source's rank file names and layout, and a
     DCP source's Lightning ``meta.pt``. Another framework's sharded layout that ckptkit reads but does not
-    write (verl, DeepSpeed) becomes SHARDED (DCP). ``dry_run`` plans and reports without writing.
+    write (verl, DeepSpeed) becomes SHARDED (DCP). ``dry_run`` plans and reports without writing. URLs and
+    ``storage_options`` are as for :func:`convert`.
     """
+    src, dst = as_path(src, storage_options), as_path(dst, storage_options)
     reader = detect(src, local)
     fmt = reader.format
     notes: tuple[str, ...] = ()
@@ -274,7 +284,7 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: boo
     if fmt not in (Format.SHARDED, Format.LOCAL):
         raise UsageError(f"{src}: is a {reader.format.value} checkpoint, not a sharded one; "
                          f"use 'ckptkit convert {src} DST --to sharded --world-size {world_size}'")
-    manifest = reader.read(Path(src))
+    manifest = reader.read(src)
     groups = meta_groups(manifest) if fmt is Format.SHARDED else None
     return write(manifest, fmt, dst, Target(world_size=world_size, meta_groups=groups), overwrite=overwrite,
                  max_memory=max_memory, fsync=fsync, progress=progress, notes=notes, src=src, dry_run=dry_run)

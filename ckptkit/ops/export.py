@@ -14,6 +14,7 @@ from ..errors import FormatError, UsageError
 from ..formats import LocalOptions, Target, detect
 from ..formats.base import cast_for
 from ..io.execute import DEFAULT_MAX_MEMORY
+from ..io.remote import as_path
 from ..io.sources import Files
 from .convert import Changes, Report, map_model, parse_size, write
 from .hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
@@ -102,7 +103,8 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
               renames: Renames = (), key_map: KeyMapSource = None,
               strict_map: bool = False, keep_fp32: Iterable[str] = (), overwrite: bool = False,
               max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
-              distributed: bool = False, local: LocalOptions | None = None, dry_run: bool = False) -> Report:
+              distributed: bool = False, local: LocalOptions | None = None, dry_run: bool = False,
+              storage_options: dict | None = None) -> Report:
     """Write the model tensors of ``src`` as HF safetensors at ``dst`` (with the index file when sharded).
 
     ``dtype`` is ``keep`` or one of ``bf16``/``fp16``/``fp32`` (or ``bfloat16``/``float16``/``float32``); a cast
@@ -125,13 +127,17 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
 
     In a save hook, call it from rank 0 alone, or with ``distributed=True`` from every rank of the default
     process group: each rank then writes its share of the output files and rank 0 publishes the result.
+
+    ``src``, ``dst`` and ``hf_assets`` may be URLs; ``storage_options`` go to their filesystem (see
+    :func:`ckptkit.convert`).
     """
     cast = parse_cast(dtype)
     keep_patterns = _patterns(keep_fp32, "--keep-fp32")
     if keep_patterns and cast is None:
         raise UsageError("--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype bf16 or fp16")
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
-    manifest = detect(src, local).read(Path(src))
+    src, dst = as_path(src, storage_options), as_path(dst, storage_options)
+    manifest = detect(src, local).read(src)
     sel = select_model(manifest, model_key, tuple(strip_prefixes), strip_wrappers)
     notes = list(sel.notes)
     tensors = list(sel.tensors)
@@ -149,7 +155,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
                                                mapped.permuted)
         notes += mapped.notes
     if hf_assets is not None:
-        assets, config = _assets(Path(hf_assets))
+        assets, config = _assets(as_path(hf_assets, storage_options))
         kept = {t.key for t in tensors}
         tensors, tie_note = _untie(tensors, config, max_memory)
         dropped += [(k, "tied to the input embedding") for k in kept - {t.key for t in tensors}]

@@ -20,6 +20,7 @@ from ..core.manifest import Manifest, ObjectEntry, TensorEntry, TensorRef
 from ..errors import CheckpointError, UsageError
 from ..formats import LocalOptions, detect, object_value
 from ..io.progress import human_size
+from ..io.remote import as_path
 from .select import select_model
 
 __all__ = ["SCHEMA_VERSION", "human_count", "inspect", "json_value", "render", "summary"]
@@ -29,10 +30,12 @@ SCHEMA_VERSION = 1
 _VALUE_WIDTH = 100
 
 
-def inspect(path: Path | str, *, local: LocalOptions | None = None) -> Manifest:
+def inspect(path: Path | str, *, local: LocalOptions | None = None, storage_options: dict | None = None) -> Manifest:
     """The manifest of the checkpoint at ``path``: format, tensors with their chunks, other entries.
-    ``local`` says how to read a LOCAL checkpoint (see :func:`ckptkit.convert`)."""
-    return detect(path, local).read(Path(path))
+    ``local`` says how to read a LOCAL checkpoint (see :func:`ckptkit.convert`). A URL's checkpoint is read
+    by its headers alone, with range requests; ``storage_options`` go to its filesystem."""
+    path = as_path(path, storage_options)
+    return detect(path, local).read(path)
 
 
 def human_count(n: int) -> str:

@@ -23,6 +23,7 @@ from ..formats import LocalOptions, detect, object_value
 from ..io.execute import DEFAULT_MAX_MEMORY
 from ..io.progress import human_size, progress_bar
 from ..io.publish import resolve
+from ..io.remote import as_path, is_url
 from ..io.sources import Files, read_region
 from . import checksums
 from .mapping import KeyMapping, Renames, parse_rename, rename_keys
@@ -255,7 +256,7 @@ def _entries(manifest: Manifest, model_only: bool, strip_prefixes: tuple[str, ..
 def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = False, atol: float | None = None,
            rtol: float | None = None, strip_prefixes: Iterable[str] = (), renames: Renames = (),
            max_memory: int = DEFAULT_MAX_MEMORY, progress: bool = False,
-           local: LocalOptions | None = None) -> VerifyReport:
+           local: LocalOptions | None = None, storage_options: dict | None = None) -> VerifyReport:
     """Compare every key, shape and value of ``a`` and ``b``: bit for bit, or with ``atol``/``rtol`` by value
     (``|a - b| <= atol + rtol * |b|``, NaN equal to NaN) after upcasting, so that a bf16 export compares with its
     fp32 source.
@@ -268,17 +269,20 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     Without ``b``, ``a`` is checked against its own ``ckptkit.json`` (the checksums ``ckptkit.save``
     recorded; a run directory means the step ``latest`` names); without one, every chunk and entry of ``a``
     is read through, which finds what is missing or unreadable. A damaged ``ckptkit.json`` raises.
+    Either side may be a URL; ``storage_options`` go to its filesystem.
     """
+    pa = as_path(a, storage_options)
     if b is None:
         asked = [o for o, v in (("--model-only", model_only), ("--atol", atol is not None),
                                 ("--rtol", rtol is not None), ("--strip-prefix", strip_prefixes),
                                 ("--rename", renames)) if v]
         if asked:
             raise UsageError(f"{', '.join(asked)} compare two checkpoints; with one, all of it is checked")
-        return _verify_alone(Path(a), max_memory, progress, local)
+        return _verify_alone(pa, max_memory, progress, local)
     mapping = KeyMapping(renames=tuple(parse_rename(r) if isinstance(r, str) else (r[0], r[1]) for r in renames))
     prefixes = tuple(strip_prefixes)
-    ma, mb = detect(a, local).read(Path(a)), detect(b, local).read(Path(b))
+    pb = as_path(b, storage_options)
+    ma, mb = detect(pa, local).read(pa), detect(pb, local).read(pb)
     ta, oa, notes_a = _entries(ma, model_only, prefixes, mapping)
     tb, ob, notes_b = _entries(mb, model_only, prefixes, mapping)
     diffs = [Difference(k, f"only in {a}") for k in {**ta, **oa} if k not in tb and k not in ob]
@@ -304,7 +308,7 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
 
 
 def _verify_alone(path: Path, max_memory: int, progress: bool, local: LocalOptions | None) -> VerifyReport:
-    ckpt = resolve(path)
+    ckpt = path if is_url(path) else resolve(path)  # run directories (latest) are ckptkit.save's, local ones
     manifest = detect(ckpt, local).read(ckpt)
     record = checksums.read_record(ckpt)
     total = manifest.nbytes + sum(o.blob.length for o in manifest.objects if o.blob)

@@ -22,7 +22,7 @@ from ..io.sources import Files, read_region
 from ..ops import checksums
 from ..ops.names import strip_wrapper_names
 from ..ops.select import ModelSelection, optimizer_sections, select_model
-from .save import SIDE_KEYS, gloo_group
+from .save import SIDE_KEYS, gloo_group, local_path
 
 __all__ = ["LoadResult", "load"]
 
@@ -81,7 +81,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     checkpoint lacks or the checkpoint holds model keys the model does not have, or the optimizer state
     present does not fit the optimizer.
     """
-    ckpt = _resolve(Path(path))
+    ckpt = _resolve(local_path(path, "ckptkit.load"))
     manifest = detect(ckpt).read(ckpt)  # once: for DCP this reads every chunk's header
     if verify_checksums:
         checksums.verify_on_every_rank(ckpt, manifest, gloo_group())

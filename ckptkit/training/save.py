@@ -29,6 +29,7 @@ from ..core.tree import flatten
 from ..errors import CheckpointError, UsageError
 from ..formats import detect
 from ..io import publish
+from ..io.remote import as_path, is_url
 from ..ops import checksums
 from ..ops.checksums import MANIFEST, Recorder
 
@@ -42,6 +43,17 @@ SIDE_KEYS = ("scheduler", "extra", "step")
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def local_path(path: str | os.PathLike, what: str) -> Path:
+    """``path`` as a local path; a URL is refused: saves and loads publish and read step directories by renames
+    and descriptors, which object stores do not have."""
+    root = as_path(os.fspath(path))
+    if is_url(root):
+        raise UsageError(f"{path}: {what} works on a local or shared filesystem; save there, then copy a "
+                         "checkpoint to an object store with 'ckptkit convert' or 'ckptkit export-hf' (which "
+                         "take URLs)")
+    return root
 
 
 def _rank_world() -> tuple[int, int]:
@@ -159,7 +171,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     if form not in _FORMS:
         raise UsageError(f"form must be one of {', '.join(_FORMS)}, got {form!r}")
     rank, world = _rank_world()
-    root = Path(path)
+    root = local_path(path, "ckptkit.save")
     final = publish.step_dir(root, step) if step is not None else root
     group = gloo_group()
     staging = _stage(final, replace_checkpoint_only=step is None, group=group)

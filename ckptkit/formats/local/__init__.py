@@ -70,4 +70,4 @@ class LocalIO(FormatIO):
             name = options.rank_files.replace(RANK, str(rank))
             files.append(FilePlan(name, archive_parts(writer.rank_tree(rank), name=os.path.splitext(name)[0])))
         files.append(FilePlan(LAYOUT_FILE, (Bytes(options.layout.to_json()),)))
-        return WritePlan(tuple(files))
+        return WritePlan(tuple(files), commit=LAYOUT_FILE)

@@ -12,11 +12,11 @@ nothing is unpickled here.
 
 from __future__ import annotations
 
-import os
 import re
 import struct
 import zipfile
 from pathlib import Path
+from typing import BinaryIO
 
 from ...codecs.torchzip_read import ARCHIVE_MAGIC
 from ...errors import FormatError, IncompleteCheckpointError
@@ -37,22 +37,26 @@ def _pickle_edges(path: Path) -> bytes:
 
     The zip directory gives the record's place (torch writes its sizes there, not in the local header).
     """
+    def pread(f: BinaryIO, n: int, offset: int) -> bytes:
+        f.seek(offset)
+        return f.read(n)
+
     try:
-        with open(path, "rb") as f:
+        with path.open("rb") as f:
             if f.read(4) != ARCHIVE_MAGIC:
                 return b""
             info = next((i for i in zipfile.ZipFile(f).infolist()
                          if i.filename.endswith("data.pkl") and i.filename.count("/") <= 1), None)
             if info is None:
                 return b""
-            head = os.pread(f.fileno(), 30, info.header_offset)
+            head = pread(f, 30, info.header_offset)
             if len(head) < 30:
                 return b""
             name_len, extra_len = struct.unpack("<HH", head[26:30])
             start = info.header_offset + 30 + name_len + extra_len
-            data = os.pread(f.fileno(), min(info.file_size, _PEEK), start)
+            data = pread(f, min(info.file_size, _PEEK), start)
             if info.file_size > _PEEK:
-                data += os.pread(f.fileno(), _PEEK, start + info.file_size - _PEEK)
+                data += pread(f, _PEEK, start + info.file_size - _PEEK)
             return data
     except (OSError, zipfile.BadZipFile, ValueError):
         return b""
