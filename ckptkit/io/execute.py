@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ..core.dtypes import DType
 from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_copies, row_blocks
-from ..errors import FormatError, UsageError
-from .publish import Staging, check_destination, stage
+from ..errors import FormatError
+from .publish import check_destination, stage
 from .sources import Files, read_region
 
 __all__ = ["DEFAULT_MAX_MEMORY", "execute", "execute_distributed", "write_files"]
@@ -128,51 +128,8 @@ def execute(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tup
 
 def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
                         max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False) -> Path:
-    """``execute`` with the files split round-robin over the ranks of the default process group.
+    """``execute`` with the files split over the ranks of the default process group: see
+    :func:`ckptkit.io.parallel.execute_ranks`, which this is."""
+    from .parallel import execute_ranks  # which builds on this module
 
-    Every rank must pass the same plan (planning is pure, so the same inputs give it). Rank 0 checks the
-    destination and stages; every rank writes its share into that one staging directory; rank 0 publishes
-    once all have written, and every rank returns, or raises, with rank 0's outcome.
-    """
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dst = Path(dst).absolute()
-    staging: Staging | None = None
-    error: BaseException | None = None
-    if rank == 0:
-        try:
-            check_destination(dst, overwrite=overwrite, sources=sources)
-            staging = stage(dst, replace=overwrite)
-        except Exception as e:  # told to every rank below, so none waits forever
-            error = e
-    shared: list = [(str(error), None) if error else (None, str(staging.path) if staging else None)]
-    dist.broadcast_object_list(shared, src=0)
-    message, where = shared[0]
-    if message is not None:
-        raise error if error is not None else UsageError(message)
-    staging = staging or Staging(dst, Path(where), owner=False)
-    try:
-        write_files(plan.files[rank::world], staging.path, max_memory=max_memory, fsync=fsync,
-                    names=_names(plan, dst))
-        failed = None
-    except Exception as e:
-        failed = e
-    outcomes: list[str | None] = [None] * world
-    dist.all_gather_object(outcomes, None if failed is None else f"rank {rank}: {failed}")
-    problems = [o for o in outcomes if o]
-    published: str | None = None
-    if rank == 0:
-        try:
-            if problems:
-                staging.abort()
-            else:
-                staging.commit(replace=overwrite, file=plan.files[0].relpath if plan.single_file else None,
-                               fsync=fsync)
-        except Exception as e:
-            published, failed = f"rank 0: {e}", e
-    outcome = [published]
-    dist.broadcast_object_list(outcome, src=0)
-    if problems or outcome[0]:
-        raise failed if failed else FormatError("; ".join(problems + [o for o in outcome if o]))
-    return dst
+    return execute_ranks(plan, dst, overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync)
