@@ -80,9 +80,11 @@ def _publish(plan: WritePlan, staging: Staging, *, overwrite: bool, fsync: bool)
 
 def _worker(files: tuple[FilePlan, ...], where: Path, max_memory: int, fsync: bool, names: dict[str, Path],
             done: Any, index: int, outcome: Connection) -> None:
-    # Ctrl-C reaches the whole process group; the parent answers it for all (stops the workers, removes the
-    # staging directory), and a worker's own KeyboardInterrupt would only print a traceback meanwhile.
+    # Ctrl-C reaches the whole process group, and Slurm's SIGTERM every process of the job: the parent answers
+    # for all (stops the workers, removes the staging directory, says so in one line). A worker says nothing:
+    # it ignores Ctrl-C and dies of SIGTERM, whatever handlers the console script it re-imports installed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def progress(n: int) -> None:
         done[index] += n  # this worker's slot alone: no lock
@@ -223,15 +225,32 @@ def all_ranks(fn: Callable[P, R]) -> Callable[P, R]:
         _vote_owed = True
         try:
             result = fn(*args, **kwargs)
-        except BaseException as e:
+        except Exception as e:
             if _vote_owed:
                 _vote(e)
+            raise
+        except BaseException:  # a signal: this rank leaves, and the others' collectives fail without it
+            _vote_owed = False
             raise
         if _vote_owed:  # wrote nothing (a dry run): the vote still answers the other ranks'
             _vote(None)
         return result
 
     return run
+
+
+def _write_share(plan: WritePlan, staging: Staging, dst: Path, rank: int, world: int, *, max_memory: int,
+                 fsync: bool) -> Exception | None:
+    """Step 3 on one rank: write its share; return the error instead of raising it, for the others to hear."""
+    try:
+        if not staging.path.is_dir():
+            raise UsageError(f"{staging.path}, rank 0's staging directory beside DST, is not visible from rank "
+                             f"{rank}: DST must be on a filesystem every rank shares")
+        write_files(split_files(plan.files, world)[rank], staging.path, max_memory=max_memory, fsync=fsync,
+                    names=_names(plan, dst))
+    except Exception as e:
+        return e
+    return None
 
 
 def execute_ranks(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
@@ -262,27 +281,20 @@ def execute_ranks(plan: WritePlan, dst: Path, *, overwrite: bool = False, source
     if isinstance(shared[0], tuple):
         raise _from_rank(0, shared[0])
     staging = staging or Staging(dst, Path(shared[0]), owner=False)
-    failed: Exception | None = None
-    try:
-        if not staging.path.is_dir():
-            raise UsageError(f"{staging.path}, rank 0's staging directory beside DST, is not visible from rank "
-                             f"{rank}: DST must be on a filesystem every rank shares")
-        write_files(split_files(plan.files, world)[rank], staging.path, max_memory=max_memory, fsync=fsync,
-                    names=_names(plan, dst))
-    except Exception as e:
-        failed = e
-    problems = _gather(failed)
-    published: Exception | None = None
-    if rank == 0:
-        try:
-            if problems:
-                staging.abort()
-            else:
-                _publish(plan, staging, overwrite=overwrite, fsync=fsync)
-        except Exception as e:
-            published = e
-    outcome: list[Any] = [_failure(published)]
-    dist.broadcast_object_list(outcome, src=0)
+    with staging:  # rank 0's is removed on every way out but its publishing: a signal, a lost rank
+        failed = _write_share(plan, staging, dst, rank, world, max_memory=max_memory, fsync=fsync)
+        problems = _gather(failed)
+        published: Exception | None = None
+        if rank == 0:
+            try:
+                if problems:
+                    staging.abort()
+                else:
+                    _publish(plan, staging, overwrite=overwrite, fsync=fsync)
+            except Exception as e:
+                published = e
+        outcome: list[Any] = [_failure(published)]
+        dist.broadcast_object_list(outcome, src=0)
     if failed is not None:
         raise failed
     if problems:
