@@ -155,10 +155,10 @@ _fsync = _option("--fsync", is_flag=True, section=COMMON, envvar="CKPTKIT_FSYNC"
                  help="fsync every written file before the final rename (durable across power loss; slower).")
 _workers = _option("--workers", default=1, show_default=True, type=click.IntRange(min=1), metavar="N",
                    section=PARALLEL, envvar="CKPTKIT_WORKERS",
-                   help="Processes on this machine that write the output files, each its share (about equal bytes); "
-                        "this process publishes. Several machines: run the command under torchrun (torchrun "
-                        "--nnodes M --nproc-per-node K ... -m ckptkit COMMAND ...): each rank writes its share, rank 0 "
-                        "publishes; DST must be on a filesystem they share.")
+                   help="Processes on this machine that write the output files, each its share (about equal bytes), "
+                        "--max-memory shared out among them; this process publishes. Several machines: run the "
+                        "command under torchrun (torchrun --nnodes M --nproc-per-node K ... -m ckptkit COMMAND ...): "
+                        "each rank writes its share, rank 0 publishes; DST must be on a filesystem they all share.")
 _dry_run = _option("--dry-run", is_flag=True, section=COMMON,
                    help="Print the plan (files and sizes, keys renamed, left out and cast, assets copied) and "
                         "write nothing.")

@@ -153,7 +153,9 @@ def execute_parallel(plan: WritePlan, dst: Path, *, workers: int, overwrite: boo
                      progress: Callable[[int], None] = lambda n: None) -> Path:
     """:func:`ckptkit.io.execute.execute` with the files split over ``workers`` processes on this machine.
 
-    One worker (or a plan of one file) writes in this process. ``max_memory`` is each worker's budget.
+    One worker (or a plan of one file) writes in this process. ``max_memory`` is the budget of them all: each
+    worker casts in blocks of its equal part. Workers are spawned, so a script that calls this must do so
+    under ``if __name__ == "__main__":``, as for any spawning multiprocessing (the CLI does).
     """
     if workers < 1:
         raise UsageError(f"--workers must be at least 1, got {workers}")
@@ -163,8 +165,8 @@ def execute_parallel(plan: WritePlan, dst: Path, *, workers: int, overwrite: boo
                        progress=progress)
     dst = check_destination(dst, overwrite=overwrite, sources=sources)
     with stage(dst, replace=overwrite) as staging:
-        _write_in_workers(shares, staging.path, _names(plan, dst), max_memory=max_memory, fsync=fsync,
-                          progress=progress)
+        _write_in_workers(shares, staging.path, _names(plan, dst), max_memory=max(1, max_memory // len(shares)),
+                          fsync=fsync, progress=progress)
         _publish(plan, staging, overwrite=overwrite, fsync=fsync)
     return dst
 
