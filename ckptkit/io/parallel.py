@@ -50,6 +50,8 @@ R = TypeVar("R")
 
 _POLL = 0.2
 """Seconds between progress updates while workers run."""
+_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+"""The environment torchrun gives each process it starts; a process group forms from it (``env://``)."""
 _GROUP_TIMEOUT = timedelta(hours=24)
 """How long a collective of a group made by :func:`torchrun_group` waits. Ranks wait at step 3 for the
 slowest share of a job that may take hours; a rank that dies is noticed sooner (its connections close, and
@@ -310,7 +312,8 @@ def execute_ranks(plan: WritePlan, dst: Path, *, overwrite: bool = False, source
 
 @contextlib.contextmanager
 def torchrun_group() -> Iterator[int | None]:
-    """This process's rank when torchrun started it among others (``WORLD_SIZE`` > 1), else None.
+    """This process's rank when torchrun started it among others (``WORLD_SIZE`` > 1, and ``RANK``,
+    ``LOCAL_RANK`` and ``MASTER_ADDR`` set, as torchrun and launchers like it set them), else None.
 
     The default process group is used if it exists, else made here (gloo, from torchrun's ``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``) and destroyed on the way out. A collective that
@@ -321,7 +324,7 @@ def torchrun_group() -> Iterator[int | None]:
     except ValueError:
         raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r}: expected a number of ranks (torchrun sets "
                          "it)") from None
-    if world <= 1 or "RANK" not in os.environ:
+    if world <= 1 or not all(name in os.environ for name in _TORCHRUN):
         yield None
         return
     import torch.distributed as dist
