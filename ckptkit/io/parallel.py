@@ -9,25 +9,16 @@ absent: a failure in any process removes the staging directory and fails the who
 Two ways to get the processes:
 
 - :func:`execute_parallel` (``--workers N``): the calling process checks DST, stages, starts N worker
-  processes (spawned: a fresh interpreter is safe whatever threads or OpenMP pools the caller started;
-  forking is not), shows their progress, waits, and publishes.
-- :func:`execute_ranks`: every rank of the default process group (``torchrun ... -m ckptkit``, or a training
-  job's group in a save hook). The calls every rank makes, in order:
-
-  0. the job (reading, planning, writing) runs inside :func:`all_ranks` (the ops' ``distributed=True``);
-  1. an ``all_gather`` in which every rank says whether it got as far as writing: one that failed before
-     casts its error instead, so that no rank waits for it, and every rank raises;
-  2. rank 0 checks DST and makes the staging directory; a ``broadcast`` tells its path (or rank 0's error);
-  3. each rank writes its share; an ``all_gather`` collects the outcomes;
-  4. rank 0 publishes, or aborts if any rank failed; a ``broadcast`` tells every rank how it went.
-
-:func:`torchrun_group` makes (or finds) the default process group for the CLI under torchrun.
+  processes (spawned: a fresh interpreter is safe whatever threads or OpenMP pools the caller started, after
+  a cast in torch, say; forking is not), shows their progress, waits, and publishes.
+- every rank of the default process group: :func:`ckptkit.io.execute.execute_distributed`, which
+  :func:`torchrun_group` sets up for the CLI under ``torchrun ... -m ckptkit`` (a training job's group
+  serves a save hook).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import multiprocessing
 import os
 import signal
@@ -35,45 +26,24 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, cast
 
 from .. import errors
 from ..core.plan import FilePlan, WritePlan, split_files
 from ..errors import CheckpointError, FormatError, UsageError
-from .execute import DEFAULT_MAX_MEMORY, _names, execute, write_files
-from .publish import Staging, check_destination, stage
+from .execute import DEFAULT_MAX_MEMORY, _names, _publish, execute, write_files
+from .publish import check_destination, stage
 
-__all__ = ["all_ranks", "execute_parallel", "execute_ranks", "torchrun_group"]
-
-P = ParamSpec("P")
-R = TypeVar("R")
+__all__ = ["execute_parallel", "torchrun_group"]
 
 _POLL = 0.2
 """Seconds between progress updates while workers run."""
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 """The environment torchrun gives each process it starts; a process group forms from it (``env://``)."""
 _GROUP_TIMEOUT = timedelta(hours=24)
-"""How long a collective of a group made by :func:`torchrun_group` waits. Ranks wait at step 3 for the
-slowest share of a job that may take hours; a rank that dies is noticed sooner (its connections close, and
-torchrun stops the others), so this only bounds a rank that hangs alive."""
-
-
-# --------------------------------------------------------------------------------------------------------
-# Shared by both: the check before publishing
-
-
-def _publish(plan: WritePlan, staging: Staging, *, overwrite: bool, fsync: bool) -> None:
-    """Commit ``staging`` once every file of ``plan`` is there with its planned size: a process that wrote
-    somewhere else (a rank whose filesystem is not shared with rank 0's) leaves a hole, never a short output."""
-    for fp in plan.files:
-        path = staging.path / fp.relpath
-        size = path.stat().st_size if path.is_file() else None
-        if size != fp.nbytes:
-            staging.abort()
-            raise FormatError(f"{staging.dst / fp.relpath}: expected {fp.nbytes} bytes from the process that wrote "
-                              f"it, found {'no file' if size is None else f'{size} bytes'}; is DST on a filesystem "
-                              "every process shares?")
-    staging.commit(replace=overwrite, file=plan.files[0].relpath if plan.single_file else None, fsync=fsync)
+"""How long a collective of a group made by :func:`torchrun_group` waits. Ranks wait for the slowest share
+of a job that may take hours; a rank that dies is noticed sooner (torchrun stops the others), so this only
+bounds a rank that hangs alive."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -170,143 +140,6 @@ def execute_parallel(plan: WritePlan, dst: Path, *, workers: int, overwrite: boo
         _write_in_workers(shares, staging.path, _names(plan, dst), max_memory=max(1, max_memory // len(shares)),
                           fsync=fsync, progress=progress)
         _publish(plan, staging, overwrite=overwrite, fsync=fsync)
-    return dst
-
-
-# --------------------------------------------------------------------------------------------------------
-# Ranks of a process group
-
-
-_vote_owed = False
-"""Whether this process, inside :func:`all_ranks`, has yet to cast its vote of step 1."""
-
-
-def _from_rank(rank: int, failure: tuple[str, str]) -> CheckpointError:
-    """Another rank's failure, as this rank raises it: the same ckptkit error class, the message prefixed."""
-    kind, message = failure
-    cls = getattr(errors, kind, None)
-    cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else FormatError
-    return cls(f"rank {rank}: {message}")
-
-
-def _failure(e: BaseException | None) -> tuple[str, str] | None:
-    return None if e is None else (type(e).__name__, " ".join(str(e).split()) or type(e).__name__)
-
-
-def _gather(e: BaseException | None) -> list[tuple[int, tuple[str, str]]]:
-    """Every rank's failure, as (rank, (error class, message)) pairs; empty when no rank failed."""
-    import torch.distributed as dist
-
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, _failure(e))
-    return [(rank, failure) for rank, failure in enumerate(outcomes) if failure is not None]
-
-
-def _vote(e: BaseException | None) -> None:
-    """Step 1: every rank says whether it is ready to write; raise on every rank that is, if any is not."""
-    global _vote_owed
-    _vote_owed = False
-    failed = _gather(e)
-    if failed and e is None:
-        raise _from_rank(*failed[0])
-
-
-def all_ranks(fn: Callable[P, R]) -> Callable[P, R]:
-    """For a function that writes through :func:`execute_ranks` when called with ``distributed=True``: an
-    error on any rank before it writes (a source it cannot read, a bad option) fails every rank, instead of
-    leaving the others waiting for it at the first collective."""
-
-    @functools.wraps(fn)
-    def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        global _vote_owed
-        if not kwargs.get("distributed"):
-            return fn(*args, **kwargs)
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise UsageError("distributed=True writes from every rank of the default process group, and there is "
-                             "none: call torch.distributed.init_process_group first (torchrun ... -m ckptkit does)")
-        _vote_owed = True
-        try:
-            result = fn(*args, **kwargs)
-        except Exception as e:
-            if _vote_owed:
-                _vote(e)
-            raise
-        except BaseException:  # a signal: this rank leaves, and the others' collectives fail without it
-            _vote_owed = False
-            raise
-        if _vote_owed:  # wrote nothing (a dry run): the vote still answers the other ranks'
-            _vote(None)
-        return result
-
-    return run
-
-
-def _write_share(plan: WritePlan, staging: Staging, dst: Path, rank: int, world: int, *, max_memory: int,
-                 fsync: bool) -> Exception | None:
-    """Step 3 on one rank: write its share; return the error instead of raising it, for the others to hear."""
-    try:
-        if not staging.path.is_dir():
-            raise UsageError(f"{staging.path}, rank 0's staging directory beside DST, is not visible from rank "
-                             f"{rank}: DST must be on a filesystem every rank shares")
-        write_files(split_files(plan.files, world)[rank], staging.path, max_memory=max_memory, fsync=fsync,
-                    names=_names(plan, dst))
-    except Exception as e:
-        return e
-    return None
-
-
-def execute_ranks(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
-                  max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False) -> Path:
-    """Write ``plan`` to ``dst`` from every rank of the default process group, each its share of the files.
-
-    Every rank must pass the same plan (planning is pure, so the same inputs give it) and call this once
-    the job's reading and planning are done; rank 0 publishes once all have written, and every rank returns,
-    or raises, with the run's outcome (a rank's own error, else the first other rank's, named "rank N: ...").
-    """
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dst = Path(dst).absolute()
-    _vote(None)
-    staging: Staging | None = None
-    error: Exception | None = None
-    if rank == 0:
-        try:
-            check_destination(dst, overwrite=overwrite, sources=sources)
-            staging = stage(dst, replace=overwrite)
-        except Exception as e:  # told to every rank below, so none waits forever
-            error = e
-    shared: list[Any] = [_failure(error) if error else str(staging.path) if staging else None]
-    dist.broadcast_object_list(shared, src=0)
-    if error is not None:
-        raise error
-    if isinstance(shared[0], tuple):
-        raise _from_rank(0, shared[0])
-    staging = staging or Staging(dst, Path(shared[0]), owner=False)
-    with staging:  # rank 0's is removed on every way out but its publishing: a signal, a lost rank
-        failed = _write_share(plan, staging, dst, rank, world, max_memory=max_memory, fsync=fsync)
-        problems = _gather(failed)
-        published: Exception | None = None
-        if rank == 0:
-            try:
-                if problems:
-                    staging.abort()
-                else:
-                    _publish(plan, staging, overwrite=overwrite, fsync=fsync)
-            except Exception as e:
-                published = e
-        outcome: list[Any] = [_failure(published)]
-        dist.broadcast_object_list(outcome, src=0)
-    if failed is not None:
-        raise failed
-    if problems:
-        raise _from_rank(*problems[0])
-    if published is not None:
-        raise published
-    if outcome[0] is not None:
-        raise _from_rank(0, outcome[0])
     return dst
 
 

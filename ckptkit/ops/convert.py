@@ -13,8 +13,8 @@ from ..core.plan import FilePlan, WritePlan
 from ..errors import UsageError
 from ..formats import LocalOptions, Target, detect, io_for, is_empty_container
 from ..formats.dcp import check_blobs
-from ..io.execute import DEFAULT_MAX_MEMORY
-from ..io.parallel import all_ranks, execute_parallel, execute_ranks
+from ..io.execute import DEFAULT_MAX_MEMORY, all_ranks, execute_distributed
+from ..io.parallel import execute_parallel
 from ..io.progress import human_size, progress_bar
 from ..io.publish import check_destination
 from .hfconfig import check_single_file, find_config
@@ -169,7 +169,7 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, o
     plan = io.plan(manifest, io.options(target, manifest))
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file)
     if distributed and not dry_run:
-        execute_ranks(plan, Path(dst), overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync)
+        execute_distributed(plan, Path(dst), overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync)
     elif not dry_run:  # a dry run is planned and its destination checked: nothing to write
         with progress_bar(plan.total_bytes, f"{fmt.value}", progress) as update:
             execute_parallel(plan, Path(dst), workers=workers, overwrite=overwrite, sources=sources,
@@ -265,8 +265,8 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
     target = Target(world_size=world_size, max_shard_size=parse_size(max_shard_size), destination=str(dst),
                     local=local, meta_groups=meta_groups(manifest) if fmt is Format.SHARDED else None)
     return write(manifest, fmt, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
-                 progress=progress and not distributed, notes=notes, src=src, dry_run=dry_run, changes=changes,
-                 workers=workers, distributed=distributed)
+                 progress=progress, notes=notes, src=src, dry_run=dry_run, changes=changes, workers=workers,
+                 distributed=distributed)
 
 
 @all_ranks
@@ -292,5 +292,5 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: boo
     manifest = reader.read(Path(src))
     groups = meta_groups(manifest) if fmt is Format.SHARDED else None
     return write(manifest, fmt, dst, Target(world_size=world_size, meta_groups=groups), overwrite=overwrite,
-                 max_memory=max_memory, fsync=fsync, progress=progress and not distributed, notes=notes, src=src,
-                 dry_run=dry_run, workers=workers, distributed=distributed)
+                 max_memory=max_memory, fsync=fsync, progress=progress, notes=notes, src=src, dry_run=dry_run,
+                 workers=workers, distributed=distributed)

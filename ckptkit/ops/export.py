@@ -13,8 +13,7 @@ from ..core.plan import Bytes, FilePlan
 from ..errors import FormatError, UsageError
 from ..formats import LocalOptions, Target, detect
 from ..formats.base import cast_for
-from ..io.execute import DEFAULT_MAX_MEMORY
-from ..io.parallel import all_ranks
+from ..io.execute import DEFAULT_MAX_MEMORY, all_ranks
 from ..io.sources import Files
 from .convert import Changes, Report, map_model, parse_size, write
 from .hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
