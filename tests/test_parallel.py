@@ -79,6 +79,28 @@ def test_cli_workers_failure_in_one_worker_is_one_line_and_leaves_no_dst(tmp_pat
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
+_SIGNALLED_WORKERS = """
+import os, signal
+from ckptkit import cli
+from ckptkit.io import parallel
+real_wait = parallel.wait
+def wait(*args, **kwargs):  # the workers are running: the signal comes while the parent waits for them
+    os.kill(os.getpid(), getattr(signal, {how!r}))
+    return real_wait(*args, **kwargs)
+parallel.wait = wait
+cli.main(["reshard", {src!r}, {dst!r}, "--world-size", "3", "--workers", "2", "-q"])
+"""
+
+
+@pytest.mark.parametrize("how, code, line", [("SIGINT", 130, "ckptkit: interrupted\n"),
+                                             ("SIGTERM", 143, "ckptkit: terminated\n")])
+def test_cli_workers_signal_stops_them_with_one_line_and_leaves_nothing(tmp_path, dcp_ckpt, how, code, line):
+    script = _SIGNALLED_WORKERS.format(how=how, src=str(dcp_ckpt), dst=str(tmp_path / "out"))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=120)
+    assert (proc.returncode, proc.stderr) == (code, line)  # the parent's line alone: workers say nothing
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
 def test_convert_distributed_without_a_process_group_is_refused(tmp_path, full_ckpt):
     with pytest.raises(UsageError, match="no.*process group|none: call torch.distributed.init_process_group"):
         ckptkit.convert(full_ckpt, tmp_path / "out", to="sharded", distributed=True)

@@ -22,6 +22,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -38,6 +39,8 @@ __all__ = ["execute_parallel", "torchrun_group"]
 
 _POLL = 0.2
 """Seconds between progress updates while workers run."""
+_STOPS = {signal.SIGINT, signal.SIGTERM}
+"""The signals that stop a run (Ctrl-C, and SIGTERM from Slurm or Kubernetes)."""
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 """The environment torchrun gives each process it starts; a process group forms from it (``env://``)."""
 _GROUP_TIMEOUT = timedelta(hours=24)
@@ -69,6 +72,26 @@ def _worker(files: tuple[FilePlan, ...], where: Path, max_memory: int, fsync: bo
         outcome.send(None)
 
 
+def _start(p: multiprocessing.process.BaseProcess) -> None:
+    """Start worker ``p`` with Ctrl-C and SIGTERM held until it has its share: a signal halfway through would
+    leave a process that nobody stops (its pid not yet known), reading a share cut short. Held in Python, not
+    by a signal mask, which cannot hold a signal that arrived a moment before (and which the worker would
+    inherit); only the main thread handles signals, so only there is there anything to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        p.start()
+        return
+    held: list[int] = []
+    handlers = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in _STOPS
+                if signal.getsignal(s) not in (signal.SIG_IGN, None)}  # None: set outside Python, kept
+    try:
+        p.start()
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        for signum in held[:1]:
+            signal.raise_signal(signum)  # to the run's own handler, now that the worker can be stopped
+
+
 def _portable(e: Exception) -> Exception:
     """``e`` as another process can unpickle it: OSError and ckptkit's errors are; anything else as FormatError."""
     if isinstance(e, (OSError, CheckpointError)) and type(e).__module__ in ("builtins", errors.__name__):
@@ -90,10 +113,10 @@ def _write_in_workers(shares: tuple[tuple[FilePlan, ...], ...], where: Path, nam
             own = {fp.relpath: names[fp.relpath] for fp in share}
             p = ctx.Process(target=_worker, args=(share, where, max_memory, fsync, own, done, i, send),
                             name=f"ckptkit-worker-{i}", daemon=True)
-            p.start()
+            workers.append(p)
+            _start(p)
             send.close()  # the worker holds the only writing end now: its death reads as EOF
             running[receive] = p
-            workers.append(p)
         while running:
             ready = wait(list(running), timeout=_POLL)
             total = sum(done)
@@ -111,10 +134,12 @@ def _write_in_workers(shares: tuple[tuple[FilePlan, ...], ...], where: Path, nam
                 if failure is not None:
                     raise failure
     finally:
-        for p in workers:
+        started = [p for p in workers if p.pid is not None]
+        for p in started:
             if p.is_alive():
-                p.terminate()
-        for p in workers:
+                p.kill()  # what it wrote is in the staging directory, which goes; a worker still starting up
+                # would answer SIGTERM with the console script's own "terminated" line
+        for p in started:
             p.join()
         for receive in running:
             receive.close()
