@@ -28,9 +28,10 @@ from .errors import CheckpointError
 __all__ = ["main"]
 
 MAPPING = "Key mapping (applied in this order)"
+PARALLEL = "Parallel writing"
 COMMON = "Common options"
 LOCAL = "LOCAL checkpoints (FSDP1 LOCAL_STATE_DICT)"
-_SECTIONS = (None, MAPPING, COMMON, LOCAL)
+_SECTIONS = (None, MAPPING, PARALLEL, COMMON, LOCAL)
 """Headings in --help order; None is the command's own options. A heading not listed goes before COMMON."""
 _DEBUG = "ckptkit.debug"
 
@@ -152,6 +153,12 @@ _memory = _option("--max-memory", default="1GiB", show_default=True, metavar="SI
                   help="Budget for tensor bytes held in memory (dtype casts, verify): 1GiB, 500MB, 1000000.")
 _fsync = _option("--fsync", is_flag=True, section=COMMON, envvar="CKPTKIT_FSYNC",
                  help="fsync every written file before the final rename (durable across power loss; slower).")
+_workers = _option("--workers", default=1, show_default=True, type=click.IntRange(min=1), metavar="N",
+                   section=PARALLEL, envvar="CKPTKIT_WORKERS",
+                   help="Processes on this machine that write the output files, each its share (about equal bytes), "
+                        "--max-memory shared out among them; this process publishes. Several machines: run the "
+                        "command under torchrun (torchrun --nnodes M --nproc-per-node K ... -m ckptkit COMMAND ...): "
+                        "each rank writes its share, rank 0 publishes; DST must be on a filesystem they all share.")
 _dry_run = _option("--dry-run", is_flag=True, section=COMMON,
                    help="Print the plan (files and sizes, keys renamed, left out and cast, assets copied) and "
                         "write nothing.")
@@ -239,7 +246,7 @@ def _apply(*options):
 
 _local = _apply(*_LOCAL)
 _mapping = _apply(*_MAPPING)
-_writing = _apply(_dry_run, _overwrite, _memory, _fsync, _quiet, _storage, _debug)
+_writing = _apply(_workers, _dry_run, _overwrite, _memory, _fsync, _quiet, _storage, _debug)
 """The common options of every command that writes a checkpoint."""
 
 
@@ -253,6 +260,17 @@ def _local_options(rank_files, model, auto_wrap, use_orig_params, param_dtype):
 def _report(report, quiet: bool) -> None:
     if not quiet or report.dry_run:
         click.echo(str(report))
+
+
+def _write(op, *args, quiet: bool, **kwargs) -> None:
+    """Run ``op`` (convert, reshard, export_hf) in this process, or on this rank of torchrun's ranks: all of them
+    then write, and rank 0 reports."""
+    from .io.parallel import torchrun_group
+
+    with torchrun_group() as rank:
+        report = op(*args, progress=not quiet and not rank, distributed=rank is not None, **kwargs)
+    if not rank:
+        _report(report, quiet)
 
 
 @cli.command(examples=(
@@ -297,15 +315,15 @@ def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, st
 @_mapping
 @_writing
 @_local
-def convert(src, dst, to, world_size, max_shard_size, hf_assets, key_map, renames, preset, strict_map, dry_run,
-            overwrite, max_memory, fsync, quiet, storage_options, **local) -> None:
+def convert(src, dst, to, world_size, max_shard_size, hf_assets, key_map, renames, preset, strict_map, workers,
+            dry_run, overwrite, max_memory, fsync, quiet, storage_options, **local) -> None:
     """Convert SRC (any format) to DST in format --to; with a key mapping, the model part under new names."""
     from .ops.convert import convert as _convert
 
-    _report(_convert(src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, overwrite=overwrite,
-                     max_memory=max_memory, fsync=fsync, progress=not quiet, local=_local_options(**local),
-                     preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, hf_assets=hf_assets,
-                     dry_run=dry_run, storage_options=storage_options), quiet)
+    _write(_convert, src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, overwrite=overwrite,
+           max_memory=max_memory, fsync=fsync, local=_local_options(**local), preset=preset, renames=renames,
+           key_map=key_map, strict_map=strict_map, hf_assets=hf_assets, dry_run=dry_run, workers=workers,
+           storage_options=storage_options, quiet=quiet)
 
 
 @cli.command(examples=(
@@ -317,13 +335,14 @@ def convert(src, dst, to, world_size, max_shard_size, hf_assets, key_map, rename
 @_option("--world-size", required=True, type=click.IntRange(min=1), help="Ranks to lay the checkpoint out for.")
 @_writing
 @_local
-def reshard(src, dst, world_size, dry_run, overwrite, max_memory, fsync, quiet, storage_options, **local) -> None:
+def reshard(src, dst, world_size, workers, dry_run, overwrite, max_memory, fsync, quiet, storage_options,
+            **local) -> None:
     """Re-lay-out the sharded checkpoint SRC for --world-size ranks (no GPUs, no process group)."""
     from .ops.convert import reshard as _reshard
 
-    _report(_reshard(src, dst, world_size=world_size, overwrite=overwrite, max_memory=max_memory,
-                     fsync=fsync, progress=not quiet, local=_local_options(**local), dry_run=dry_run,
-                     storage_options=storage_options), quiet)
+    _write(_reshard, src, dst, world_size=world_size, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
+           local=_local_options(**local), dry_run=dry_run, workers=workers,
+           storage_options=storage_options, quiet=quiet)
 
 
 @cli.command("export-hf", examples=(
@@ -357,17 +376,17 @@ def reshard(src, dst, world_size, dry_run, overwrite, max_memory, fsync, quiet, 
 @_writing
 @_local
 def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
-              key_map, renames, preset, strict_map, dry_run, overwrite, max_memory, fsync, quiet, storage_options,
+              key_map, renames, preset, strict_map, workers, dry_run, overwrite, max_memory, fsync, quiet,
+              storage_options,
               **local) -> None:
     """Write the model part of SRC as Hugging Face safetensors in DST, with config and tokenizer files."""
     from .ops.export import export_hf as _export
 
-    _report(_export(src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
-                    strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
-                    preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, keep_fp32=keep_fp32,
-                    overwrite=overwrite, max_memory=max_memory, fsync=fsync, progress=not quiet,
-                    local=_local_options(**local), dry_run=dry_run,
-                    storage_options=storage_options), quiet)
+    _write(_export, src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
+           strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
+           preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, keep_fp32=keep_fp32,
+           overwrite=overwrite, max_memory=max_memory, fsync=fsync, local=_local_options(**local), dry_run=dry_run,
+           workers=workers, storage_options=storage_options, quiet=quiet)
 
 
 @cli.command(examples=(

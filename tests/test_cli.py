@@ -271,9 +271,9 @@ def test_cli_version():
 
 
 def test_cli_help_sections_common_then_local_last_with_examples():
-    mapping = ["Key mapping (applied in this order):"]
-    for command, sections in [("inspect", []), ("convert", mapping), ("reshard", []), ("export-hf", mapping),
-                              ("verify", [])]:
+    mapping, parallel = ["Key mapping (applied in this order):"], ["Parallel writing:"]
+    for command, sections in [("inspect", []), ("convert", mapping + parallel), ("reshard", parallel),
+                              ("export-hf", mapping + parallel), ("verify", [])]:
         text = run(command, "--help").stdout
         headings = [line for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
         assert headings == ["Options:", *sections, "Common options:", "LOCAL checkpoints (FSDP1 LOCAL_STATE_DICT):",

@@ -2,25 +2,43 @@
 
 Bytes that need no change move kernel-side with ``os.copy_file_range`` (no user-space buffer, no RSS).
 Only a dtype cast brings bytes into memory, one row block of at most ``max_memory`` at a time.
+
+:func:`execute_distributed` splits the files over the ranks of the default process group (torchrun, a
+training job's group in a save hook); every rank plans the whole job. The calls every rank makes, in order:
+
+0. the job (reading, planning, writing) runs inside :func:`all_ranks` (the ops' ``distributed=True``);
+1. an ``all_gather`` in which every rank says whether it got as far as writing: one that failed before
+   casts its error instead, so that no rank waits for it, and every rank raises;
+2. rank 0 checks DST and makes the staging directory; a ``broadcast`` tells its path (or rank 0's error);
+3. each rank writes its share (:func:`ckptkit.core.plan.split_files`); an ``all_gather`` collects the outcomes;
+4. rank 0 publishes once every file has its planned size, or aborts if any rank failed; a ``broadcast``
+   tells every rank how it went.
+
+:mod:`ckptkit.io.parallel` splits the files over worker processes of one machine instead.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, ParamSpec, TypeVar, cast
 
+from .. import errors
 from ..core.dtypes import DType
-from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_copies, row_blocks
-from ..errors import FormatError, UsageError
+from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_copies, row_blocks, split_files
+from ..errors import CheckpointError, FormatError, UsageError
 from .publish import Staging, check_destination, stage
 from .remote import RemotePath, is_url
 from .sources import Files, read_region
 from .transfer import StreamWriter, execute_remote
 
-__all__ = ["DEFAULT_MAX_MEMORY", "execute", "execute_distributed", "write_files"]
+__all__ = ["DEFAULT_MAX_MEMORY", "all_ranks", "execute", "execute_distributed", "write_files"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 DEFAULT_MAX_MEMORY = 1 << 30
 _COPY_PIECE = 1 << 30  # copy_file_range moves at most this much per call; larger counts are split
@@ -135,13 +153,112 @@ def execute(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tup
     return dst
 
 
+def _publish(plan: WritePlan, staging: Staging, *, overwrite: bool, fsync: bool) -> None:
+    """Commit ``staging`` once every file of ``plan`` is there with its planned size: a process that wrote
+    somewhere else (a rank whose filesystem is not shared with rank 0's) leaves a hole, never a short output."""
+    for fp in plan.files:
+        path = staging.path / fp.relpath
+        size = path.stat().st_size if path.is_file() else None
+        if size != fp.nbytes:
+            staging.abort()
+            raise FormatError(f"{staging.dst / fp.relpath}: expected {fp.nbytes} bytes from the process that wrote "
+                              f"it, found {'no file' if size is None else f'{size} bytes'}; is DST on a filesystem "
+                              "every process shares?")
+    staging.commit(replace=overwrite, file=plan.files[0].relpath if plan.single_file else None, fsync=fsync)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Ranks of a process group
+
+
+_vote_owed = False
+"""Whether this process, inside :func:`all_ranks`, has yet to cast its vote of step 1."""
+
+
+def _from_rank(rank: int, failure: tuple[str, str]) -> CheckpointError:
+    """Another rank's failure, as this rank raises it: the same ckptkit error class, the message prefixed."""
+    kind, message = failure
+    cls = getattr(errors, kind, None)
+    cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else FormatError
+    return cls(f"rank {rank}: {message}")
+
+
+def _failure(e: BaseException | None) -> tuple[str, str] | None:
+    return None if e is None else (type(e).__name__, " ".join(str(e).split()) or type(e).__name__)
+
+
+def _gather(e: BaseException | None) -> list[tuple[int, tuple[str, str]]]:
+    """Every rank's failure, as (rank, (error class, message)) pairs; empty when no rank failed."""
+    import torch.distributed as dist
+
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, _failure(e))
+    return [(rank, failure) for rank, failure in enumerate(outcomes) if failure is not None]
+
+
+def _vote(e: BaseException | None) -> None:
+    """Step 1: every rank says whether it is ready to write; raise on every rank that is, if any is not."""
+    global _vote_owed
+    _vote_owed = False
+    failed = _gather(e)
+    if failed and e is None:
+        raise _from_rank(*failed[0])
+
+
+def all_ranks(fn: Callable[P, R]) -> Callable[P, R]:
+    """For a function that writes through :func:`execute_distributed` when called with ``distributed=True``: an
+    error on any rank before it writes (a source it cannot read, a bad option) fails every rank, instead of
+    leaving the others waiting for it at the first collective."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        global _vote_owed
+        if not kwargs.get("distributed"):
+            return fn(*args, **kwargs)
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise UsageError("distributed=True writes from every rank of the default process group, and there is "
+                             "none: call torch.distributed.init_process_group first (torchrun ... -m ckptkit does)")
+        _vote_owed = True
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as e:
+            if _vote_owed:
+                _vote(e)
+            raise
+        except BaseException:  # a signal: this rank leaves, and the others' collectives fail without it
+            _vote_owed = False
+            raise
+        if _vote_owed:  # wrote nothing (a dry run): the vote still answers the other ranks'
+            _vote(None)
+        return result
+
+    return run
+
+
+def _write_share(plan: WritePlan, staging: Staging, dst: Path, rank: int, world: int, *, max_memory: int,
+                 fsync: bool, streamed: bool) -> Exception | None:
+    """Step 3 on one rank: write its share; return the error instead of raising it, for the others to hear."""
+    try:
+        if not staging.path.is_dir():
+            raise UsageError(f"{staging.path}, rank 0's staging directory beside DST, is not visible from rank "
+                             f"{rank}: DST must be on a filesystem every rank shares")
+        write_files(split_files(plan.files, world)[rank], staging.path, max_memory=max_memory, fsync=fsync,
+                    names=_names(plan, dst), streamed=streamed)
+    except Exception as e:
+        return e
+    return None
+
+
 def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
                         max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False) -> Path:
-    """``execute`` with the files split round-robin over the ranks of the default process group.
+    """``execute`` from every rank of the default process group, each writing its share of the files.
 
-    Every rank must pass the same plan (planning is pure, so the same inputs give it). Rank 0 checks the
-    destination and stages; every rank writes its share into that one staging directory; rank 0 publishes
-    once all have written, and every rank returns, or raises, with rank 0's outcome.
+    Every rank must pass the same plan (planning is pure, so the same inputs give it) and call this once
+    the job's reading and planning are done (steps 1-4 of the module's docstring); rank 0 publishes once all
+    have written, and every rank returns, or raises, with the run's outcome (a rank's own error, else the
+    first other rank's, named "rank N: ...").
     """
     import torch.distributed as dist
 
@@ -150,41 +267,43 @@ def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, 
                          "by one process")
     rank, world = dist.get_rank(), dist.get_world_size()
     dst = Path(dst).absolute()
+    _vote(None)
     staging: Staging | None = None
-    error: BaseException | None = None
+    error: Exception | None = None
     if rank == 0:
         try:
             check_destination(dst, overwrite=overwrite, sources=sources)
             staging = stage(dst, replace=overwrite)
         except Exception as e:  # told to every rank below, so none waits forever
             error = e
-    shared: list = [(str(error), None) if error else (None, str(staging.path) if staging else None)]
+    shared: list[Any] = [_failure(error) if error else str(staging.path) if staging else None]
     dist.broadcast_object_list(shared, src=0)
-    message, where = shared[0]
-    if message is not None:
-        raise error if error is not None else UsageError(message)
-    staging = staging or Staging(dst, Path(where), owner=False)
-    try:
-        write_files(plan.files[rank::world], staging.path, max_memory=max_memory, fsync=fsync,
-                    names=_names(plan, dst), streamed=any(map(is_url, sources)))
-        failed = None
-    except Exception as e:
-        failed = e
-    outcomes: list[str | None] = [None] * world
-    dist.all_gather_object(outcomes, None if failed is None else f"rank {rank}: {failed}")
-    problems = [o for o in outcomes if o]
-    published: str | None = None
-    if rank == 0:
-        try:
-            if problems:
-                staging.abort()
-            else:
-                staging.commit(replace=overwrite, file=plan.files[0].relpath if plan.single_file else None,
-                               fsync=fsync)
-        except Exception as e:
-            published, failed = f"rank 0: {e}", e
-    outcome = [published]
-    dist.broadcast_object_list(outcome, src=0)
-    if problems or outcome[0]:
-        raise failed if failed else FormatError("; ".join(problems + [o for o in outcome if o]))
+    if error is not None:
+        raise error
+    if isinstance(shared[0], tuple):
+        raise _from_rank(0, shared[0])
+    staging = staging or Staging(dst, Path(shared[0]), owner=False)
+    with staging:  # rank 0's is removed on every way out but its publishing: a signal, a lost rank
+        failed = _write_share(plan, staging, dst, rank, world, max_memory=max_memory, fsync=fsync,
+                              streamed=any(map(is_url, sources)))
+        problems = _gather(failed)
+        published: Exception | None = None
+        if rank == 0:
+            try:
+                if problems:
+                    staging.abort()
+                else:
+                    _publish(plan, staging, overwrite=overwrite, fsync=fsync)
+            except Exception as e:
+                published = e
+        outcome: list[Any] = [_failure(published)]
+        dist.broadcast_object_list(outcome, src=0)
+    if failed is not None:
+        raise failed
+    if problems:
+        raise _from_rank(*problems[0])
+    if published is not None:
+        raise published
+    if outcome[0] is not None:
+        raise _from_rank(0, outcome[0])
     return dst

@@ -13,7 +13,8 @@ from ..core.plan import FilePlan, WritePlan
 from ..errors import UsageError
 from ..formats import LocalOptions, Target, detect, io_for, is_empty_container
 from ..formats.dcp import check_blobs
-from ..io.execute import DEFAULT_MAX_MEMORY, execute, execute_distributed
+from ..io.execute import DEFAULT_MAX_MEMORY, all_ranks, execute_distributed
+from ..io.parallel import execute_parallel
 from ..io.progress import human_size, progress_bar
 from ..io.publish import check_destination
 from ..io.remote import as_path
@@ -149,12 +150,16 @@ def sources_of(manifest: Manifest, src: Path | str | None = None) -> tuple[Path,
 def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, overwrite: bool,
           max_memory: int, fsync: bool, progress: bool, extra_files: tuple[FilePlan, ...] = (),
           notes: tuple[str, ...] = (), distributed: bool = False, src: Path | str | None = None,
-          dry_run: bool = False, changes: Changes = Changes()) -> Report:
+          dry_run: bool = False, changes: Changes = Changes(), workers: int = 1) -> Report:
     """Write ``manifest`` as ``fmt`` to ``dst``. ``src`` is the input as the user named it: ``dst`` may not be,
     hold or lie inside it (nor any file read from it). With ``dry_run``, only plan it (and check the
     destination) and report what would be written. ``changes`` are the renames, drops and casts made on the
-    way, for the report."""
+    way, for the report. ``workers`` processes of this machine, or with ``distributed`` every rank of the
+    default process group, write the output files (:mod:`ckptkit.io.parallel`)."""
     start = time.perf_counter()
+    if distributed and workers > 1:
+        raise UsageError(f"--workers {workers} splits the files over processes of one machine; under torchrun the "
+                         "ranks split them: start more ranks (--nproc-per-node) instead")
     notes += _left_out(manifest, fmt)
     sources = sources_of(manifest, src)
     check_destination(as_path(dst), overwrite=overwrite, sources=sources)
@@ -169,8 +174,8 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, o
                             fsync=fsync)
     elif not dry_run:  # a dry run is planned and its destination checked: nothing to write
         with progress_bar(plan.total_bytes, f"{fmt.value}", progress) as update:
-            execute(plan, as_path(dst), overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync,
-                    progress=update)
+            execute_parallel(plan, as_path(dst), workers=workers, overwrite=overwrite, sources=sources,
+                             max_memory=max_memory, fsync=fsync, progress=update)
     ws = target.world_size if fmt in (Format.SHARDED, Format.LOCAL) else None
     return Report(manifest.root, manifest.format, str(dst), fmt, len(manifest.tensors), len(manifest.objects),
                   plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes,
@@ -208,13 +213,14 @@ def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path |
     return map_keys(tensors, mapping, shape=shape, to_hf=to_hf)
 
 
+@all_ranks
 def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_size: int = 1,
             max_shard_size: int | str | None = None, overwrite: bool = False,
             max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
             local: LocalOptions | None = None, preset: str | None = None,
             renames: Renames = (), key_map: KeyMapSource = None,
             strict_map: bool = False, hf_assets: Path | str | None = None, dry_run: bool = False,
-            storage_options: dict | None = None) -> Report:
+            storage_options: dict | None = None, workers: int = 1, distributed: bool = False) -> Report:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``, streaming tensor by tensor.
 
     FULL output is one ``torch.save`` file when ``dst`` ends in .pt/.pth/.bin/.ckpt and no shard size is
@@ -239,6 +245,10 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
 
     ``src`` and ``dst`` may be URLs (``s3://``, ``gs://``, ``az://``; ``hf://`` to read); ``storage_options``
     go to their filesystem (``{"endpoint_url": ..., "profile": ...}`` for s3fs).
+
+    ``workers`` processes write the output files, each its share (one machine); or, with ``distributed``,
+    every rank of the default process group calls this alike (torchrun, a save hook) and each writes its
+    share, rank 0 publishing. Either way the output is the one a single process writes.
     """
     fmt = io_for(to).format
     local = local or LocalOptions()
@@ -261,19 +271,22 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
     target = Target(world_size=world_size, max_shard_size=parse_size(max_shard_size), destination=str(dst),
                     local=local, meta_groups=meta_groups(manifest) if fmt is Format.SHARDED else None)
     return write(manifest, fmt, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
-                 progress=progress, notes=notes, src=src, dry_run=dry_run, changes=changes)
+                 progress=progress, notes=notes, src=src, dry_run=dry_run, changes=changes, workers=workers,
+                 distributed=distributed)
 
 
+@all_ranks
 def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: bool = False,
             max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
-            local: LocalOptions | None = None, dry_run: bool = False,
-            storage_options: dict | None = None) -> Report:
+            local: LocalOptions | None = None, dry_run: bool = False, storage_options: dict | None = None,
+            workers: int = 1, distributed: bool = False) -> Report:
     """Re-lay-out a sharded checkpoint for ``world_size`` ranks, in its own format; no GPU or process group.
 
     ``local`` is as for :func:`convert`; the output keeps the source's rank file names and layout, and a
     DCP source's Lightning ``meta.pt``. Another framework's sharded layout that ckptkit reads but does not
     write (verl, DeepSpeed) becomes SHARDED (DCP). ``dry_run`` plans and reports without writing. URLs and
-    ``storage_options`` are as for :func:`convert`.
+    ``storage_options`` are as for :func:`convert`. ``workers`` and ``distributed`` split the writing over
+    processes, as for :func:`convert`.
     """
     src, dst = as_path(src, storage_options), as_path(dst, storage_options)
     reader = detect(src, local)
@@ -287,4 +300,5 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: boo
     manifest = reader.read(src)
     groups = meta_groups(manifest) if fmt is Format.SHARDED else None
     return write(manifest, fmt, dst, Target(world_size=world_size, meta_groups=groups), overwrite=overwrite,
-                 max_memory=max_memory, fsync=fsync, progress=progress, notes=notes, src=src, dry_run=dry_run)
+                 max_memory=max_memory, fsync=fsync, progress=progress, notes=notes, src=src, dry_run=dry_run,
+                 workers=workers, distributed=distributed)

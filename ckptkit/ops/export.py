@@ -13,7 +13,7 @@ from ..core.plan import Bytes, FilePlan
 from ..errors import FormatError, UsageError
 from ..formats import LocalOptions, Target, detect
 from ..formats.base import cast_for
-from ..io.execute import DEFAULT_MAX_MEMORY
+from ..io.execute import DEFAULT_MAX_MEMORY, all_ranks
 from ..io.remote import as_path
 from ..io.sources import Files
 from .convert import Changes, Report, map_model, parse_size, write
@@ -97,6 +97,7 @@ def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: lis
     return assets, f"config.json: dtype and torch_dtype set to {dtype}, the dtype written{said}"
 
 
+@all_ranks
 def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: CastName = "keep",
               max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
               strip_wrappers: bool = True, hf_assets: Path | str | None = None, preset: str | None = None,
@@ -104,7 +105,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
               strict_map: bool = False, keep_fp32: Iterable[str] = (), overwrite: bool = False,
               max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
               distributed: bool = False, local: LocalOptions | None = None, dry_run: bool = False,
-              storage_options: dict | None = None) -> Report:
+              storage_options: dict | None = None, workers: int = 1) -> Report:
     """Write the model tensors of ``src`` as HF safetensors at ``dst`` (with the index file when sharded).
 
     ``dtype`` is ``keep`` or one of ``bf16``/``fp16``/``fp32`` (or ``bfloat16``/``float16``/``float32``); a cast
@@ -126,7 +127,9 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     without writing anything.
 
     In a save hook, call it from rank 0 alone, or with ``distributed=True`` from every rank of the default
-    process group: each rank then writes its share of the output files and rank 0 publishes the result.
+    process group: each rank then writes its share of the output files and rank 0 publishes the result; an
+    error on any rank fails every rank, and no DST is written. ``workers`` processes of one machine split the
+    files the same way.
 
     ``src``, ``dst`` and ``hf_assets`` may be URLs; ``storage_options`` go to their filesystem (see
     :func:`ckptkit.convert`).
@@ -173,7 +176,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     target = Target(max_shard_size=parse_size(max_shard_size), cast=cast, keep_fp32=frozenset(keep))
     return write(model, Format.HF, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
                  progress=progress and not distributed, extra_files=assets, notes=tuple(notes), distributed=distributed,
-                 src=src, dry_run=dry_run, changes=Changes(renamed, tuple(dropped), casts, permuted))
+                 src=src, dry_run=dry_run, changes=Changes(renamed, tuple(dropped), casts, permuted), workers=workers)
 
 
 def _patterns(values: Iterable[str], option: str) -> tuple[re.Pattern, ...]:

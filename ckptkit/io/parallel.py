@@ -1,0 +1,206 @@
+"""Parallel writing: a plan's files split over processes, on one machine or over the ranks of a process group.
+
+Planning is pure, so every process given the same inputs holds the same plan. Each process writes the files
+of its share (:func:`ckptkit.core.plan.split_files`: about equal bytes) into one staging directory
+(:mod:`ckptkit.io.publish`), and one process publishes it once every share is written and every file has
+its planned size. The output is the one a single process writes, byte for byte, and it is complete or
+absent: a failure in any process removes the staging directory and fails the whole run.
+
+Two ways to get the processes:
+
+- :func:`execute_parallel` (``--workers N``): the calling process checks DST, stages, starts N worker
+  processes (spawned: a fresh interpreter is safe whatever threads or OpenMP pools the caller started, after
+  a cast in torch, say; forking is not), shows their progress, waits, and publishes.
+- every rank of the default process group: :func:`ckptkit.io.execute.execute_distributed`, which
+  :func:`torchrun_group` sets up for the CLI under ``torchrun ... -m ckptkit`` (a training job's group
+  serves a save hook).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, cast
+
+from .. import errors
+from ..core.plan import FilePlan, WritePlan, split_files
+from ..errors import CheckpointError, FormatError, UsageError
+from .execute import DEFAULT_MAX_MEMORY, _names, _publish, execute, write_files
+from .publish import check_destination, stage
+from .remote import is_url
+
+__all__ = ["execute_parallel", "torchrun_group"]
+
+_POLL = 0.2
+"""Seconds between progress updates while workers run."""
+_STOPS = {signal.SIGINT, signal.SIGTERM}
+"""The signals that stop a run (Ctrl-C, and SIGTERM from Slurm or Kubernetes)."""
+_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+"""The environment torchrun gives each process it starts; a process group forms from it (``env://``)."""
+_GROUP_TIMEOUT = timedelta(hours=24)
+"""How long a collective of a group made by :func:`torchrun_group` waits. Ranks wait for the slowest share
+of a job that may take hours; a rank that dies is noticed sooner (torchrun stops the others), so this only
+bounds a rank that hangs alive."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# Workers on one machine
+
+
+def _worker(files: tuple[FilePlan, ...], where: Path, max_memory: int, fsync: bool, streamed: bool,
+            names: dict[str, Path], done: Any, index: int, outcome: Connection) -> None:
+    # Ctrl-C reaches the whole process group, and Slurm's SIGTERM every process of the job: the parent answers
+    # for all (stops the workers, removes the staging directory, says so in one line). A worker says nothing:
+    # it ignores Ctrl-C and dies of SIGTERM, whatever handlers the console script it re-imports installed.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def progress(n: int) -> None:
+        done[index] += n  # this worker's slot alone: no lock
+
+    try:
+        write_files(files, where, max_memory=max_memory, fsync=fsync, progress=progress, names=names,
+                    streamed=streamed)
+    except Exception as e:
+        outcome.send(_portable(e))
+    else:
+        outcome.send(None)
+
+
+def _start(p: multiprocessing.process.BaseProcess) -> None:
+    """Start worker ``p`` with Ctrl-C and SIGTERM held until it has its share: a signal halfway through would
+    leave a process that nobody stops (its pid not yet known), reading a share cut short. Held in Python, not
+    by a signal mask, which cannot hold a signal that arrived a moment before (and which the worker would
+    inherit); only the main thread handles signals, so only there is there anything to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        p.start()
+        return
+    held: list[int] = []
+    handlers = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in _STOPS
+                if signal.getsignal(s) not in (signal.SIG_IGN, None)}  # None: set outside Python, kept
+    try:
+        p.start()
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        for signum in held[:1]:
+            signal.raise_signal(signum)  # to the run's own handler, now that the worker can be stopped
+
+
+def _portable(e: Exception) -> Exception:
+    """``e`` as another process can unpickle it: OSError and ckptkit's errors are; anything else as FormatError."""
+    if isinstance(e, (OSError, CheckpointError)) and type(e).__module__ in ("builtins", errors.__name__):
+        return e
+    return FormatError(f"{type(e).__name__}: {e}")
+
+
+def _write_in_workers(shares: tuple[tuple[FilePlan, ...], ...], where: Path, names: dict[str, Path], *,
+                      max_memory: int, fsync: bool, streamed: bool, progress: Callable[[int], None]) -> None:
+    """Write each share in a worker process of its own; raise the first failure after stopping the others."""
+    ctx = multiprocessing.get_context("spawn")
+    done = ctx.RawArray("q", len(shares))
+    running: dict[Connection, multiprocessing.process.BaseProcess] = {}
+    workers = []
+    reported = 0
+    try:
+        for i, share in enumerate(shares):
+            receive, send = ctx.Pipe(duplex=False)
+            own = {fp.relpath: names[fp.relpath] for fp in share}
+            p = ctx.Process(target=_worker, args=(share, where, max_memory, fsync, streamed, own, done, i, send),
+                            name=f"ckptkit-worker-{i}", daemon=True)
+            workers.append(p)
+            _start(p)
+            send.close()  # the worker holds the only writing end now: its death reads as EOF
+            running[receive] = p
+        while running:
+            ready = wait(list(running), timeout=_POLL)
+            total = sum(done)
+            progress(total - reported)
+            reported = total
+            for conn in cast(list[Connection], ready):
+                finished = running.pop(conn)
+                try:
+                    failure = conn.recv()
+                except EOFError:  # gone without a word: killed (the OOM killer, a signal)
+                    finished.join()
+                    failure = FormatError(f"worker process {finished.name} died (exit code {finished.exitcode}) "
+                                          "before writing its files")
+                conn.close()
+                if failure is not None:
+                    raise failure
+    finally:
+        started = [p for p in workers if p.pid is not None]
+        for p in started:
+            if p.is_alive():
+                p.kill()  # what it wrote is in the staging directory, which goes; a worker still starting up
+                # would answer SIGTERM with the console script's own "terminated" line
+        for p in started:
+            p.join()
+        for receive in running:
+            receive.close()
+
+
+def execute_parallel(plan: WritePlan, dst: Path, *, workers: int, overwrite: bool = False,
+                     sources: tuple[Path, ...] = (), max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False,
+                     progress: Callable[[int], None] = lambda n: None) -> Path:
+    """:func:`ckptkit.io.execute.execute` with the files split over ``workers`` processes on this machine.
+
+    One worker (or a plan of one file) writes in this process. ``max_memory`` is the budget of them all: each
+    worker casts in blocks of its equal part. Workers are spawned, so a script that calls this must do so
+    under ``if __name__ == "__main__":``, as for any spawning multiprocessing (the CLI does).
+    """
+    if workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {workers}")
+    shares = tuple(s for s in split_files(plan.files, workers) if s)
+    if len(shares) < 2:
+        return execute(plan, dst, overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync,
+                       progress=progress)
+    if is_url(dst):
+        raise UsageError(f"{dst}: --workers write to a local or shared filesystem; an object store is written by "
+                         "one process (leave out --workers)")
+    dst = check_destination(dst, overwrite=overwrite, sources=sources)
+    with stage(dst, replace=overwrite) as staging:
+        _write_in_workers(shares, staging.path, _names(plan, dst), max_memory=max(1, max_memory // len(shares)),
+                          fsync=fsync, streamed=any(map(is_url, sources)), progress=progress)
+        _publish(plan, staging, overwrite=overwrite, fsync=fsync)
+    return dst
+
+
+@contextlib.contextmanager
+def torchrun_group() -> Iterator[int | None]:
+    """This process's rank when torchrun started it among others (``WORLD_SIZE`` > 1, and ``RANK``,
+    ``LOCAL_RANK`` and ``MASTER_ADDR`` set, as torchrun and launchers like it set them), else None.
+
+    The default process group is used if it exists, else made here (gloo, from torchrun's ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``) and destroyed on the way out. A collective that
+    fails because another rank died or left becomes a one-line ``ConnectionError`` naming this rank.
+    """
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r}: expected a number of ranks (torchrun sets "
+                         "it)") from None
+    if world <= 1 or not all(name in os.environ for name in _TORCHRUN):
+        yield None
+        return
+    import torch.distributed as dist
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", timeout=_GROUP_TIMEOUT)
+    rank = dist.get_rank()
+    try:
+        yield rank
+    except dist.DistError as e:
+        first = next(iter(str(e).strip().splitlines()), type(e).__name__)
+        raise ConnectionError(f"rank {rank}: lost the other ranks ({first})") from e
+    finally:
+        if made:
+            dist.destroy_process_group()
