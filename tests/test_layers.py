@@ -50,7 +50,7 @@ MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 def layer(module: str) -> str:
     parts = module.split(".")
-    if module in ("ckptkit", "ckptkit.cli", "ckptkit.demo", "ckptkit._startup"):
+    if module in ("ckptkit", "ckptkit.__main__", "ckptkit.cli", "ckptkit.demo", "ckptkit._startup"):
         return "top"
     if parts[1] in LAYERS:
         return parts[1]
