@@ -36,7 +36,7 @@ from ..codecs.pickle_read import (
     strided_layout,
 )
 from ..codecs.pickle_write import dumps
-from ..codecs.torchzip_read import ARCHIVE_MAGIC, read_archive
+from ..codecs.torchzip_read import ARCHIVE_MAGIC, ArchiveCache, read_archive
 from ..codecs.torchzip_write import archive_parts
 from ..core import dtypes
 from ..core.boxes import shard0_boxes
@@ -64,7 +64,7 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **allow_records(_FS, "_StorageInfo"),
     (_DCP_META, "_MEM_FORMAT_ENCODING"): EnumStandIn(MEMORY_FORMATS, keep_call(_DCP_META, "_MEM_FORMAT_ENCODING")),
     ("builtins", "getattr"): safe_getattr(),
-    ("torch", "Size"): lambda v=(): tuple(v),
+    ("torch", "Size"): tuple,
     ("torch.serialization", "_get_layout"): strided_layout,
     ("pathlib", "PosixPath"): lambda *parts: "/".join(parts),
     ("pathlib", "WindowsPath"): lambda *parts: "\\".join(parts),
@@ -80,6 +80,12 @@ def _count(v: Any, what: str) -> int:
 
 
 def _counts(v: Any, what: str) -> tuple[int, ...]:
+    if type(v) is tuple and len(v) <= 64:  # the common case, without a generator: a .metadata has millions
+        for n in v:
+            if type(n) is not int or n < 0:
+                break
+        else:
+            return v
     if not isinstance(v, (tuple, list)) or len(v) > 64:
         raise ValueError(f"{what} is {v!r:.60}, not a list of sizes")
     return tuple(_count(n, what) for n in v)
@@ -154,21 +160,27 @@ class DcpIO(FormatIO):
         objects: list[ObjectEntry] = []
         rank_files: set[str] = set()
 
-        def locate(key: str, offset: tuple | None) -> Span:
+        located: dict[str, str] = {}  # relative path to file, each checked once
+
+        def locate(key: str, offset: tuple | None) -> tuple[str, int, int]:
             info = storage.get((key, offset))
             if info is None:
                 raise IncompleteCheckpointError(f"{meta_path}: no storage entry for {key!r} at offset {offset}")
             if getattr(info, "transform_descriptors", None):
                 raise FormatError(f"{meta_path}: {key!r} is stored with transforms {list(info.transform_descriptors)}; "
                                   "ckptkit reads untransformed (uncompressed) DCP entries only")
-            file = root / info.relative_path
-            if Path(info.relative_path).is_absolute() or ".." in Path(info.relative_path).parts:
-                raise FormatError(f"{meta_path}: {key!r} points outside the checkpoint ({info.relative_path!r})")
-            if not file.is_file():
-                raise IncompleteCheckpointError(f"{root}: {info.relative_path} (holding {key!r}) is missing")
-            rank_files.add(info.relative_path)
-            return Span(str(file), _count(info.offset, f"{key!r} offset"), _count(info.length, f"{key!r} length"))
+            relative = info.relative_path
+            file = located.get(relative)
+            if file is None:
+                if Path(relative).is_absolute() or ".." in Path(relative).parts:
+                    raise FormatError(f"{meta_path}: {key!r} points outside the checkpoint ({relative!r})")
+                if not (root / relative).is_file():
+                    raise IncompleteCheckpointError(f"{root}: {relative} (holding {key!r}) is missing")
+                file = located[relative] = str(root / relative)
+                rank_files.add(relative)
+            return file, _count(info.offset, f"{key!r} offset"), _count(info.length, f"{key!r} length")
 
+        archives = ArchiveCache()
         for key, sm in md.state_dict_metadata.items():
             at[0] = repr(key)
             path_ = from_dcp_path(tuple(paths.get(key, (key,))))
@@ -180,7 +192,7 @@ class DcpIO(FormatIO):
                                   f"{'.'.join(map(str, path_))!r}; torch's loader would not find it")
             kind = type(sm).__name__
             if kind == "BytesStorageMetadata":
-                objects.append(ObjectEntry(key, path_, blob=locate(key, None)))
+                objects.append(ObjectEntry(key, path_, blob=Span(*locate(key, None))))
                 continue
             if kind != "TensorStorageMetadata":
                 raise FormatError(f"{meta_path}: {key!r} has unknown storage metadata {kind}")
@@ -188,17 +200,18 @@ class DcpIO(FormatIO):
             chunks = []
             for c in sm.chunks:
                 offsets, sizes = _counts(c.offsets, f"{key!r} chunk offsets"), _counts(c.sizes, f"{key!r} chunk sizes")
-                span = locate(key, offsets)
-                fd = files.fd(span.file, span.offset + span.length, start=span.offset, key=key)
-                if os.pread(fd, 4, span.offset) != ARCHIVE_MAGIC:
-                    raise FormatError(
-                        f"{span.file}: {key!r} chunk at {list(offsets)} is not a torch.save record; DCP saved with "
-                        "serialization_format=SAFETENSORS or a custom storage writer is not supported")
-                ref = read_archive(span.file, span.offset, span.length, fd=fd, tree=False,
-                                   where=f"{span.file}: {key!r} chunk {list(offsets)}")
+                file, start, length = locate(key, offsets)
+                fd = files.fd(file, start + length, start=start, key=key)
+                ref = archives.lookup(fd, file, start, length)
+                if ref is None:
+                    if os.pread(fd, 4, start) != ARCHIVE_MAGIC:
+                        raise FormatError(
+                            f"{file}: {key!r} chunk at {list(offsets)} is not a torch.save record; DCP saved "
+                            "with serialization_format=SAFETENSORS or a custom storage writer is not supported")
+                    ref = archives.read(file, start, length, fd=fd, where=f"{file}: {key!r} chunk {list(offsets)}")
                 if not isinstance(ref, TensorRef) or ref.shape != sizes or ref.dtype != dtype:
                     found = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
-                    raise FormatError(f"{span.file}: {key!r} chunk at {list(offsets)} holds {found}, "
+                    raise FormatError(f"{file}: {key!r} chunk at {list(offsets)} holds {found}, "
                                       f".metadata says {dtype} {list(sizes)}")
                 chunks.append(Chunk(offsets, sizes, ref.span, ref.strides))
             entry = TensorEntry(key, path_, dtype, shape, tuple(chunks))
