@@ -7,6 +7,7 @@ list of source byte ranges that produce its row-major bytes. The executor then m
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from ..errors import IncompleteCheckpointError
 from .boxes import row_major
 from .dtypes import DType
-from .manifest import Span, TensorEntry
+from .manifest import Chunk, Span, TensorEntry
 
 __all__ = ["Copy", "FilePlan", "Bytes", "Part", "Region", "WritePlan", "plan_copies", "row_blocks"]
 
@@ -84,6 +85,28 @@ class Copy:
     dst: int
 
 
+_INDEX_FROM = 16  # chunks; fewer are scanned
+_INDEX_LIMIT = 1 << 16  # indexed tensors remembered
+_index: dict[int, tuple[tuple[Chunk, ...], list[int], list[Chunk], int]] = {}
+
+
+def _candidates(chunks: tuple[Chunk, ...], offset: int, size: int) -> tuple[Chunk, ...] | list[Chunk]:
+    """The chunks that may meet rows ``[offset, offset + size)``, in their order in ``chunks`` where boxes
+    repeat. A reshard to N ranks plans N regions per tensor; scanning every chunk for each would cost
+    ranks x ranks per tensor, so chunks are kept sorted along dim 0 (one index per tensor, remembered by the
+    identity of its chunks) and found by bisection."""
+    if len(chunks) < _INDEX_FROM:
+        return chunks
+    known = _index.get(id(chunks))
+    if known is None or known[0] is not chunks:
+        if len(_index) >= _INDEX_LIMIT:
+            _index.clear()
+        order = sorted(chunks, key=lambda c: c.offsets[0])  # stable: replicas keep their order
+        known = _index[id(chunks)] = (chunks, [c.offsets[0] for c in order], order, max(c.sizes[0] for c in order))
+    _, starts, order, tallest = known
+    return order[bisect.bisect_left(starts, offset - tallest + 1):bisect.bisect_left(starts, offset + size)]
+
+
 def plan_copies(region: Region) -> tuple[Copy, ...]:
     """Source byte ranges that make up ``region`` (in the entry's own dtype), coalesced, ordered by ``dst``."""
     entry, ro, rs = region.entry, region.offsets, region.sizes
@@ -93,7 +116,7 @@ def plan_copies(region: Region) -> tuple[Copy, ...]:
     rstrides = row_major(rs)
     copies: list[Copy] = []
     seen: set[tuple] = set()
-    for c in entry.chunks:
+    for c in (_candidates(entry.chunks, ro[0], rs[0]) if n else entry.chunks):
         box = (c.offsets, c.sizes)
         if box in seen:  # a replica (HSDP without de-duplication): the first copy serves
             continue
