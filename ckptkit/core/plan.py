@@ -116,11 +116,20 @@ def plan_copies(region: Region) -> tuple[Copy, ...]:
     rstrides = row_major(rs)
     copies: list[Copy] = []
     seen: set[tuple] = set()
+    # Whole rows of the tensor (a Shard(0) region): a chunk of whole rows gives one run, its rows in the region.
+    rows = n and rs[1:] == entry.shape[1:]
+    row = math.prod(rs[1:]) * isz
     for c in (_candidates(entry.chunks, ro[0], rs[0]) if n else entry.chunks):
         box = (c.offsets, c.sizes)
         if box in seen:  # a replica (HSDP without de-duplication): the first copy serves
             continue
         seen.add(box)
+        if rows and c.strides is None and c.sizes[1:] == rs[1:]:
+            a, b = max(ro[0], c.offsets[0]), min(ro[0] + rs[0], c.offsets[0] + c.sizes[0])
+            if a < b:
+                copies.append(Copy(Span(c.span.file, c.span.offset + (a - c.offsets[0]) * row, (b - a) * row),
+                                   (a - ro[0]) * row))
+            continue
         lo = tuple(max(r_off, c_off) for r_off, c_off in zip(ro, c.offsets, strict=True))
         hi = tuple(min(r_off + r_size, c_off + c_size)
                    for r_off, r_size, c_off, c_size in zip(ro, rs, c.offsets, c.sizes, strict=True))
