@@ -149,6 +149,12 @@ def plan_copies(region: Region) -> tuple[Copy, ...]:
         run = math.prod(isizes[k:]) * isz
         base_src = sum((lo[d] - c.offsets[d]) * cstrides[d] for d in range(k, n))
         base_dst = sum((lo[d] - ro[d]) * rstrides[d] for d in range(k, n))
+        if k == 1:  # runs are rows (columns of a 2-D tensor, a Shard(1) chunk): no index tuples
+            src, step_src = c.span.offset + (base_src + (lo[0] - c.offsets[0]) * cstrides[0]) * isz, cstrides[0] * isz
+            dst, step_dst = (base_dst + (lo[0] - ro[0]) * rstrides[0]) * isz, rstrides[0] * isz
+            copies += [Copy(Span(c.span.file, src + i * step_src, run), dst + i * step_dst)
+                       for i in range(hi[0] - lo[0])]
+            continue
         for idx in itertools.product(*(range(lo[d], hi[d]) for d in range(k))):
             s = base_src + sum((i - c.offsets[d]) * cstrides[d] for d, i in enumerate(idx))
             t = base_dst + sum((i - ro[d]) * rstrides[d] for d, i in enumerate(idx))
