@@ -22,6 +22,7 @@ the one from 4 ranks byte for byte. The ``tp`` export is checked against torch's
 
 from __future__ import annotations
 
+import compileall
 import filecmp
 import os
 import shutil
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import click
 
+import ckptkit as ckptkit_package
 from ckptkit.core.dtypes import by_name
 from ckptkit.core.manifest import Chunk, Format, Manifest, Span, TensorEntry
 from ckptkit.formats import io_for
@@ -265,6 +267,9 @@ def bench_commands(shape: str, size: int, layers: int, world_size: int, workers:
         what = f"{total / 1e9:.2f} GB bf16, LLaMA-shaped, 4-rank DCP"
     src = root / "dcp"
     what += f", {_chunks(src)} chunks"
+    # As an installed package has it (pip compiles on install): without, a PYTHONDONTWRITEBYTECODE environment
+    # makes every run compile ckptkit's modules again, a tenth of a second or more of each row.
+    compileall.compile_dir(Path(ckptkit_package.__file__).parent, quiet=1)
     ckptkit = [sys.executable, "-m", "ckptkit"]
     extra = [["--workers", w] for w in workers.split(",")] if workers else [[]]
 
