@@ -1,13 +1,29 @@
-"""``bin/bench``: ckptkit against ``cp`` and against the path users take today, on one synthetic checkpoint.
+"""``bin/bench``: ckptkit against ``cp`` and against the path users take today, on synthetic checkpoints.
 
-A LLaMA-shaped bf16 state dict of about ``--size`` bytes (random bits; the shapes are what matter) is
-written as a 4-rank DCP checkpoint, FSDP2-style ``Shard(0)``. Each contender then runs as its own process,
-``--repeat`` times on a warm page cache; the table shows median wall time and the peak RSS of that
-process (``os.wait4``; every row includes a ~9 MB floor, see ``_RUNNER``), and ratios against ``cp`` and the torch path.
+Shapes (``--shape``), each a bf16 checkpoint of random bits (the shapes are what matter), saved as 4-rank DCP:
+
+- ``dense``: LLaMA-shaped (dim 2048, ffn 5632, vocab 32000), as many layers as fit in ``--size``, FSDP2-style
+  ``Shard(0)`` chunks, laid out by ckptkit's own DCP writer.
+- ``moe``: ``--layers`` layers of 64 experts (dim 1024, expert ffn 96, vocab 16000) with AdamW state (exp_avg,
+  exp_avg_sq, and a float32 scalar step per parameter), ``Shard(0)`` chunks: tens of thousands of chunks.
+- ``tp``: the dense shapes on a 2 x 2 (dp x tp) mesh, saved by torch's own ``dcp.save`` from DTensors placed as
+  tensor parallelism places them (``Shard(1)`` for the row-parallel o_proj/down_proj, ``Shard(0)`` for the rest,
+  norms replicated over tp).
+
+Each contender then runs as its own process, ``--repeat`` times on a warm page cache; the table shows median
+wall time and the peak RSS of that process (``os.wait4``; every row includes a ~9 MB floor, see ``_RUNNER``),
+and each row's ratio against the ``cp -r`` of its own input, measured in the same run. ``--world-size N`` is
+the reshard target; at N >= 8 the bench also exports from the N-rank output and checks that the export equals
+the one from 4 ranks byte for byte. The ``tp`` export is checked against torch's ``dcp_to_torch_save``.
+
+``--chunks N`` instead times ckptkit's per-chunk costs in this process: reading a DCP of about N chunks
+(``.metadata`` and every chunk's archive header), and planning plus executing an export and a reshard of it.
 """
 
 from __future__ import annotations
 
+import compileall
+import filecmp
 import os
 import shutil
 import statistics
@@ -15,10 +31,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
+import ckptkit as ckptkit_package
 from ckptkit.core.dtypes import by_name
 from ckptkit.core.manifest import Chunk, Format, Manifest, Span, TensorEntry
 from ckptkit.formats import io_for
@@ -37,9 +55,10 @@ dcp_to_torch_save(src, tmp)
 save_file(torch.load(tmp, weights_only=True), out)
 """
 
+Shapes = list[tuple[str, tuple[int, ...]]]
 
-def llama_shapes(target: int, dim: int = 2048, ffn: int = 5632,
-                 vocab: int = 32000) -> list[tuple[str, tuple[int, ...]]]:
+
+def llama_shapes(target: int, dim: int = 2048, ffn: int = 5632, vocab: int = 32000) -> Shapes:
     """Parameter names and shapes of a LLaMA with as many layers as fit in ``target`` bf16 bytes."""
     per_layer = 2 * (4 * dim * dim + 3 * dim * ffn + 2 * dim)
     layers = max(1, (target - 2 * 2 * vocab * dim) // per_layer)
@@ -53,26 +72,28 @@ def llama_shapes(target: int, dim: int = 2048, ffn: int = 5632,
     return shapes + [("model.norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))]
 
 
-def make_checkpoint(root: Path, size: int, world_size: int = 4) -> int:
-    """Write the synthetic checkpoint as DCP under ``root / 'dcp'``; return its tensor bytes."""
-    bf16 = by_name("bfloat16")
-    shapes = llama_shapes(size)
-    total = sum(2 * _numel(s) for _, s in shapes)
-    raw = root / "random.bin"
-    block = os.urandom(64 << 20)
-    with open(raw, "wb") as f:
-        for start in range(0, total, len(block)):
-            f.write(block[: min(len(block), total - start)])
-    tensors, pos = [], 0
-    for key, shape in shapes:
-        n = 2 * _numel(shape)
-        chunk = Chunk((0,) * len(shape), shape, Span(str(raw), pos, n))
-        tensors.append(TensorEntry(key, (key,), bf16, shape, (chunk,)))
-        pos += n
-    manifest = Manifest(Format.FULL, str(raw), tuple(tensors))
-    execute(io_for(Format.SHARDED).plan(manifest, DcpOptions(world_size=world_size)), root / "dcp", fsync=False)
-    raw.unlink()
-    return total
+def moe_shapes(layers: int, experts: int = 64, dim: int = 1024, ffn: int = 96, vocab: int = 16000) -> Shapes:
+    """Parameter names and shapes of a mixture-of-experts model (each expert its own three matrices)."""
+    shapes = [("model.embed_tokens.weight", (vocab, dim))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [(p + f"self_attn.{n}_proj.weight", (dim, dim)) for n in "qkvo"]
+        shapes += [(p + "mlp.gate.weight", (experts, dim))]
+        for e in range(experts):
+            q = f"{p}mlp.experts.{e}."
+            shapes += [(q + "gate_proj.weight", (ffn, dim)), (q + "up_proj.weight", (ffn, dim)),
+                       (q + "down_proj.weight", (dim, ffn))]
+        shapes += [(p + "input_layernorm.weight", (dim,)), (p + "post_attention_layernorm.weight", (dim,))]
+    return shapes + [("model.norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))]
+
+
+def with_adamw(shapes: Shapes) -> list[tuple[str, tuple[int, ...], str]]:
+    """A training state's tensors: the model under ``model.``, and AdamW's per-parameter state."""
+    out = [(f"model.{k}", s, "bfloat16") for k, s in shapes]
+    for k, s in shapes:
+        out += [(f"optim.state.{k}.exp_avg", s, "bfloat16"), (f"optim.state.{k}.exp_avg_sq", s, "bfloat16"),
+                (f"optim.state.{k}.step", (), "float32")]
+    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -80,6 +101,61 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def write_dcp(root: Path, tensors: list[tuple[str, tuple[int, ...], str]], world_size: int = 4) -> int:
+    """``tensors`` (key, shape, dtype) of random bits as a ``world_size``-rank DCP under ``root / 'dcp'``, laid
+    out by ckptkit's writer; returns the tensor bytes."""
+    sizes = [by_name(d).itemsize * _numel(s) for _, s, d in tensors]
+    total = sum(sizes)
+    raw = root / "random.bin"
+    block = os.urandom(64 << 20)
+    with open(raw, "wb") as f:
+        for start in range(0, total, len(block)):
+            f.write(block[: min(len(block), total - start)])
+    entries, pos = [], 0
+    for (key, shape, dtype), n in zip(tensors, sizes, strict=True):
+        chunk = Chunk((0,) * len(shape), shape, Span(str(raw), pos, n))
+        entries.append(TensorEntry(key, tuple(key.split(".")) if key.startswith("optim.") else (key,), by_name(dtype),
+                                   shape, (chunk,)))
+        pos += n
+    manifest = Manifest(Format.FULL, str(raw), tuple(entries))
+    execute(io_for(Format.SHARDED).plan(manifest, DcpOptions(world_size=world_size)), root / "dcp", fsync=False)
+    raw.unlink()
+    return total
+
+
+def _tp_rank(rank: int, world: int, root: str, shapes: Shapes) -> None:
+    """One rank of a 2 x 2 (dp x tp) mesh saving its DTensors with torch's DCP."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    gen = torch.Generator().manual_seed(rank)
+    state = {}
+    for key, shape in shapes:
+        if len(shape) == 1:
+            placements = (Shard(0), Replicate())
+        elif key.endswith(("o_proj.weight", "down_proj.weight")):
+            placements = (Shard(0), Shard(1))
+        else:
+            placements = (Shard(0), Shard(0))
+        local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+        local = torch.randint(-(2**15), 2**15, local_shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
+        state[key] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                        stride=torch.empty(shape, device="meta").stride())
+    dcp.save(state, checkpoint_id=root)
+
+
+def write_tp(root: Path, size: int) -> int:
+    from ckptkit.harness.launch import run_ranks
+
+    shapes = llama_shapes(size)
+    run_ranks(_tp_rank, 4, str(root / "dcp"), shapes, timeout=600, deadline=1800)
+    return sum(2 * _numel(s) for _, s in shapes)
 
 
 # Runs one command and prints "wall_seconds peak_rss_bytes". A process inherits, as its RSS high-water mark,
@@ -106,6 +182,237 @@ def _run(cmd: list[str], log: Path) -> tuple[float, float]:
     return float(wall), float(rss)
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+class Row:
+    """A contender: a command writing to ``out``, timed against the ``cp -r`` of ``source``."""
+
+    def __init__(self, name: str, cmd: Callable[[Path], list[str]], source: Path, keep: Path | None = None) -> None:
+        self.name, self.cmd, self.source, self.keep = name, cmd, source, keep
+        self.runs: list[tuple[float, float]] = []
+
+
+def _time_rows(rows: list[Row], repeat: int, root: Path) -> None:
+    """Run every row ``repeat`` times, interleaved (one round runs each row once), so that a change of load
+    during the run touches every row alike."""
+    for _ in range(repeat):
+        for row in rows:
+            out = root / "out"
+            row.runs.append(_run(row.cmd(out), root / "stderr.log"))
+            if row.keep is not None and not row.keep.exists():
+                out.rename(row.keep)
+            _remove(out)
+            (root / "tmp.pt").unlink(missing_ok=True)
+
+
+def _cp(source: Path) -> Row:
+    return Row(f"cp -r {source.name}", lambda out: ["cp", "-r", str(source), str(out)], source)
+
+
+def _chunks(path: Path) -> int:
+    from ckptkit.formats.dcp import DcpIO
+
+    return sum(len(t.chunks) for t in DcpIO().read(path).tensors)
+
+
+@click.command()
+@click.option("--shape", type=click.Choice(["dense", "moe", "tp"]), default="dense", show_default=True,
+              help="Which checkpoint (see the module docstring).")
+@click.option("--size", default="2GB", show_default=True, help="Approximate size of the dense and tp checkpoints.")
+@click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1), help="moe: layers.")
+@click.option("--world-size", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Ranks reshard writes; at 8 or more the export from that output is timed and checked too.")
+@click.option("--workers", default=None, help="Also time ckptkit with these --workers values, e.g. 1,2.")
+@click.option("--repeat", default=3, show_default=True, type=click.IntRange(min=1), help="Runs per contender (median).")
+@click.option("--skip-torch", is_flag=True, help="Leave out the torch path (it needs ~1.1x the size in RAM).")
+@click.option("--fsync", "with_fsync", is_flag=True, help="Also time export-hf --fsync.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where to write (default: a temp dir).")
+@click.option("--chunks", type=click.IntRange(min=1000), default=None,
+              help="Instead: per-chunk costs of reading, planning and executing a DCP of about this many chunks.")
+@click.option("--metadata-tensors", type=click.IntRange(min=1), default=None,
+              help="Instead: time reading the .metadata of a DCP with this many tensors x 4 ranks, and its guard.")
+@click.option("--storage", type=click.Choice(["local", "s3"]), default="local", show_default=True,
+              help="s3: instead, throughput of the dense checkpoint from and to S3 (moto's server on loopback) "
+                   "against local.")
+def main(shape: str, size: str, layers: int, world_size: int, workers: str | None, repeat: int, skip_torch: bool,
+         with_fsync: bool, workdir: Path | None, chunks: int | None, metadata_tensors: int | None,
+         storage: str) -> None:
+    root = Path(tempfile.mkdtemp(prefix="ckptkit-bench-", dir=workdir))
+    try:
+        if metadata_tensors:
+            bench_metadata(metadata_tensors, repeat, root)
+        elif chunks:
+            bench_chunks(chunks, repeat, root)
+        elif storage == "s3":
+            total = write_dcp(root, [(k, s, "bfloat16") for k, s in llama_shapes(parse_size(size, "--size"))])
+            bench_storage(root / "dcp", total, repeat, root)
+        else:
+            bench_commands(shape, parse_size(size, "--size"), layers, world_size, workers, repeat, skip_torch,
+                           with_fsync, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def bench_commands(shape: str, size: int, layers: int, world_size: int, workers: str | None, repeat: int,
+                   skip_torch: bool, with_fsync: bool, root: Path) -> None:
+    if shape == "tp":
+        total = write_tp(root, size)
+        what = f"{total / 1e9:.2f} GB bf16, LLaMA-shaped, 2 x 2 (dp x tp) DCP saved by torch"
+    elif shape == "moe":
+        tensors = with_adamw(moe_shapes(layers))
+        total = write_dcp(root, tensors)
+        what = (f"{total / 1e9:.2f} GB, {layers}-layer 64-expert MoE with AdamW state, {len(tensors)} tensors, "
+                "4-rank DCP")
+    else:
+        total = write_dcp(root, [(k, s, "bfloat16") for k, s in llama_shapes(size)])
+        what = f"{total / 1e9:.2f} GB bf16, LLaMA-shaped, 4-rank DCP"
+    src = root / "dcp"
+    what += f", {_chunks(src)} chunks"
+    # As an installed package has it (pip compiles on install): without, a PYTHONDONTWRITEBYTECODE environment
+    # makes every run compile ckptkit's modules again, a tenth of a second or more of each row.
+    compileall.compile_dir(Path(ckptkit_package.__file__).parent, quiet=1)
+    ckptkit = [sys.executable, "-m", "ckptkit"]
+    extra = [["--workers", w] for w in workers.split(",")] if workers else [[]]
+
+    def label(name: str, args: list[str]) -> str:
+        return f"{name} {' '.join(args)}".rstrip()
+
+    rows = [_cp(src)]
+    hf4 = root / "hf-from-4"
+    for args in extra:
+        rows.append(Row(label("ckptkit export-hf", args),
+                        lambda out, a=args: [*ckptkit, "export-hf", str(src), str(out), "-q", *a], src,
+                        keep=hf4 if args == extra[0] else None))
+        rows.append(Row(label(f"ckptkit reshard -> {world_size}", args), lambda out, a=args: [
+            *ckptkit, "reshard", str(src), str(out), "--world-size", str(world_size), "-q", *a], src,
+            keep=root / "resharded" if args == extra[0] else None))
+    if with_fsync:
+        rows.append(Row("ckptkit export-hf --fsync", lambda out: [*ckptkit, "export-hf", str(src), str(out), "-q",
+                                                                   "--fsync"], src))
+    if not skip_torch:
+        rows.append(Row("torch dcp_to_torch_save + save_file", lambda out: [
+            sys.executable, "-c", _TORCH_PATH, str(src), str(root / "tmp.pt"), str(out)], src))
+    _warm(src)
+    _time_rows(rows, repeat, root)
+    results = list(rows)
+    checks = []
+    if world_size >= 8:
+        many = root / "resharded"
+        more = [_cp(many)]
+        hf_many = root / "hf-from-many"
+        for args in extra:
+            more.append(Row(label(f"ckptkit export-hf from {world_size} ranks", args),
+                            lambda out, a=args: [*ckptkit, "export-hf", str(many), str(out), "-q", *a], many,
+                            keep=hf_many if args == extra[0] else None))
+        _warm(many)
+        _time_rows(more, repeat, root)
+        results += more
+        same = _same_tree(hf4, hf_many)
+        checks.append(f"export from {world_size} ranks equals the export from 4 ranks byte for byte: {same}")
+    if shape == "tp":
+        checks.append(f"export-hf equals torch's dcp_to_torch_save, tensor by tensor: {_same_as_torch(src, hf4, root)}")
+    _table(results, total, repeat, what)
+    for line in checks:
+        click.echo(line)
+
+
+def _warm(path: Path) -> None:
+    subprocess.run(["cat", *map(str, path.iterdir())], stdout=subprocess.DEVNULL, check=True)
+
+
+def _same_tree(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return names == sorted(p.name for p in b.iterdir()) and all(
+        filecmp.cmp(a / n, b / n, shallow=False) for n in names)
+
+
+def _same_as_torch(src: Path, hf: Path, root: Path) -> bool:
+    """Whether the safetensors export holds, bit for bit, what torch's ``dcp_to_torch_save`` gathers."""
+    import torch
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ref = root / "torch.pt"
+    dcp_to_torch_save(src, ref)
+    want = torch.load(ref, mmap=True, weights_only=True)
+    got: dict[str, torch.Tensor] = {}
+    for f in sorted(hf.glob("*.safetensors")):
+        with safe_open(f, "pt") as s:
+            got.update({k: s.get_tensor(k) for k in s.keys()})  # noqa: SIM118 (safe_open is no dict)
+    same = set(want) == set(got) and all(
+        want[k].dtype == got[k].dtype and want[k].shape == got[k].shape
+        and torch.equal(want[k].view(torch.int16), got[k].view(torch.int16)) for k in want)
+    ref.unlink()
+    return same
+
+
+def _table(rows: list[Row], total: int, repeat: int, what: str) -> None:
+    click.echo(f"checkpoint: {what}; median of {repeat} runs, warm cache; x cp: against the cp -r of the same input")
+    click.echo(f"{'what':<44} {'wall s':>7} {'GB/s':>6} {'peak RSS MB':>12} {'x cp':>6}")
+    cp: dict[Path, float] = {}
+    for row in rows:
+        wall = statistics.median(w for w, _ in row.runs)
+        rss = max(r for _, r in row.runs)
+        cp.setdefault(row.source, wall)
+        click.echo(f"{row.name:<44} {wall:7.2f} {total / wall / 1e9:6.2f} {rss / 2**20:12.0f} "
+                   f"{wall / cp[row.source]:6.2f}")
+
+
+# ------------------------------------------------------------------------------------------ per-chunk costs
+
+
+def bench_chunks(chunks: int, repeat: int, root: Path) -> None:
+    """Read, plan and execute a DCP of about ``chunks`` chunks of 16 bytes each, timed in this process."""
+    from ckptkit.formats.dcp import DcpIO
+    from ckptkit.formats.hf import HfIO, HfOptions
+    from ckptkit.io.execute import write_files
+
+    ranks = 64
+    tensors = [(f"model.layers.{i // 9}.{_PARTS[i % 9]}.weight", (ranks, 8), "bfloat16")
+               for i in range(max(1, chunks // ranks))]
+    write_dcp(root, tensors, world_size=ranks)
+    src = root / "dcp"
+    n = len(tensors) * ranks
+    reads, plans, runs = [], {"export-hf": [], "reshard": []}, {"export-hf": [], "reshard": []}
+    for _ in range(repeat):
+        t = time.perf_counter()
+        manifest = DcpIO().read(src)
+        reads.append(time.perf_counter() - t)
+        assert sum(len(e.chunks) for e in manifest.tensors) == n
+        for name, fmt, options in (("export-hf", HfIO(), HfOptions()),
+                                   ("reshard", DcpIO(), DcpOptions(world_size=ranks))):
+            t = time.perf_counter()
+            plan = fmt.plan(manifest, options)
+            plans[name].append(time.perf_counter() - t)
+            out = root / "out"
+            out.mkdir()
+            t = time.perf_counter()
+            write_files(plan.files, out)
+            runs[name].append(time.perf_counter() - t)
+            shutil.rmtree(out)
+    meta_mb = (src / ".metadata").stat().st_size / 1e6
+    click.echo(f"DCP of {len(tensors)} tensors x {ranks} ranks = {n} chunks of 16 bytes (.metadata {meta_mb:.1f} MB); "
+               f"median of {repeat} runs, in-process")
+    click.echo(f"{'step':<46} {'s':>8} {'us/chunk':>9} {'s per 1M chunks':>16}")
+
+    def line(name: str, times: list[float]) -> None:
+        m = statistics.median(times)
+        click.echo(f"{name:<46} {m:8.2f} {m * 1e6 / n:9.2f} {m * 1e6 / n:16.1f}")
+
+    line("read (.metadata + every chunk's archive)", reads)
+    for name in plans:
+        line(f"{name}: plan", plans[name])
+        line(f"{name}: execute", runs[name])
+        line(f"{name}: read + plan + execute",
+             [r + p + e for r, p, e in zip(reads, plans[name], runs[name], strict=True)])
+
+
 _PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
           "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
 
@@ -120,15 +427,8 @@ def bench_metadata(tensors: int, repeat: int, root: Path) -> None:
     from ckptkit.codecs.pickle_read import SafeUnpickler, check_opcodes
     from ckptkit.formats.dcp import METADATA_GLOBALS
 
-    bf16, shape = by_name("bfloat16"), (8, 4)
-    raw = root / "random.bin"
-    raw.write_bytes(os.urandom(64 * tensors))
-    entries = []
-    for i in range(tensors):
-        key = f"model.layers.{i // len(_PARTS)}.{_PARTS[i % len(_PARTS)]}.weight"
-        entries.append(TensorEntry(key, (key,), bf16, shape, (Chunk((0, 0), shape, Span(str(raw), 64 * i, 64)),)))
-    manifest = Manifest(Format.FULL, str(raw), tuple(entries))
-    execute(io_for(Format.SHARDED).plan(manifest, DcpOptions(world_size=4)), root / "dcp", fsync=False)
+    write_dcp(root, [(f"model.layers.{i // len(_PARTS)}.{_PARTS[i % len(_PARTS)]}.weight", (8, 4), "bfloat16")
+                     for i in range(tensors)])
     data = (root / "dcp" / ".metadata").read_bytes()
     chunks = 4 * tensors
     walk, load = [], []
@@ -177,7 +477,7 @@ def bench_storage(src: Path, total: int, repeat: int, root: Path) -> None:
         fs.mkdir("bench")
         fs.put(str(src), "bench/dcp", recursive=True)
         remote, out_url, out = "s3://bench/dcp", "s3://bench/out", root / "out"
-        ckptkit = [sys.executable, "-m", "ckptkit.cli"]
+        ckptkit = [sys.executable, "-m", "ckptkit"]
         copy = [sys.executable, "-c", _S3FS_COPY]
         contenders = {  # name: (command, the same command on local paths or None, s3fs's row to compare with)
             "local: ckptkit export-hf": ([*ckptkit, "export-hf", str(src), str(out), "-q"], None, None),
@@ -211,64 +511,6 @@ def bench_storage(src: Path, total: int, repeat: int, root: Path) -> None:
                        f"{vs_local:>8} {vs_s3fs:>7}")
     finally:
         server.stop()
-
-
-@click.command()
-@click.option("--size", default="2GB", show_default=True, help="Approximate checkpoint size.")
-@click.option("--repeat", default=3, show_default=True, type=click.IntRange(min=1), help="Runs per contender (median).")
-@click.option("--skip-torch", is_flag=True, help="Leave out the torch path (it needs ~1.1x the size in RAM).")
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
-              help="Where to write (default: a temp dir).")
-@click.option("--metadata-tensors", type=click.IntRange(min=1), default=None,
-              help="Instead: time reading the .metadata of a DCP with this many tensors x 4 ranks, and its guard.")
-@click.option("--storage", type=click.Choice(["local", "s3"]), default="local", show_default=True,
-              help="s3: instead, throughput from and to S3 (moto's server on loopback) against local.")
-def main(size: str, repeat: int, skip_torch: bool, workdir: Path | None, metadata_tensors: int | None,
-         storage: str) -> None:
-    root = Path(tempfile.mkdtemp(prefix="ckptkit-bench-", dir=workdir))
-    try:
-        if metadata_tensors:
-            bench_metadata(metadata_tensors, repeat, root)
-            return
-        total = make_checkpoint(root, parse_size(size, "--size"))
-        src = root / "dcp"
-        if storage == "s3":
-            bench_storage(src, total, repeat, root)
-            return
-        ckptkit = [sys.executable, "-m", "ckptkit.cli"]
-        contenders = {
-            "cp -r (same bytes)": lambda out: ["cp", "-r", str(src), str(out)],
-            "ckptkit export-hf": lambda out: [*ckptkit, "export-hf", str(src), str(out), "-q"],
-            "ckptkit reshard -> 3": lambda out: [*ckptkit, "reshard", str(src), str(out), "--world-size", "3", "-q"],
-            "ckptkit export-hf --fsync": lambda out: [*ckptkit, "export-hf", str(src), str(out), "-q", "--fsync"],
-        }
-        if not skip_torch:
-            contenders["torch dcp_to_torch_save + save_file"] = lambda out: [
-                sys.executable, "-c", _TORCH_PATH, str(src), str(root / "tmp.pt"), str(out)]
-        subprocess.run(["cat", *map(str, src.iterdir())], stdout=subprocess.DEVNULL, check=True)  # warm the cache
-        results = {}
-        for name, cmd in contenders.items():
-            runs = []
-            for _ in range(repeat):
-                out = root / "out"
-                runs.append(_run(cmd(out), root / "stderr.log"))
-                shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink(missing_ok=True)
-                (root / "tmp.pt").unlink(missing_ok=True)
-            results[name] = (statistics.median(w for w, _ in runs), max(r for _, r in runs))
-        _table(results, total, repeat)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _table(results: dict[str, tuple[float, float]], total: int, repeat: int) -> None:
-    cp = results["cp -r (same bytes)"][0]
-    torch_path = results.get("torch dcp_to_torch_save + save_file", (None,))[0]
-    click.echo(f"checkpoint: {total / 1e9:.2f} GB bf16, LLaMA-shaped, 4-rank DCP; median of {repeat} runs, warm cache")
-    click.echo(f"{'what':<38} {'wall s':>7} {'GB/s':>6} {'peak RSS MB':>12} {'x cp':>6} {'x torch':>8}")
-    for name, (wall, rss) in results.items():
-        vs_torch = f"{wall / torch_path:.2f}" if torch_path else "-"
-        click.echo(f"{name:<38} {wall:7.2f} {total / wall / 1e9:6.2f} {rss / 2**20:12.0f} {wall / cp:6.2f} "
-                   f"{vs_torch:>8}")
 
 
 if __name__ == "__main__":

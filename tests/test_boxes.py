@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 
 import pytest
 import torch
 
-from ckptkit.core.boxes import extent, range_boxes, row_major, shard0_boxes
+from ckptkit.core.boxes import extent, overlapping, range_boxes, row_major, shard0_boxes
 
 
 @pytest.mark.parametrize("shape, start, stop, boxes", [
@@ -77,3 +79,25 @@ def test_shard0_boxes_are_torch_chunk_rows(shape, n):
     chunks = torch.chunk(torch.empty(shape), n)  # FSDP2's Shard(0): the last ranks may hold fewer rows, or none
     starts = [sum(c.shape[0] for c in chunks[:r]) for r in range(len(chunks))]
     assert boxes == [(r, ((starts[r], *[0] * (len(shape) - 1)), tuple(c.shape))) for r, c in enumerate(chunks)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_overlapping_finds_the_pairs_that_share_an_element(seed):
+    # Against torch: mark each box in a count tensor; two boxes overlap where both marked one element.
+    rng = random.Random(seed)
+    shape = (rng.randint(1, 9), rng.randint(1, 4))
+    columns = [(0, shape[1])] if seed % 2 else [(0, 2), (1, shape[1] - 1), (2, 1)]  # Shard(0), or a 2-D grid
+    boxes = []
+    for _ in range(rng.randint(1, 8)):
+        lo, hi = sorted(rng.sample(range(shape[0] + 1), 2))
+        c_lo, c_size = rng.choice(columns)
+        box = ((lo, c_lo), (hi - lo, min(c_size, shape[1] - c_lo)))
+        if math.prod(box[1]) > 0:  # the function's contract: non-empty boxes
+            boxes.append(box)
+    masks = []
+    for (o, s) in boxes:
+        m = torch.zeros(shape, dtype=torch.bool)
+        m[o[0]:o[0] + s[0], o[1]:o[1] + s[1]] = True
+        masks.append(m)
+    want = [(i, j) for i, j in itertools.combinations(range(len(boxes)), 2) if (masks[i] & masks[j]).any()]
+    assert overlapping(boxes) == want

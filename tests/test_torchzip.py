@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _checks import assert_same_tree, load_full, make_zoo, random_bits, record_start
-from ckptkit.codecs.torchzip_read import is_archive, read_archive
+from ckptkit.codecs.torchzip_read import ArchiveCache, is_archive, read_archive
 from ckptkit.codecs.torchzip_write import PartsTensor, _central, archive_parts
 from ckptkit.core.dtypes import DTYPES, by_name
 from ckptkit.core.manifest import Chunk, Span, TensorEntry, TensorRef, map_tensor_refs
@@ -112,6 +112,36 @@ def test_read_archive_inside_a_larger_file(tmp_path):
     assert is_archive(str(tmp_path / "f"), len(head)) and not is_archive(str(tmp_path / "f"))
     got = read_as_torch(tmp_path / "f", start=len(head), length=len(archive))
     assert_same_tree(got, {"w": torch.arange(5)})
+
+
+def test_archive_cache_takes_only_archives_framed_as_one_it_checked(tmp_path):
+    # DCP chunks as ckptkit's writer lays them out: archives of one shape, back to back in a .distcp file.
+    archives = []
+    for seed in range(3):
+        t = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed))
+        archives.append(bytearray(write_archive(tmp_path, as_regions(read_as_torch_tree(tmp_path, t))).read_bytes()))
+    pkl = archives[2].find(b"data.pkl") + 40  # inside data.pkl's record: a changed pickle byte
+    archives[2][pkl] ^= 0xFF
+    path = tmp_path / "f.distcp"
+    path.write_bytes(b"".join(archives))
+    n, cache = len(archives[0]), ArchiveCache()
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        assert cache.lookup(fd, str(path), 0, n) is None  # nothing checked yet
+        assert cache.read(str(path), 0, n, fd=fd, where="chunk 0") == read_archive(str(path), 0, n, tree=False)
+        # Same framing, other tensor bytes: the cache gives what a full read gives, and torch agrees.
+        ref = cache.lookup(fd, str(path), n, n)
+        assert ref == read_archive(str(path), n, n, tree=False)
+        with Files() as files:
+            assert torch.equal(as_torch(ref, files), torch.randn(4, 3, generator=torch.Generator().manual_seed(1)))
+        # A changed byte outside the tensor data: the cache refuses it, so the full read and its checks run.
+        assert cache.lookup(fd, str(path), 2 * n, n) is None
+
+
+def read_as_torch_tree(tmp_path: Path, t: torch.Tensor):
+    """``t`` saved by torch and read back as :class:`TensorRef` (what :func:`as_regions` takes)."""
+    torch.save(t, tmp_path / "t.pt")
+    return read_archive(str(tmp_path / "t.pt"))
 
 
 def test_read_archive_refuses_compressed_records(tmp_path):

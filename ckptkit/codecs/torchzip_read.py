@@ -24,8 +24,8 @@ from ..errors import FormatError
 from ..io.sources import opened
 from .pickle_read import SafeUnpickler, check_tree, keep_call, strided_layout
 
-__all__ = ["ARCHIVE_MAGIC", "OBJECT_GLOBALS", "TENSOR", "WRAPPER_SUBCLASS", "Tag", "archive_edges", "is_archive",
-           "load_blob", "read_archive", "subclass_rebuild"]
+__all__ = ["ARCHIVE_MAGIC", "OBJECT_GLOBALS", "TENSOR", "WRAPPER_SUBCLASS", "ArchiveCache", "Tag", "archive_edges",
+           "is_archive", "load_blob", "read_archive", "subclass_rebuild"]
 
 
 class _Window(io.RawIOBase):
@@ -37,6 +37,8 @@ class _Window(io.RawIOBase):
 
     def __init__(self, pread: Callable[[int, int], bytes], start: int, length: int) -> None:
         self._pread, self._start, self._len, self._pos = pread, start, length, 0
+        self.reads: list[tuple[int, int]] = []
+        """Every byte range the parser asked for, so that :class:`ArchiveCache` knows what its checks saw."""
         self._head = pread(min(length, self._EDGE), start)
         tail_at = max(0, length - self._EDGE)
         self._tail_at, self._tail = tail_at, pread(length - tail_at, start + tail_at)
@@ -54,10 +56,14 @@ class _Window(io.RawIOBase):
         self._pos = {0: 0, 1: self._pos, 2: self._len}[whence] + offset
         return self._pos
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int = -1, *, seen: bool = True) -> bytes:
+        """``n`` bytes from the position; ``seen=False`` leaves them out of :attr:`reads` (the caller notes the
+        part its result depends on)."""
         end = self._len if n is None or n < 0 else min(self._len, self._pos + n)
         if end <= self._pos:
             return b""
+        if seen:
+            self.reads.append((self._pos, end))
         if end <= len(self._head):
             data = self._head[self._pos:end]
         elif self._pos >= self._tail_at:
@@ -305,7 +311,7 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
     # window's tail first, which a remote read fetched already, and further back only if it is not there.
     for tail_len in (min(length, _Window._EDGE), min(length, _EOCD.size + 0xFFFF)):
         window.seek(length - tail_len)
-        tail = window.read(tail_len)
+        tail = window.read(tail_len, seen=False)
         at = tail.rfind(b"PK\x05\x06")
         if at >= 0 and at + _EOCD.size <= len(tail):
             break
@@ -313,6 +319,7 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
         raise bad("no end of central directory record; truncated?")
     _, disk, cd_disk, on_disk, count, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, at)
     eocd = length - tail_len + at
+    window.reads.append((eocd, length))  # the last signature: what lies before it cannot change where it is
     if eocd + _EOCD.size + comment != length:
         raise bad(f"{length - eocd - _EOCD.size - comment} bytes after the end of the central directory")
     end_of_cd = eocd
@@ -419,13 +426,23 @@ def read_archive(path: str, start: int = 0, length: int | None = None, *, where:
             pread, size = stack.enter_context(opened(path))
             length = size - start if length is None else length
         assert length is not None, "a caller passing pread passes the archive's length"
-        window = _Window(pread, start, length)
-        records = _records(window, path, where)
-        if "data.pkl" not in records:
-            raise FormatError(f"{where}: no data.pkl record; not a torch.save archive "
-                              "(legacy pre-1.6 files are not supported)")
-        window.seek(records["data.pkl"].offset - start)
-        data = window.read(records["data.pkl"].length)
+        value, data, _, _ = _parse(_Window(pread, start, length), path, where, extra_globals)
+    if tree:
+        check_tree(value, where, budget=len(data) + 1000, refuse=(_Storage, _StorageTag, Tag))
+    return value
+
+
+def _parse(window: _Window, path: str, where: str,
+           extra_globals: dict | None) -> tuple[Any, bytes, dict[str, Span], list[_Storage]]:
+    """The archive's value, its ``data.pkl``, its records, and the storages the pickle named."""
+    start = window._start
+    records = _records(window, path, where)
+    if "data.pkl" not in records:
+        raise FormatError(f"{where}: no data.pkl record; not a torch.save archive "
+                          "(legacy pre-1.6 files are not supported)")
+    window.seek(records["data.pkl"].offset - start)
+    data = window.read(records["data.pkl"].length)
+    storages: list[_Storage] = []
 
     def persistent_load(pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -441,13 +458,75 @@ def read_archive(path: str, start: int = 0, length: int | None = None, *, where:
             # torch refuses such a record ("record size ... does not match expected size"), mmap or not aside.
             raise FormatError(f"{where}: record data/{key} holds {span.length} bytes, but data.pkl says its "
                               f"storage has {numel!r:.40} elements of {itemsize} bytes")
-        return _Storage(span, tag.dtype, f"data/{key}")
+        storages.append(_Storage(span, tag.dtype, f"data/{key}"))
+        return storages[-1]
 
     allowed = {**OBJECT_GLOBALS, **(extra_globals or {})}
     value = SafeUnpickler(data, allowed, where=where, persistent_load=persistent_load).load_checked()
-    if tree:
-        check_tree(value, where, budget=len(data) + 1000, refuse=(_Storage, _StorageTag, Tag))
-    return value
+    return value, data, records, storages
+
+
+class _Framing:
+    """The bytes of a checked tensor archive outside its tensor data, and the tensor it holds (offsets relative
+    to the archive)."""
+
+    __slots__ = ("head", "tail", "dtype", "shape", "strides", "offset", "nbytes")
+
+    def __init__(self, head: bytes, tail: bytes, ref: TensorRef, start: int) -> None:
+        self.head, self.tail = head, tail
+        self.dtype, self.shape, self.strides = ref.dtype, ref.shape, ref.strides
+        self.offset, self.nbytes = ref.span.offset - start, ref.span.length
+
+
+class ArchiveCache:
+    """The one-tensor archives of a DCP checkpoint (one per chunk), each checked in full once per framing.
+
+    ``torch.save`` writes the same bytes around the tensor data of every chunk of one dtype and shape: local
+    headers, ``data.pkl``, the small records, the central directory, all with offsets relative to the archive.
+    :meth:`read` parses and checks an archive as :func:`read_archive` does, and remembers its bytes outside
+    the tensor data when the checks read none of the data. :meth:`lookup` then takes any archive of the same
+    length whose bytes outside the data are those same bytes: the checks, a function of exactly those bytes,
+    would find the same tensor at the same place. It costs a read of the head and the tail and a compare,
+    instead of a zip and pickle parse (a 1M-chunk checkpoint has 1M archives).
+    """
+
+    _KEEP = 8  # framings remembered per archive length; a checkpoint has a handful (one per dtype and shape)
+    _WHOLE = 16384  # archives up to this size are read in one piece
+
+    def __init__(self) -> None:
+        self._by_length: dict[int, tuple[int, int, list[_Framing]]] = {}  # (longest head, longest tail, framings)
+
+    def lookup(self, pread: Callable[[int, int], bytes], path: str, start: int, length: int) -> TensorRef | None:
+        """The tensor of the archive at ``start`` if its framing is one already checked, else None."""
+        known = self._by_length.get(length)
+        if known is None:
+            return None
+        head_len, tail_len, framings = known
+        if length <= self._WHOLE:
+            whole = pread(length, start)
+            head, tail = whole[:head_len], whole[length - tail_len:]
+        else:
+            head, tail = pread(head_len, start), pread(tail_len, start + length - tail_len)
+        if len(tail) == tail_len:  # else the file ends early; the full read says so
+            for f in framings:
+                if head.startswith(f.head) and tail.endswith(f.tail):
+                    return TensorRef(f.dtype, f.shape, Span(path, start + f.offset, f.nbytes), f.strides)
+        return None
+
+    def read(self, path: str, start: int, length: int, *, pread: Callable[[int, int], bytes], where: str) -> Any:
+        """:func:`read_archive` of the archive at ``start`` (``tree=False``), remembering its framing."""
+        window = _Window(pread, start, length)
+        value, _, _, storages = _parse(window, path, where or path, None)
+        _, _, framings = self._by_length.get(length, (0, 0, []))
+        if isinstance(value, TensorRef) and len(storages) == 1 and len(framings) < self._KEEP:
+            lo, hi = storages[0].span.offset - start, storages[0].span.offset - start + storages[0].span.length
+            if 0 <= lo <= hi <= length and all(end <= lo or begin >= hi for begin, end in window.reads):
+                head, tail = pread(lo, start), pread(length - hi, start + hi)
+                if len(head) == lo and len(tail) == length - hi:
+                    framings.append(_Framing(head, tail, value, start))
+                    self._by_length[length] = (max(len(f.head) for f in framings),
+                                               max(len(f.tail) for f in framings), framings)
+        return value
 
 
 def load_blob(span: Span, *, where: str) -> Any:

@@ -13,6 +13,7 @@ typed storage class (``torch.FloatStorage``, counted in elements) for the dtypes
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import zlib
@@ -21,6 +22,7 @@ from typing import Any
 
 from ..core.boxes import row_major
 from ..core.dtypes import DType
+from ..core.manifest import TensorEntry
 from ..core.plan import Bytes, Part, Region
 from .pickle_read import Call, Record, ref
 from .pickle_write import dumps
@@ -123,6 +125,23 @@ def _central(entries: list[tuple[bytes, int, int, int]], cd_offset: int) -> byte
 def archive_parts(tree: Any, *, name: str = "archive") -> tuple[Part, ...]:
     """The parts of a ``torch.save`` archive of ``tree``, whose :class:`Region` and :class:`PartsTensor`
     leaves become tensors (also inside :class:`Call` and :class:`Record` nodes)."""
+    if isinstance(tree, Region):  # a DCP chunk: one of thousands that share a few framings
+        head, tail = _framing(tree.dtype, tree.sizes, name)
+        return head, tree, tail
+    return _archive_parts(tree, name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _framing(dtype: DType, sizes: tuple[int, ...], name: str) -> tuple[Bytes, Bytes]:
+    """The bytes before and after the tensor data in the archive of one tensor: a function of its dtype and
+    shape alone (records, offsets and the serialization id are relative to the archive)."""
+    entry = TensorEntry("", ("",), dtype, sizes, ())
+    head, _, tail = _archive_parts(Region(entry, (0,) * len(sizes), sizes), name)
+    assert isinstance(head, Bytes) and isinstance(tail, Bytes)
+    return head, tail
+
+
+def _archive_parts(tree: Any, name: str) -> tuple[Part, ...]:
     records: list[tuple[str, tuple[Part, ...]]] = []
     pkl = dumps(_tensorize(tree, records), protocol=2, persistent_id=_persistent_id)
     sizes = [(n, sum(p.nbytes for p in ps)) for n, ps in records]

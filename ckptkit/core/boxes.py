@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["extent", "range_boxes", "row_major", "shard0_boxes"]
+__all__ = ["extent", "overlapping", "range_boxes", "row_major", "shard0_boxes"]
 
 
 def row_major(sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -23,6 +23,43 @@ def extent(sizes: tuple[int, ...], strides: tuple[int, ...] | None) -> int:
     if strides is None:
         return math.prod(sizes)
     return 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _meet(a: Box, b: Box) -> bool:
+    return all(max(a_lo, b_lo) < min(a_lo + a_size, b_lo + b_size)
+               for a_lo, a_size, b_lo, b_size in zip(a[0], a[1], b[0], b[1], strict=True))
+
+
+def overlapping(boxes: list[Box]) -> list[tuple[int, int]]:
+    """Index pairs ``(i, j)``, ``i < j``, of the non-empty boxes that share an element, in order.
+
+    Boxes with the same extent past dim 0 (a ``Shard(0)`` split; one column of a 2-D grid) overlap only where
+    their dim-0 ranges do: a sweep along dim 0 finds those in ``n log n``. Only boxes of different extents
+    whose extents past dim 0 meet are compared pairwise.
+    """
+    if not boxes or not boxes[0][0]:
+        return [(i, j) for i in range(len(boxes)) for j in range(i + 1, len(boxes))]  # 0-d boxes all meet
+    columns: dict[Box, list[int]] = {}
+    for i, (offsets, sizes) in enumerate(boxes):
+        columns.setdefault((offsets[1:], sizes[1:]), []).append(i)
+    pairs = []
+    for members in columns.values():
+        active: list[tuple[int, int]] = []  # (end along dim 0, index) of boxes the sweep is inside
+        for i in sorted(members, key=lambda i: boxes[i][0][0]):
+            start = boxes[i][0][0]
+            active = [(end, j) for end, j in active if end > start]
+            pairs += [(min(i, j), max(i, j)) for _, j in active]
+            active.append((start + boxes[i][1][0], i))
+    keys = list(columns)
+    for a in range(len(keys)):
+        for b in range(a + 1, len(keys)):
+            if _meet(keys[a], keys[b]):
+                pairs += [(min(i, j), max(i, j)) for i in columns[keys[a]] for j in columns[keys[b]]
+                          if _meet(boxes[i], boxes[j])]
+    return sorted(pairs)
 
 
 def range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import IncompleteCheckpointError
-from .boxes import extent
+from .boxes import extent, overlapping
 from .dtypes import DType, by_name
 
 __all__ = ["Chunk", "Format", "FormName", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of",
@@ -93,29 +93,30 @@ class TensorEntry:
 
     def validate(self) -> None:
         """Chunks must lie inside the tensor and tile it exactly; identical replicas (HSDP) count once."""
-        problems, boxes = [], []
-        for c in self.chunks:
-            where = c.span.file
-            if len(c.offsets) != len(self.shape) or len(c.sizes) != len(self.shape):
-                problems.append(f"chunk in {where} has rank {len(c.sizes)}, tensor has rank {len(self.shape)}")
+        problems: list[str] = []
+        boxes: dict[tuple, None] = {}  # distinct non-empty boxes, in chunk order
+        shape, rank, itemsize = self.shape, len(self.shape), self.dtype.itemsize
+        for c in self.chunks:  # loops rather than generators: a tensor may have thousands of chunks
+            where, offsets, sizes = c.span.file, c.offsets, c.sizes
+            if len(offsets) != rank or len(sizes) != rank:
+                problems.append(f"chunk in {where} has rank {len(sizes)}, tensor has rank {rank}")
                 continue
-            if any(offset < 0 or offset + size > dim
-                   for offset, size, dim in zip(c.offsets, c.sizes, self.shape, strict=True)):
-                problems.append(f"chunk at {list(c.offsets)} size {list(c.sizes)} in {where} "
-                                f"exceeds shape {list(self.shape)}")
-                continue
-            need = extent(c.sizes, c.strides) * self.dtype.itemsize
-            if c.span.length < need:
-                problems.append(f"chunk at {list(c.offsets)} in {where} holds {c.span.length} bytes, needs {need}")
-            box = (c.offsets, c.sizes)
-            if c.numel and box not in boxes:
-                boxes.append(box)
-        for i, a in enumerate(boxes):
-            for b in boxes[i + 1:]:
-                if all(max(a_lo, b_lo) < min(a_lo + a_size, b_lo + b_size)
-                       for a_lo, a_size, b_lo, b_size in zip(a[0], a[1], b[0], b[1], strict=True)):
-                    problems.append(f"chunks at {list(a[0])} and {list(b[0])} overlap")
-        covered = sum(math.prod(s) for _, s in boxes)
+            for offset, size, dim in zip(offsets, sizes, shape, strict=True):
+                if offset < 0 or offset + size > dim:
+                    problems.append(f"chunk at {list(offsets)} size {list(sizes)} in {where} "
+                                    f"exceeds shape {list(shape)}")
+                    break
+            else:
+                numel = math.prod(sizes)
+                need = (numel if c.strides is None else extent(sizes, c.strides)) * itemsize
+                if c.span.length < need:
+                    problems.append(f"chunk at {list(offsets)} in {where} holds {c.span.length} bytes, needs {need}")
+                if numel:
+                    boxes[(offsets, sizes)] = None
+        distinct = list(boxes)
+        problems += [f"chunks at {list(distinct[i][0])} and {list(distinct[j][0])} overlap"
+                     for i, j in overlapping(distinct)]
+        covered = sum(math.prod(s) for _, s in distinct)
         if not problems and covered != self.numel:
             problems.append(f"chunks cover {covered} of {self.numel} elements (a rank file or chunk is missing)")
         if problems:

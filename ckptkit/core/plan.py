@@ -7,6 +7,7 @@ list of source byte ranges that produce its row-major bytes. The executor then m
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import itertools
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from ..errors import IncompleteCheckpointError
 from .boxes import row_major
 from .dtypes import DType
-from .manifest import Span, TensorEntry
+from .manifest import Chunk, Span, TensorEntry
 
 __all__ = ["Copy", "FilePlan", "Bytes", "Part", "Region", "WritePlan", "gather_copies", "plan_copies", "row_blocks",
            "row_runs", "split_files"]
@@ -90,6 +91,28 @@ class Copy:
     dst: int
 
 
+_INDEX_FROM = 16  # chunks; fewer are scanned
+_INDEX_LIMIT = 1 << 16  # indexed tensors remembered
+_index: dict[int, tuple[tuple[Chunk, ...], list[int], list[Chunk], int]] = {}
+
+
+def _candidates(chunks: tuple[Chunk, ...], offset: int, size: int) -> tuple[Chunk, ...] | list[Chunk]:
+    """The chunks that may meet rows ``[offset, offset + size)``, in their order in ``chunks`` where boxes
+    repeat. A reshard to N ranks plans N regions per tensor; scanning every chunk for each would cost
+    ranks x ranks per tensor, so chunks are kept sorted along dim 0 (one index per tensor, remembered by the
+    identity of its chunks) and found by bisection."""
+    if len(chunks) < _INDEX_FROM:
+        return chunks
+    known = _index.get(id(chunks))
+    if known is None or known[0] is not chunks:
+        if len(_index) >= _INDEX_LIMIT:
+            _index.clear()
+        order = sorted(chunks, key=lambda c: c.offsets[0])  # stable: replicas keep their order
+        known = _index[id(chunks)] = (chunks, [c.offsets[0] for c in order], order, max(c.sizes[0] for c in order))
+    _, starts, order, tallest = known
+    return order[bisect.bisect_left(starts, offset - tallest + 1):bisect.bisect_left(starts, offset + size)]
+
+
 def plan_copies(region: Region) -> tuple[Copy, ...]:
     """Source byte ranges that make up ``region`` (in the entry's own dtype), coalesced, ordered by ``dst``."""
     if region.entry.rows is not None:
@@ -101,11 +124,20 @@ def plan_copies(region: Region) -> tuple[Copy, ...]:
     rstrides = row_major(rs)
     copies: list[Copy] = []
     seen: set[tuple] = set()
-    for c in entry.chunks:
+    # Whole rows of the tensor (a Shard(0) region): a chunk of whole rows gives one run, its rows in the region.
+    rows = n and rs[1:] == entry.shape[1:]
+    row = math.prod(rs[1:]) * isz
+    for c in (_candidates(entry.chunks, ro[0], rs[0]) if n else entry.chunks):
         box = (c.offsets, c.sizes)
         if box in seen:  # a replica (HSDP without de-duplication): the first copy serves
             continue
         seen.add(box)
+        if rows and c.strides is None and c.sizes[1:] == rs[1:]:
+            a, b = max(ro[0], c.offsets[0]), min(ro[0] + rs[0], c.offsets[0] + c.sizes[0])
+            if a < b:
+                copies.append(Copy(Span(c.span.file, c.span.offset + (a - c.offsets[0]) * row, (b - a) * row),
+                                   (a - ro[0]) * row))
+            continue
         lo = tuple(max(r_off, c_off) for r_off, c_off in zip(ro, c.offsets, strict=True))
         hi = tuple(min(r_off + r_size, c_off + c_size)
                    for r_off, r_size, c_off, c_size in zip(ro, rs, c.offsets, c.sizes, strict=True))
@@ -125,6 +157,12 @@ def plan_copies(region: Region) -> tuple[Copy, ...]:
         run = math.prod(isizes[k:]) * isz
         base_src = sum((lo[d] - c.offsets[d]) * cstrides[d] for d in range(k, n))
         base_dst = sum((lo[d] - ro[d]) * rstrides[d] for d in range(k, n))
+        if k == 1:  # runs are rows (columns of a 2-D tensor, a Shard(1) chunk): no index tuples
+            src, step_src = c.span.offset + (base_src + (lo[0] - c.offsets[0]) * cstrides[0]) * isz, cstrides[0] * isz
+            dst, step_dst = (base_dst + (lo[0] - ro[0]) * rstrides[0]) * isz, rstrides[0] * isz
+            copies += [Copy(Span(c.span.file, src + i * step_src, run), dst + i * step_dst)
+                       for i in range(hi[0] - lo[0])]
+            continue
         for idx in itertools.product(*(range(lo[d], hi[d]) for d in range(k))):
             s = base_src + sum((i - c.offsets[d]) * cstrides[d] for d, i in enumerate(idx))
             t = base_dst + sum((i - ro[d]) * rstrides[d] for d, i in enumerate(idx))

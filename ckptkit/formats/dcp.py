@@ -36,7 +36,7 @@ from ..codecs.pickle_read import (
     strided_layout,
 )
 from ..codecs.pickle_write import dumps
-from ..codecs.torchzip_read import ARCHIVE_MAGIC, archive_edges, read_archive
+from ..codecs.torchzip_read import ARCHIVE_MAGIC, ArchiveCache, archive_edges, read_archive
 from ..codecs.torchzip_write import archive_parts
 from ..core import dtypes
 from ..core.boxes import shard0_boxes
@@ -64,7 +64,7 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **allow_records(_FS, "_StorageInfo"),
     (_DCP_META, "_MEM_FORMAT_ENCODING"): EnumStandIn(MEMORY_FORMATS, keep_call(_DCP_META, "_MEM_FORMAT_ENCODING")),
     ("builtins", "getattr"): safe_getattr(),
-    ("torch", "Size"): lambda v=(): tuple(v),
+    ("torch", "Size"): tuple,
     ("torch.serialization", "_get_layout"): strided_layout,
     ("pathlib", "PosixPath"): lambda *parts: "/".join(parts),
     ("pathlib", "WindowsPath"): lambda *parts: "\\".join(parts),
@@ -80,6 +80,12 @@ def _count(v: Any, what: str) -> int:
 
 
 def _counts(v: Any, what: str) -> tuple[int, ...]:
+    if type(v) is tuple and len(v) <= 64:  # the common case, without a generator: a .metadata has millions
+        for n in v:
+            if type(n) is not int or n < 0:
+                break
+        else:
+            return v
     if not isinstance(v, (tuple, list)) or len(v) > 64:
         raise ValueError(f"{what} is {v!r:.60}, not a list of sizes")
     return tuple(_count(n, what) for n in v)
@@ -155,6 +161,8 @@ class DcpIO(FormatIO):
         objects: list[ObjectEntry] = []
         rank_files: set[str] = set()
 
+        located: dict[str, str] = {}  # relative path to file, each checked once
+
         def locate(key: str, offset: tuple | None) -> Span:
             info = storage.get((key, offset))
             if info is None:
@@ -162,14 +170,18 @@ class DcpIO(FormatIO):
             if getattr(info, "transform_descriptors", None):
                 raise FormatError(f"{meta_path}: {key!r} is stored with transforms {list(info.transform_descriptors)}; "
                                   "ckptkit reads untransformed (uncompressed) DCP entries only")
-            file = root / info.relative_path
-            if Path(info.relative_path).is_absolute() or ".." in Path(info.relative_path).parts:
-                raise FormatError(f"{meta_path}: {key!r} points outside the checkpoint ({info.relative_path!r})")
-            if not file.is_file():
-                raise IncompleteCheckpointError(f"{root}: {info.relative_path} (holding {key!r}) is missing")
-            rank_files.add(info.relative_path)
-            return Span(str(file), _count(info.offset, f"{key!r} offset"), _count(info.length, f"{key!r} length"))
+            relative = info.relative_path
+            file = located.get(relative)
+            if file is None:
+                if Path(relative).is_absolute() or ".." in Path(relative).parts:
+                    raise FormatError(f"{meta_path}: {key!r} points outside the checkpoint ({relative!r})")
+                if not (root / relative).is_file():
+                    raise IncompleteCheckpointError(f"{root}: {relative} (holding {key!r}) is missing")
+                file = located[relative] = str(root / relative)
+                rank_files.add(relative)
+            return Span(file, _count(info.offset, f"{key!r} offset"), _count(info.length, f"{key!r} length"))
 
+        archives = ArchiveCache()
         for key, sm in md.state_dict_metadata.items():
             at[0] = repr(key)
             path_ = from_dcp_path(tuple(paths.get(key, (key,))))
@@ -191,12 +203,14 @@ class DcpIO(FormatIO):
                 offsets, sizes = _counts(c.offsets, f"{key!r} chunk offsets"), _counts(c.sizes, f"{key!r} chunk sizes")
                 span = locate(key, offsets)
                 pread = files.pread(span.file, span.offset + span.length, start=span.offset, key=key)
-                if pread(4, span.offset) != ARCHIVE_MAGIC:
-                    raise FormatError(
-                        f"{span.file}: {key!r} chunk at {list(offsets)} is not a torch.save record; DCP saved with "
-                        "serialization_format=SAFETENSORS or a custom storage writer is not supported")
-                ref = read_archive(span.file, span.offset, span.length, pread=pread, tree=False,
-                                   where=f"{span.file}: {key!r} chunk {list(offsets)}")
+                ref = archives.lookup(pread, span.file, span.offset, span.length)
+                if ref is None:
+                    if pread(4, span.offset) != ARCHIVE_MAGIC:
+                        raise FormatError(
+                            f"{span.file}: {key!r} chunk at {list(offsets)} is not a torch.save record; DCP saved "
+                            "with serialization_format=SAFETENSORS or a custom storage writer is not supported")
+                    ref = archives.read(span.file, span.offset, span.length, pread=pread,
+                                        where=f"{span.file}: {key!r} chunk {list(offsets)}")
                 if not isinstance(ref, TensorRef) or ref.shape != sizes or ref.dtype != dtype:
                     found = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
                     raise FormatError(f"{span.file}: {key!r} chunk at {list(offsets)} holds {found}, "

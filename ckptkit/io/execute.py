@@ -42,6 +42,9 @@ R = TypeVar("R")
 
 DEFAULT_MAX_MEMORY = 1 << 30
 _COPY_PIECE = 1 << 30  # copy_file_range moves at most this much per call; larger counts are split
+_FEW_COPIES = 16  # a region of up to this many copies moves by kernel copies whatever their size
+_SMALL_COPY = 1 << 16  # copies smaller than this on average go through memory instead
+_GATHER_BLOCK = 64 << 20  # bytes of such a region gathered at a time (its reads are as large again)
 
 
 def _cast(data: bytearray, src: DType, dst: DType) -> memoryview:
@@ -71,7 +74,16 @@ class _Writer:
         os.ftruncate(out, pos)
 
     def _copy(self, out: int, region: Region, pos: int) -> None:
-        for cp in plan_copies(region):
+        copies = plan_copies(region)
+        if len(copies) > _FEW_COPIES and region.nbytes < len(copies) * _SMALL_COPY:
+            # Many small pieces (the rows of column chunks): a kernel copy each would cost a system call per
+            # row; read_region reads each chunk's rows in one piece and they go out in one write per block.
+            for block in row_blocks(region, max(1, min(self.max_memory // 2, _GATHER_BLOCK))):  # held twice
+                data = read_region(block, self.files)
+                os.pwrite(out, data, pos)
+                pos += len(data)
+            return
+        for cp in copies:
             fd = self.files.fd(cp.src.file, cp.src.offset + cp.src.length, start=cp.src.offset, key=region.entry.key)
             self._copy_range(fd, out, cp.src.offset, pos + cp.dst, cp.src.length)
 

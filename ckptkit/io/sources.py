@@ -144,16 +144,37 @@ def _chain(first: Range, rest: Iterable[Range]) -> Iterable[Range]:
 
 
 def read_region(region: Region, files: Files) -> bytearray:
-    """The row-major bytes of ``region`` in the entry's dtype (``region.cast`` is not applied here)."""
+    """The row-major bytes of ``region`` in the entry's dtype (``region.cast`` is not applied here).
+
+    Copies whose source bytes follow one another (the rows of one chunk, when the region takes some of its
+    columns: a ``Shard(1)`` tensor) are read in one piece and placed from memory: one read per chunk rather
+    than one per row."""
     buf = bytearray(Region(region.entry, region.offsets, region.sizes).nbytes)
     view = memoryview(buf)
     copies = plan_copies(region)
     if copies and is_url(copies[0].src.file):
         _fetch_into(view, copies, files.remote, region.entry.key)
         return buf
-    for cp in copies:
-        fd = files.fd(cp.src.file, cp.src.offset + cp.src.length, start=cp.src.offset, key=region.entry.key)
-        _pread_into(fd, view[cp.dst:cp.dst + cp.src.length], cp.src.offset, cp.src.file)
+    runs: list[list[Copy]] = []
+    open_runs: dict[tuple[str, int], list[Copy]] = {}  # (file, where the run ends) -> a run a copy there extends
+    for cp in sorted(copies, key=lambda cp: (cp.src.file, cp.src.offset)):
+        run = open_runs.pop((cp.src.file, cp.src.offset), None)
+        if run is None:  # (an expanded tensor's copies share their source bytes: each starts a run of its own)
+            run = []
+            runs.append(run)
+        run.append(cp)
+        open_runs[(cp.src.file, cp.src.offset + cp.src.length)] = run
+    for run in runs:
+        first, last = run[0].src, run[-1].src
+        fd = files.fd(first.file, last.offset + last.length, start=first.offset, key=region.entry.key)
+        if len(run) == 1:
+            _pread_into(fd, view[run[0].dst:run[0].dst + first.length], first.offset, first.file)
+            continue
+        data = memoryview(bytearray(last.offset + last.length - first.offset))
+        _pread_into(fd, data, first.offset, first.file)
+        for cp in run:
+            at = cp.src.offset - first.offset
+            view[cp.dst:cp.dst + cp.src.length] = data[at:at + cp.src.length]
     return buf
 
 
