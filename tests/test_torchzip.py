@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import io
+import os
 import pickle
 import zipfile
 from dataclasses import dataclass
@@ -126,16 +127,18 @@ def test_archive_cache_takes_only_archives_framed_as_one_it_checked(tmp_path):
     path.write_bytes(b"".join(archives))
     n, cache = len(archives[0]), ArchiveCache()
     with open(path, "rb") as f:
-        fd = f.fileno()
-        assert cache.lookup(fd, str(path), 0, n) is None  # nothing checked yet
-        assert cache.read(str(path), 0, n, fd=fd, where="chunk 0") == read_archive(str(path), 0, n, tree=False)
+        def pread(size: int, offset: int) -> bytes:
+            return os.pread(f.fileno(), size, offset)
+
+        assert cache.lookup(pread, str(path), 0, n) is None  # nothing checked yet
+        assert cache.read(str(path), 0, n, pread=pread, where="chunk 0") == read_archive(str(path), 0, n, tree=False)
         # Same framing, other tensor bytes: the cache gives what a full read gives, and torch agrees.
-        ref = cache.lookup(fd, str(path), n, n)
+        ref = cache.lookup(pread, str(path), n, n)
         assert ref == read_archive(str(path), n, n, tree=False)
         with Files() as files:
             assert torch.equal(as_torch(ref, files), torch.randn(4, 3, generator=torch.Generator().manual_seed(1)))
         # A changed byte outside the tensor data: the cache refuses it, so the full read and its checks run.
-        assert cache.lookup(fd, str(path), 2 * n, n) is None
+        assert cache.lookup(pread, str(path), 2 * n, n) is None
 
 
 def read_as_torch_tree(tmp_path: Path, t: torch.Tensor):
