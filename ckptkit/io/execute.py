@@ -23,6 +23,7 @@ import errno
 import functools
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -185,6 +186,11 @@ def _publish(plan: WritePlan, staging: Staging, *, overwrite: bool, fsync: bool)
 
 _vote_owed = False
 """Whether this process, inside :func:`all_ranks`, has yet to cast its vote of step 1."""
+_group: Any = None
+"""The gloo group :func:`all_ranks` makes for the run's collectives."""
+GROUP_TIMEOUT = timedelta(hours=24)
+"""How long a collective of the run waits. Ranks wait for the slowest share of a job that may take hours; a
+rank that dies is noticed sooner (torchrun stops the others), so this only bounds a rank that hangs alive."""
 
 
 def _from_rank(rank: int, failure: tuple[str, str]) -> CheckpointError:
@@ -204,7 +210,7 @@ def _gather(e: BaseException | None) -> list[tuple[int, tuple[str, str]]]:
     import torch.distributed as dist
 
     outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, _failure(e))
+    dist.all_gather_object(outcomes, _failure(e), group=_group)
     return [(rank, failure) for rank, failure in enumerate(outcomes) if failure is not None]
 
 
@@ -232,18 +238,26 @@ def all_ranks(fn: Callable[P, R]) -> Callable[P, R]:
         if not (dist.is_available() and dist.is_initialized()):
             raise UsageError("distributed=True writes from every rank of the default process group, and there is "
                              "none: call torch.distributed.init_process_group first (torchrun ... -m ckptkit does)")
+        global _group
+        # A group of its own, on gloo: in a save hook the default group is the training job's (NCCL, with a
+        # watchdog of minutes), whose collectives these must neither wait on nor interleave with.
+        _group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
         _vote_owed = True
         try:
-            result = fn(*args, **kwargs)
-        except Exception as e:
-            if _vote_owed:
-                _vote(e)
-            raise
-        except BaseException:  # a signal: this rank leaves, and the others' collectives fail without it
-            _vote_owed = False
-            raise
-        if _vote_owed:  # wrote nothing (a dry run): the vote still answers the other ranks'
-            _vote(None)
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as e:
+                if _vote_owed:
+                    _vote(e)
+                raise
+            except BaseException:  # a signal: this rank leaves, and the others' collectives fail without it
+                _vote_owed = False
+                raise
+            if _vote_owed:  # wrote nothing (a dry run): the vote still answers the other ranks'
+                _vote(None)
+        finally:
+            group, _group = _group, None
+            dist.destroy_process_group(group)
         return result
 
     return run
@@ -289,7 +303,12 @@ def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, 
         except Exception as e:  # told to every rank below, so none waits forever
             error = e
     shared: list[Any] = [_failure(error) if error else str(staging.path) if staging else None]
-    dist.broadcast_object_list(shared, src=0)
+    try:
+        dist.broadcast_object_list(shared, src=0, group=_group)
+    except BaseException:  # a lost rank, a signal: rank 0's staging directory goes with the run
+        if staging is not None:
+            staging.abort()
+        raise
     if error is not None:
         raise error
     if isinstance(shared[0], tuple):
@@ -309,7 +328,7 @@ def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, 
             except Exception as e:
                 published = e
         outcome: list[Any] = [_failure(published)]
-        dist.broadcast_object_list(outcome, src=0)
+        dist.broadcast_object_list(outcome, src=0, group=_group)
     if failed is not None:
         raise failed
     if problems:

@@ -19,12 +19,12 @@ Two ways to get the processes:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, cast
@@ -32,22 +32,20 @@ from typing import Any, cast
 from .. import errors
 from ..core.plan import FilePlan, WritePlan, split_files
 from ..errors import CheckpointError, FormatError, UsageError
-from .execute import DEFAULT_MAX_MEMORY, _names, _publish, execute, write_files
+from .execute import DEFAULT_MAX_MEMORY, GROUP_TIMEOUT, _names, _publish, execute, write_files
 from .publish import check_destination, stage
-from .remote import is_url
+from .remote import is_url, keep_filesystems, known_filesystems
 
 __all__ = ["execute_parallel", "torchrun_group"]
 
+_PR_SET_PDEATHSIG = 1
+"""prctl(2): the signal this process gets when its parent dies."""
 _POLL = 0.2
 """Seconds between progress updates while workers run."""
 _STOPS = {signal.SIGINT, signal.SIGTERM}
 """The signals that stop a run (Ctrl-C, and SIGTERM from Slurm or Kubernetes)."""
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 """The environment torchrun gives each process it starts; a process group forms from it (``env://``)."""
-_GROUP_TIMEOUT = timedelta(hours=24)
-"""How long a collective of a group made by :func:`torchrun_group` waits. Ranks wait for the slowest share
-of a job that may take hours; a rank that dies is noticed sooner (torchrun stops the others), so this only
-bounds a rank that hangs alive."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -55,12 +53,15 @@ bounds a rank that hangs alive."""
 
 
 def _worker(files: tuple[FilePlan, ...], where: Path, max_memory: int, fsync: bool, streamed: bool,
-            names: dict[str, Path], done: Any, index: int, outcome: Connection) -> None:
+            filesystems: dict[str, Any], names: dict[str, Path], done: Any, index: int, outcome: Connection,
+            parent: int) -> None:
     # Ctrl-C reaches the whole process group, and Slurm's SIGTERM every process of the job: the parent answers
     # for all (stops the workers, removes the staging directory, says so in one line). A worker says nothing:
     # it ignores Ctrl-C and dies of SIGTERM, whatever handlers the console script it re-imports installed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with(parent)
+    keep_filesystems(filesystems)  # a URL source is read with the run's --storage-options, not the defaults
 
     def progress(n: int) -> None:
         done[index] += n  # this worker's slot alone: no lock
@@ -72,6 +73,17 @@ def _worker(files: tuple[FilePlan, ...], where: Path, max_memory: int, fsync: bo
         outcome.send(_portable(e))
     else:
         outcome.send(None)
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this worker when its parent dies (SIGKILL, the OOM killer): it would otherwise
+    write on into a staging directory that the next run removes, and recreate it (Linux; elsewhere a no-op)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took
+        os._exit(1)
 
 
 def _start(p: multiprocessing.process.BaseProcess) -> None:
@@ -105,6 +117,7 @@ def _write_in_workers(shares: tuple[tuple[FilePlan, ...], ...], where: Path, nam
                       max_memory: int, fsync: bool, streamed: bool, progress: Callable[[int], None]) -> None:
     """Write each share in a worker process of its own; raise the first failure after stopping the others."""
     ctx = multiprocessing.get_context("spawn")
+    filesystems = known_filesystems() if streamed else {}
     done = ctx.RawArray("q", len(shares))
     running: dict[Connection, multiprocessing.process.BaseProcess] = {}
     workers = []
@@ -113,7 +126,8 @@ def _write_in_workers(shares: tuple[tuple[FilePlan, ...], ...], where: Path, nam
         for i, share in enumerate(shares):
             receive, send = ctx.Pipe(duplex=False)
             own = {fp.relpath: names[fp.relpath] for fp in share}
-            p = ctx.Process(target=_worker, args=(share, where, max_memory, fsync, streamed, own, done, i, send),
+            p = ctx.Process(target=_worker, args=(share, where, max_memory, fsync, streamed, filesystems, own, done,
+                                                  i, send, os.getpid()),
                             name=f"ckptkit-worker-{i}", daemon=True)
             workers.append(p)
             _start(p)
@@ -194,7 +208,7 @@ def torchrun_group() -> Iterator[int | None]:
 
     made = not dist.is_initialized()
     if made:
-        dist.init_process_group("gloo", timeout=_GROUP_TIMEOUT)
+        dist.init_process_group("gloo", timeout=GROUP_TIMEOUT)
     rank = dist.get_rank()
     try:
         yield rank

@@ -103,6 +103,19 @@ def _filesystem_class(scheme: str, url: str) -> type:
         raise UsageError(f"{url}: {scheme}:// needs {package}; install it: pip install {package}{extra}") from None
 
 
+def known_filesystems() -> dict[str, Any]:
+    """The filesystems kept, by protocol: what a worker process needs to read with the run's storage options
+    (fsspec filesystems pickle with their options)."""
+    with _lock:
+        return dict(_filesystems)
+
+
+def keep_filesystems(filesystems: dict[str, Any]) -> None:
+    """Keep ``filesystems`` (from :func:`known_filesystems` of the process that started this one)."""
+    with _lock:
+        _filesystems.update(filesystems)
+
+
 def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]:
     """The filesystem of ``url`` and the path within it. The filesystem is kept for the protocol (see above);
     ``storage_options`` given here replace the ones kept."""
