@@ -36,7 +36,8 @@ from .remote import RemotePath, is_url
 from .sources import Files, read_region
 from .transfer import StreamWriter, execute_remote
 
-__all__ = ["DEFAULT_MAX_MEMORY", "all_ranks", "execute", "execute_distributed", "write_files"]
+__all__ = ["DEFAULT_MAX_MEMORY", "GROUP_TIMEOUT", "all_ranks", "execute", "execute_distributed", "gloo_group",
+           "write_files"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -187,10 +188,28 @@ def _publish(plan: WritePlan, staging: Staging, *, overwrite: bool, fsync: bool)
 _vote_owed = False
 """Whether this process, inside :func:`all_ranks`, has yet to cast its vote of step 1."""
 _group: Any = None
-"""The gloo group :func:`all_ranks` makes for the run's collectives."""
+"""The gloo group of the run :func:`all_ranks` runs (:func:`gloo_group`)."""
 GROUP_TIMEOUT = timedelta(hours=24)
-"""How long a collective of the run waits. Ranks wait for the slowest share of a job that may take hours; a
-rank that dies is noticed sooner (torchrun stops the others), so this only bounds a rank that hangs alive."""
+"""How long a collective of a distributed conversion waits. Ranks wait for the slowest share of a job that may
+take hours; a rank that dies is noticed sooner (torchrun stops the others), so this only bounds a rank that
+hangs alive."""
+_GLOO_GROUPS: dict[tuple[int, timedelta | None], Any] = {}
+
+
+def gloo_group(timeout: timedelta | None = None) -> Any:
+    """A gloo group of ckptkit's own over every rank of the default group, or None when there is none. In a
+    training job the default group is training's (NCCL, with a watchdog of minutes): ckptkit's collectives must
+    neither wait on it nor interleave with it, and object collectives on gloo need no device. Made once per
+    default group and timeout (``new_group`` is itself a collective: every rank calls this at the same point);
+    ``destroy_process_group()`` ends them with the default group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    key = (id(dist.group.WORLD), timeout)
+    if key not in _GLOO_GROUPS:
+        _GLOO_GROUPS[key] = dist.new_group(backend="gloo", timeout=timeout)
+    return _GLOO_GROUPS[key]
 
 
 def _from_rank(rank: int, failure: tuple[str, str]) -> CheckpointError:
@@ -239,9 +258,7 @@ def all_ranks(fn: Callable[P, R]) -> Callable[P, R]:
             raise UsageError("distributed=True writes from every rank of the default process group, and there is "
                              "none: call torch.distributed.init_process_group first (torchrun ... -m ckptkit does)")
         global _group
-        # A group of its own, on gloo: in a save hook the default group is the training job's (NCCL, with a
-        # watchdog of minutes), whose collectives these must neither wait on nor interleave with.
-        _group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
+        _group = gloo_group(GROUP_TIMEOUT)
         _vote_owed = True
         try:
             try:
@@ -256,8 +273,7 @@ def all_ranks(fn: Callable[P, R]) -> Callable[P, R]:
             if _vote_owed:  # wrote nothing (a dry run): the vote still answers the other ranks'
                 _vote(None)
         finally:
-            group, _group = _group, None
-            dist.destroy_process_group(group)
+            _group = None
         return result
 
     return run

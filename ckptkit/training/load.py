@@ -18,11 +18,12 @@ from ..core.tree import unflatten
 from ..errors import UsageError
 from ..formats import detect, object_value
 from ..io import publish as rotation
+from ..io.execute import gloo_group
 from ..io.sources import Files, read_region
 from ..ops import checksums
 from ..ops.names import strip_wrapper_names
 from ..ops.select import ModelSelection, optimizer_sections, select_model
-from .save import SIDE_KEYS, gloo_group, local_path
+from .save import SIDE_KEYS, local_path
 
 __all__ = ["LoadResult", "load"]
 

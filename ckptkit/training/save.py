@@ -29,11 +29,12 @@ from ..core.tree import flatten
 from ..errors import CheckpointError, UsageError
 from ..formats import detect
 from ..io import publish
+from ..io.execute import gloo_group
 from ..io.remote import as_path, is_url
 from ..ops import checksums
 from ..ops.checksums import MANIFEST, Recorder
 
-__all__ = ["FULL_FILE", "MANIFEST", "SIDE_KEYS", "SaveHandle", "gloo_group", "save"]
+__all__ = ["FULL_FILE", "MANIFEST", "SIDE_KEYS", "SaveHandle", "save"]
 
 FULL_FILE = "checkpoint.pt"
 _FORMS = ("full", "sharded", "hf", "local")
@@ -58,21 +59,6 @@ def local_path(path: str | os.PathLike, what: str) -> Path:
 
 def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
-
-
-_GLOO_GROUPS: dict[int, Any] = {}
-
-
-def gloo_group() -> Any:
-    """A gloo group of its own for ckptkit's collectives: background saves must not interleave with training's
-    collectives on the default group, and object collectives on gloo need no device. Made once per default
-    group (new_group is itself a collective, so every rank calls this at the same point); None when alone."""
-    if not _distributed():
-        return None
-    key = id(dist.group.WORLD)
-    if key not in _GLOO_GROUPS:
-        _GLOO_GROUPS[key] = dist.new_group(backend="gloo")
-    return _GLOO_GROUPS[key]
 
 
 def _cpu_copy(tree: Any) -> Any:
