@@ -19,6 +19,7 @@ training job's group in a save hook); every rank plans the whole job. The calls 
 
 from __future__ import annotations
 
+import atexit
 import errno
 import functools
 import os
@@ -208,6 +209,11 @@ def gloo_group(timeout: timedelta | None = None) -> Any:
         return None
     key = (id(dist.group.WORLD), timeout)
     if key not in _GLOO_GROUPS:
+        if not _GLOO_GROUPS:
+            # Dropped while the interpreter is whole: a group freed during its finalization, after the
+            # job's destroy_process_group(), could abort the process at exit ("terminate called without an
+            # active exception").
+            atexit.register(_GLOO_GROUPS.clear)
         _GLOO_GROUPS[key] = dist.new_group(backend="gloo", timeout=timeout)
     return _GLOO_GROUPS[key]
 
