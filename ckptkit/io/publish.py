@@ -9,7 +9,7 @@ Every output ckptkit writes (a conversion's DST, a save's step directory) takes 
 3. :meth:`Staging.commit` writes the completion marker (saves), then moves the result into place in one step:
    ``renameat2(RENAME_EXCHANGE)`` swaps it with an existing DST (``replace=True``), so DST is never missing,
    and ``renameat2(RENAME_NOREPLACE)`` refuses a DST that another run put there meanwhile. The old copy,
-   now under the staging name, is removed afterwards; the directory is fsynced.
+   now under the staging name, is removed afterwards; the directory is fsynced with ``fsync`` or a marker.
 4. :meth:`Staging.abort` removes the staging directory on any failure.
 
 A kill between any two steps leaves DST as it was before or as it is after, plus at most a staging name of a
@@ -217,7 +217,10 @@ class Staging:
                     _swap_in(src, self.dst)
                 else:
                     _move_in(src, self.dst)
-            _fsync_dir(self.dst.parent)
+            if fsync or marker is not None:
+                # The rename made durable: asked for, or a save's step (its marker is). Without the files'
+                # own fsync it would buy nothing, and on ext4 it waits for the journal to commit.
+                _fsync_dir(self.dst.parent)
         except BaseException:
             self.abort()
             raise
