@@ -11,7 +11,7 @@ import hashlib
 import os
 import struct
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -188,3 +188,20 @@ def record_start(data: bytes, info: zipfile.ZipInfo) -> int:
     field lengths may differ from the central directory's."""
     name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
     return info.header_offset + 30 + name_len + extra_len
+
+
+def data_pkl_flips(target: Path, step: int) -> Iterator[int]:
+    """Rewrite the ``torch.save`` archive ``target`` with one byte of its ``data.pkl`` flipped, every ``step``
+    bytes, yielding each flipped byte's offset within ``data.pkl``; ``target`` is restored afterwards."""
+    clean = target.read_bytes()
+    with zipfile.ZipFile(target) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    start = record_start(clean, info)
+    try:
+        for pos in range(start, start + info.file_size, step):
+            data = bytearray(clean)
+            data[pos] ^= 0x5A
+            target.write_bytes(bytes(data))
+            yield pos - start
+    finally:
+        target.write_bytes(clean)
