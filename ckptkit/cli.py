@@ -188,15 +188,9 @@ _MAPPING = (
             help="Refuse keys that neither --key-map nor a --rename maps (a --preset always refuses keys it does "
                  "not know)."),
 )
-_storage = _option(
-    "--storage-options", metavar="JSON", callback=lambda c, p, v: _storage_options(v), section=COMMON,
-    envvar="CKPTKIT_STORAGE_OPTIONS",
-    help="For s3://, gs://, az://, hf:// paths: keyword arguments of their fsspec filesystem, e.g. "
-         "'{\"endpoint_url\": \"http://127.0.0.1:9000\"}' or '{\"profile\": \"prod\"}' for s3fs (default: "
-         "AWS_ENDPOINT_URL, AWS_PROFILE, ... as each library reads them).")
 
 
-def _storage_options(value: str | None) -> dict | None:
+def _storage_options(ctx: click.Context, param: click.Parameter, value: str | None) -> dict | None:
     if value is None:
         return None
     try:
@@ -208,12 +202,22 @@ def _storage_options(value: str | None) -> dict | None:
     return options
 
 
+_storage = _option(
+    "--storage-options", metavar="JSON", callback=_storage_options, section=COMMON,
+    envvar="CKPTKIT_STORAGE_OPTIONS",
+    help="For s3://, gs://, az://, hf:// paths: keyword arguments of their fsspec filesystem, e.g. "
+         "'{\"endpoint_url\": \"http://127.0.0.1:9000\"}' or '{\"profile\": \"prod\"}' for s3fs (default: "
+         "AWS_ENDPOINT_URL, AWS_PROFILE, ... as each library reads them).")
+
+
 def _assets_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     from .io.remote import is_url
 
     if value is not None and not is_url(value) and not Path(value).is_dir():
         raise click.BadParameter(f"directory {value!r} does not exist", param_hint="--hf-assets")
     return value
+
+
 _LOCAL = (
     _option("--rank-files", metavar="PATTERN", section=LOCAL,
             help="Rank file names with {rank} for the rank, e.g. 'shard_{rank}.pt' "
