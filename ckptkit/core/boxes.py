@@ -98,9 +98,6 @@ def shard0_boxes(shape: tuple[int, ...], n: int) -> list[tuple[int, tuple[tuple[
     if not shape or shape[0] == 0 or math.prod(shape) == 0:
         return [(0, ((0,) * len(shape), shape))]  # scalars and empty tensors live whole on rank 0
     step = -(-shape[0] // n)
-    out = []
-    for rank in range(n):
-        lo, hi = rank * step, min(shape[0], (rank + 1) * step)
-        if hi > lo:
-            out.append((rank, ((lo, *[0] * (len(shape) - 1)), (hi - lo, *shape[1:]))))
-    return out
+    zeros, rest = (0,) * (len(shape) - 1), shape[1:]
+    return [(rank, ((lo, *zeros), (min(shape[0], lo + step) - lo, *rest)))
+            for rank, lo in enumerate(range(0, shape[0], step))]

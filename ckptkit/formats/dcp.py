@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..codecs.dcp_metadata import ChunkRecord, MetadataPickle, ObjectRecord, TensorRecord
 from ..codecs.pickle_read import (
     MEMORY_FORMATS,
     Call,
@@ -31,11 +32,9 @@ from ..codecs.pickle_read import (
     SafeUnpickler,
     allow_records,
     keep_call,
-    make_record,
     safe_getattr,
     strided_layout,
 )
-from ..codecs.pickle_write import dumps
 from ..codecs.torchzip_read import ARCHIVE_MAGIC, ArchiveCache, archive_edges, read_archive
 from ..codecs.torchzip_write import archive_parts
 from ..core import dtypes
@@ -240,47 +239,31 @@ class DcpIO(FormatIO):
         n = options.world_size
         parts: list[list[Part]] = [[] for _ in range(n)]
         sizes = [0] * n
-        sd_meta, storage = {}, {}
 
         def put(rank: int, blob: tuple[Part, ...]) -> tuple[str, int, int]:
-            name, start = f"__{rank}_0.distcp", sizes[rank]
-            parts[rank].extend(blob)
-            sizes[rank] += sum(p.nbytes for p in blob)
-            return name, start, sizes[rank] - start
+            start = sizes[rank]
+            parts[rank] += blob
+            sizes[rank] += sum([p.nbytes for p in blob])
+            return f"__{rank}_0.distcp", start, sizes[rank] - start
 
+        tensors = []
         for t in manifest.tensors:
             if t.sidecar:
                 continue
             cast = cast_for(t.dtype, options.cast)
-            chunk_list = []
-            for rank, (offsets, box) in shard0_boxes(t.shape, n):
-                name, start, length = put(rank, archive_parts(Region(t, offsets, box, cast)))
-                chunk_list.append(make_record(_DCP_META, "ChunkStorageMetadata",
-                                              {"offsets": _size(offsets), "sizes": _size(box)}))
-                index = make_record(_DCP_META, "MetadataIndex",
-                                    {"fqn": t.key, "offset": _size(offsets), "index": len(chunk_list) - 1})
-                storage[index] = _storage_info(name, start, length)
-            strided = keep_call("torch.serialization", "_get_layout")("torch.strided")
-            contiguous = keep_call(_DCP_META, "_MEM_FORMAT_ENCODING")(0)
-            props = make_record(_DCP_META, "TensorProperties", ((cast or t.dtype), strided, False, contiguous, False))
-            sd_meta[t.key] = make_record(_DCP_META, "TensorStorageMetadata",
-                                         {"properties": props, "size": _size(t.shape), "chunks": chunk_list})
+            chunks = [ChunkRecord(offsets, box, *put(rank, archive_parts(Region(t, offsets, box, cast))))
+                      for rank, (offsets, box) in shard0_boxes(t.shape, n)]
+            tensors.append(TensorRecord(t.key, cast or t.dtype, t.shape, chunks))
         # torch never writes an empty container into DCP, and its loader trips over one (it falls back to a
         # pre-2.4 key scheme), so they are left out here too; convert() reports them.
         objects = [o for o in manifest.objects if not is_empty_container(o) and o.sidecar is None]
-        for o in objects:
-            blob = ((Region.whole(bytes_entry(o.blob, o.key)),) if o.blob
-                    else archive_parts(regions_in(o.value, options.cast)))
-            name, start, length = put(0, blob)
-            sd_meta[o.key] = make_record(_DCP_META, "BytesStorageMetadata", {})
-            index = make_record(_DCP_META, "MetadataIndex", {"fqn": o.key, "offset": None, "index": None})
-            storage[index] = _storage_info(name, start, length)
+        blobs = [ObjectRecord(o.key, *put(0, (Region.whole(bytes_entry(o.blob, o.key)),) if o.blob
+                                          else archive_parts(regions_in(o.value, options.cast))))
+                 for o in objects]
         entries: list[TensorEntry | ObjectEntry] = [*(t for t in manifest.tensors if not t.sidecar), *objects]
-        planner_data = {e.key: dcp_path(e.path) for e in entries}
-        md = make_record(_DCP_META, "Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner_data,
-                                             "storage_data": storage, "storage_meta": None, "version": "1.0.0"})
+        metadata = MetadataPickle().dumps(tensors, blobs, {e.key: dcp_path(e.path) for e in entries})
         files = [FilePlan(f"__{r}_0.distcp", tuple(parts[r])) for r in range(n)]
-        files.append(FilePlan(METADATA, (Bytes(dumps(md, protocol=2)),)))
+        files.append(FilePlan(METADATA, (Bytes(metadata),)))
         if any(e.sidecar == META for e in manifest.entries) or options.meta_groups is not None:
             files.append(FilePlan(META, _meta_parts(manifest, options)))
         return WritePlan(tuple(files), commit=METADATA)
@@ -335,11 +318,3 @@ def _meta_parts(manifest: Manifest, options: DcpOptions) -> tuple[Part, ...]:
     items += [(o.path, regions_in(object_value(o), options.cast))
               for o in manifest.objects if o.sidecar == META or str(o.path[0]) in groups]
     return archive_parts(unflatten(items) if items else {})
-
-
-def _size(v: tuple[int, ...]) -> Any:
-    return keep_call("torch", "Size")(tuple(v))
-
-
-def _storage_info(name: str, offset: int, length: int) -> Record:
-    return make_record(_FS, "_StorageInfo", {"relative_path": name, "offset": offset, "length": length})
