@@ -17,7 +17,6 @@ from __future__ import annotations
 import pickle
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..core.dtypes import DType
@@ -37,7 +36,7 @@ _REDUCE = struct.Struct("<BBIBBI").pack  # \x85 r<slot> R r<slot>    a call's ar
 _PUT = struct.Struct("<BI").pack
 
 
-class ChunkRecord(NamedTuple):  # a tuple, not a dataclass: a reshard makes one per chunk
+class ChunkRecord(NamedTuple):  # tuples, not dataclasses: a reshard makes one per chunk
     """One chunk: its box in the tensor and where its ``torch.save`` archive is."""
 
     offsets: tuple[int, ...]
@@ -47,16 +46,14 @@ class ChunkRecord(NamedTuple):  # a tuple, not a dataclass: a reshard makes one 
     length: int
 
 
-@dataclass(frozen=True, slots=True)
-class TensorRecord:
+class TensorRecord(NamedTuple):
     key: str
     dtype: DType
     shape: tuple[int, ...]
     chunks: Sequence[ChunkRecord]
 
 
-@dataclass(frozen=True, slots=True)
-class ObjectRecord:
+class ObjectRecord(NamedTuple):
     """A non-tensor entry: a ``torch.save`` blob at ``file``/``offset``."""
 
     key: str
