@@ -270,8 +270,14 @@ def _write(op, *args, quiet: bool, **kwargs) -> None:
     """Run ``op`` (convert, reshard, export_hf) in this process, or on this rank of torchrun's ranks: all of them
     then write, and rank 0 reports."""
     from .io.parallel import torchrun_group
+    from .io.remote import is_url
 
     with torchrun_group() as rank:
+        source = click.get_current_context().get_parameter_source("workers")
+        if source is click.core.ParameterSource.ENVIRONMENT and (rank is not None or is_url(args[1])):
+            # CKPTKIT_WORKERS, set for a machine's runs, does not apply where workers cannot: under torchrun
+            # (the ranks split the files) or to an object store (one process writes). --workers N still says so.
+            kwargs["workers"] = 1
         report = op(*args, progress=not quiet and not rank, distributed=rank is not None, **kwargs)
     if not rank:
         _report(report, quiet)

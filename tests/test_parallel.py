@@ -29,10 +29,10 @@ def ckptkit_cli(*args, timeout: float = 120) -> subprocess.CompletedProcess:
                           env=ENV, timeout=timeout)
 
 
-def torchrun(ranks: int, *args, timeout: float = 240) -> subprocess.CompletedProcess:
+def torchrun(ranks: int, *args, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(ranks), "-m", "ckptkit", *map(str, args)], capture_output=True, text=True, env=ENV,
-                          timeout=timeout)
+                           str(ranks), "-m", "ckptkit", *map(str, args)], capture_output=True, text=True,
+                          env={**ENV, **(env or {})}, timeout=timeout)
 
 
 def truncated_copy(dcp: Path, where: Path) -> Path:
@@ -111,7 +111,8 @@ def test_convert_distributed_without_a_process_group_is_refused(tmp_path, full_c
 
 def test_torchrun_two_ranks_reshard_byte_identical_to_one_process(tmp_path, dcp_ckpt):
     ckptkit.reshard(dcp_ckpt, tmp_path / "one", world_size=3)
-    proc = torchrun(2, "reshard", dcp_ckpt, tmp_path / "two", "--world-size", "3")
+    # A machine's CKPTKIT_WORKERS does not apply under torchrun, whose ranks split the files.
+    proc = torchrun(2, "reshard", dcp_ckpt, tmp_path / "two", "--world-size", "3", env={"CKPTKIT_WORKERS": "2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("(sharded for 3 ranks)") == 1  # rank 0 reports, alone
     assert files_of(tmp_path / "two") == files_of(tmp_path / "one")
