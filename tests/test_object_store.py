@@ -432,6 +432,9 @@ def test_a_killed_upload_leaves_no_committed_output_and_the_next_run_cleans_up(s
     assert "out/.metadata" not in s3.objects() and s3.leftovers()
     done = run_cli("inspect", s3.url("out"))
     assert done.returncode == 2 and "not a checkpoint ckptkit knows" in done.stderr, done.stderr
+    dry = run_cli(*args, "--dry-run")  # plans as if the leftovers were gone, and leaves them be
+    assert dry.returncode == 0 and "cleaned up" not in dry.stderr, dry.stderr
+    assert s3.uploads() == ["out/__0_0.distcp"] and s3.leftovers()
     done = run_cli(*args)  # the same host, and the killed process is gone: its leftovers are removed
     assert done.returncode == 0, done.stderr
     assert "cleaned up after runs that are gone: removed out, which it had not completed, and 1 unfinished " \

@@ -348,11 +348,13 @@ def recover(directory: Path | str) -> list[str]:
     return done
 
 
-def check_destination(dst: Path | str, *, overwrite: bool, sources: tuple[Path | str, ...] = ()) -> Path:
+def check_destination(dst: Path | str, *, overwrite: bool, sources: tuple[Path | str, ...] = (),
+                      dry_run: bool = False) -> Path:
     """Refuse a destination that exists (unless ``overwrite``), or that is, holds or lies inside any of
-    ``sources``: the input the user named and every file read from it. Returns DST made absolute."""
+    ``sources``: the input the user named and every file read from it. Returns DST made absolute.
+    ``dry_run`` changes nothing: what dead runs left on an object store is judged, not cleaned up."""
     if is_url(dst):
-        return _check_object_destination(cast(RemotePath, dst), overwrite, sources)
+        return _check_object_destination(cast(RemotePath, dst), overwrite, sources, dry_run)
     dst = Path(dst).absolute()
     places = {dst.parent.resolve() / dst.name, dst.resolve()}  # where the rename lands; what a link names
     for src in sources:
@@ -372,7 +374,8 @@ def check_destination(dst: Path | str, *, overwrite: bool, sources: tuple[Path |
 # Object stores
 
 
-def _check_object_destination(dst: RemotePath, overwrite: bool, sources: tuple[Path | str, ...]) -> Path:
+def _check_object_destination(dst: RemotePath, overwrite: bool, sources: tuple[Path | str, ...],
+                              dry_run: bool) -> Path:
     if dst.fs.protocol in ("hf", ("hf",)):
         raise UsageError(f"{dst}: ckptkit reads hf:// but does not write there; write the output locally and "
                          "upload it (huggingface-cli upload)")
@@ -386,8 +389,12 @@ def _check_object_destination(dst: RemotePath, overwrite: bool, sources: tuple[P
                 raise UsageError(f"destination {url} overlaps the input {there}; ckptkit never writes into its "
                                  "input (nor next to what it reads, where the output would change what the input "
                                  "means)")
-    # What a dead run of this host left at DST is not an output: remove it before asking whether DST exists.
-    recover_objects(dst.parent)
+    # What a dead run of this host left at DST is not an output: remove it before asking whether DST exists
+    # (a dry run only leaves it out of the question, as the real run will have removed it).
+    if not dry_run:
+        recover_objects(dst.parent)
+    elif any(m["name"] == dst.name and not _is_committed(dst, m["commit"]) for _, m in _dead_markers(dst.parent)):
+        return cast(Path, dst)
     if not overwrite and dst.exists():
         raise UsageError(f"{url} already exists; pass --overwrite (overwrite=True) to replace it")
     return cast(Path, dst)
@@ -516,6 +523,11 @@ def _markers(directory: RemotePath, name: str | None = None) -> list[tuple[Remot
     return found
 
 
+def _dead_markers(directory: RemotePath) -> list[tuple[RemotePath, dict]]:
+    """The markers in ``directory`` of runs of this host that are gone."""
+    return [(marker, m) for marker, m in _markers(directory) if m["host"] == _host() and _pid_gone(m["pid"])]
+
+
 def recover_objects(directory: RemotePath) -> list[str]:
     """Clean up after runs of this host that are gone, whose markers are in ``directory``: an output they did not
     commit is removed with its multipart uploads, then the marker. Says so on stderr; returns what it did.
@@ -524,9 +536,7 @@ def recover_objects(directory: RemotePath) -> list[str]:
     ``--overwrite`` replaces what they left.
     """
     done = []
-    for marker, m in _markers(directory):
-        if m["host"] != _host() or not _pid_gone(m["pid"]):
-            continue
+    for marker, m in _dead_markers(directory):
         dst = directory / m["name"]
         if _is_committed(dst, m["commit"]):
             # A single file DST that is there may be the old copy a killed overwrite left standing: its upload

@@ -162,7 +162,7 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, o
                          "ranks split them: start more ranks (--nproc-per-node) instead")
     notes += _left_out(manifest, fmt)
     sources = sources_of(manifest, src)
-    check_destination(as_path(dst), overwrite=overwrite, sources=sources)
+    check_destination(as_path(dst), overwrite=overwrite, sources=sources, dry_run=dry_run)
     # Decoded now, whatever the target: a DCP writer copies them verbatim, and a damaged one means a checkpoint
     # torch cannot load, which no output may hide.
     check_blobs(manifest)
