@@ -20,8 +20,6 @@ from .errors import (
 from .formats import LocalOptions
 from .ops.convert import Report, convert, reshard
 from .ops.export import export_hf
-from .ops.inspect import inspect
-from .ops.verify import VerifyReport, verify
 
 __all__ = [
     "load", "save", "CheckpointError", "ChecksumError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError",
@@ -32,8 +30,17 @@ __all__ = [
 
 def __getattr__(name: str):
     # save/load import torch; loading them on first use keeps ``import ckptkit`` (and the CLI) torch-free.
+    # inspect and verify load on first use too: their imports are start-up time for every conversion.
     if name in ("save", "load"):
         from .training import load, save
 
         return {"save": save.save, "load": load.load}[name]
+    if name == "inspect":
+        from .ops.inspect import inspect
+
+        return inspect
+    if name in ("verify", "VerifyReport"):
+        from .ops import verify
+
+        return getattr(verify, name)
     raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")

@@ -165,3 +165,13 @@ def test_layers_import_without_torch(layers):
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False", f"importing the {'/'.join(layers)} modules loaded torch"
+
+
+def test_formats_registry_names_each_format_its_reader_and_writer_declares():
+    # The registry lists the formats without importing them (start-up time): it must say what the classes say.
+    from ckptkit import formats
+
+    for fmt, module, name in formats._ALL:
+        cls = formats._load(module, name)
+        assert cls.format is fmt and (fmt in formats.WRITABLE) == cls.writable, (module, name)
+    assert sorted(f.value for f, _, _ in formats._ALL) == sorted(f.value for f in formats.Format)  # one reader each

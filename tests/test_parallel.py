@@ -82,12 +82,13 @@ def test_cli_workers_failure_in_one_worker_is_one_line_and_leaves_no_dst(tmp_pat
 _SIGNALLED_WORKERS = """
 import os, signal
 from ckptkit import cli
-from ckptkit.io import parallel
-real_wait = parallel.wait
-def wait(*args, **kwargs):  # the workers are running: the signal comes while the parent waits for them
+import multiprocessing.connection as connection
+real_wait = connection.wait
+def wait(*args, **kwargs):  # the workers are running: the signal comes while the parent first waits for them
+    connection.wait = real_wait
     os.kill(os.getpid(), getattr(signal, {how!r}))
     return real_wait(*args, **kwargs)
-parallel.wait = wait
+connection.wait = wait
 cli.main(["reshard", {src!r}, {dst!r}, "--world-size", "3", "--workers", "2", "-q"])
 """
 

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import Any
 
 from ..core.manifest import Format, Manifest
 from ..errors import CheckpointError, FormatError, UsageError
 from ..io.remote import as_path
 from .base import FormatIO, LocalOptions, Target, is_empty_container, object_value
-from .dcp import DcpIO
-from .deepspeed import DeepSpeedIO
-from .full import FullIO
-from .hf import HfIO
-from .local import LocalIO, is_rank_file
-from .verl import VerlIO
 
 __all__ = ["WRITABLE", "FormatIO", "LocalOptions", "Target", "detect", "io_for", "is_empty_container", "object_value",
            "read"]
@@ -21,11 +17,18 @@ __all__ = ["WRITABLE", "FormatIO", "LocalOptions", "Target", "detect", "io_for",
 # Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides. Other
 # frameworks' layouts (verl, DeepSpeed) are told by their file names, before FULL (their files are torch.save
 # archives too) and LOCAL, which comes last: telling its rank files apart from other numbered files means
-# opening them.
-_ALL: tuple[type[FormatIO], ...] = (DcpIO, HfIO, VerlIO, DeepSpeedIO, FullIO, LocalIO)
+# opening them. Each is imported when first needed: a command loads the formats it meets (start-up time is
+# part of every conversion's time).
+_ALL: tuple[tuple[Format, str, str], ...] = (
+    (Format.SHARDED, "dcp", "DcpIO"), (Format.HF, "hf", "HfIO"), (Format.VERL, "verl", "VerlIO"),
+    (Format.DEEPSPEED, "deepspeed", "DeepSpeedIO"), (Format.FULL, "full", "FullIO"), (Format.LOCAL, "local", "LocalIO"))
 
-WRITABLE: tuple[Format, ...] = tuple(cls.format for cls in _ALL if cls.writable)
+WRITABLE: tuple[Format, ...] = (Format.SHARDED, Format.HF, Format.FULL, Format.LOCAL)
 """The formats ckptkit writes (``convert --to``); the others it reads only."""
+
+
+def _load(module: str, name: str) -> Any:
+    return getattr(importlib.import_module(f".{module}", __name__), name)
 
 
 def io_for(fmt: Format | str) -> FormatIO:
@@ -35,9 +38,9 @@ def io_for(fmt: Format | str) -> FormatIO:
     except ValueError:
         choices = ", ".join(f.value for f in sorted(WRITABLE, key=list(Format).index))
         raise UsageError(f"unknown format {fmt!r}; expected one of {choices}") from None
-    for cls in _ALL:
-        if cls.format == fmt:
-            return cls()
+    for known, module, name in _ALL:
+        if known == fmt:
+            return _load(module, name)()
     raise CheckpointError(f"no reader/writer for format {fmt.value!r}")
 
 
@@ -46,14 +49,16 @@ def detect(path: Path | str, local: LocalOptions | None = None) -> FormatIO:
     path = as_path(path)
     if not path.exists():
         raise FormatError(f"{path}: no such file or directory")
-    if path.is_file() and is_rank_file(path):
+    if path.is_file() and _load("local", "is_rank_file")(path):
         raise UsageError(f"{path} is one rank's file of an FSDP1 LOCAL_STATE_DICT checkpoint; pass its directory "
                          f"{path.parent} (with --rank-files if other files there are numbered too)")
-    for cls in _ALL:
+    for fmt, module, name in _ALL:
+        cls = _load(module, name)
         if cls.detect(path):
-            return LocalIO(local) if cls is LocalIO else cls()
+            return cls(local) if fmt is Format.LOCAL else cls()
     if local is not None and local.rank_files is not None and path.is_dir():
-        return LocalIO(local)  # the pattern names the rank files; reading says what is wrong with them
+        # The pattern names the rank files; reading says what is wrong with them.
+        return _load("local", "LocalIO")(local)
     listing = ", ".join(sorted(p.name for p in path.iterdir())[:8]) if path.is_dir() else "a file of unknown type"
     raise FormatError(
         f"{path}: not a checkpoint ckptkit knows (found: {listing or 'an empty directory'}); expected a DCP "

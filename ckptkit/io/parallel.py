@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import multiprocessing
 import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import errors
 from ..core.plan import FilePlan, WritePlan, split_files
@@ -35,6 +33,10 @@ from ..errors import CheckpointError, FormatError, UsageError
 from .execute import DEFAULT_MAX_MEMORY, GROUP_TIMEOUT, _names, _publish, execute, write_files
 from .publish import check_destination, stage
 from .remote import is_url, keep_filesystems, known_filesystems
+
+if TYPE_CHECKING:  # multiprocessing is imported where workers start: a run without them never loads it
+    import multiprocessing
+    from multiprocessing.connection import Connection
 
 __all__ = ["execute_parallel", "torchrun_group"]
 
@@ -116,6 +118,9 @@ def _portable(e: Exception) -> Exception:
 def _write_in_workers(shares: tuple[tuple[FilePlan, ...], ...], where: Path, names: dict[str, Path], *,
                       max_memory: int, fsync: bool, streamed: bool, progress: Callable[[int], None]) -> None:
     """Write each share in a worker process of its own; raise the first failure after stopping the others."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
     ctx = multiprocessing.get_context("spawn")
     filesystems = known_filesystems() if streamed else {}
     done = ctx.RawArray("q", len(shares))
@@ -138,7 +143,7 @@ def _write_in_workers(shares: tuple[tuple[FilePlan, ...], ...], where: Path, nam
             total = sum(done)
             progress(total - reported)
             reported = total
-            for conn in cast(list[Connection], ready):
+            for conn in cast("list[Connection]", ready):
                 finished = running.pop(conn)
                 try:
                     failure = conn.recv()

@@ -26,11 +26,13 @@ import re
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from ..errors import CheckpointError, FormatError, UsageError
+
+if TYPE_CHECKING:  # the pool is made on the first remote read: local runs never import it (start-up time)
+    from concurrent.futures import Future, ThreadPoolExecutor
 
 __all__ = ["PIECE", "REQUESTS", "Job", "Range", "RemoteFiles", "RemotePath", "abort_uploads", "as_path",
            "bounds_error", "calling", "coalesce", "filesystem", "is_url", "url_error"]
@@ -312,6 +314,8 @@ class RemoteFiles:
         """Run ``fn(*args)`` on the pool (:data:`REQUESTS` threads)."""
         with self._pool_lock:
             if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
                 self._pool = ThreadPoolExecutor(self.requests, thread_name_prefix="ckptkit-get")
             return self._pool.submit(fn, *args)
 

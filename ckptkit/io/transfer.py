@@ -25,7 +25,6 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -206,6 +205,8 @@ def _upload_all(files: list[FilePlan], staging: ObjectStaging, remote: RemoteFil
     if not files:
         return
     cancel = threading.Event()
+    from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait  # object stores only
+
     with ThreadPoolExecutor(min(FILES_AT_ONCE, len(files)), thread_name_prefix="ckptkit-put") as pool:
         futures: list[Future] = []
         try:

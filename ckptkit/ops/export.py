@@ -20,7 +20,6 @@ from .convert import Changes, Report, map_model, parse_size, write
 from .hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
 from .mapping import KeyMapSource, Renames, key_mapping
 from .select import select_model
-from .verify import first_difference
 
 __all__ = ["ASSET_FILES", "TIE_DEFAULTS", "export_hf", "tie_word_embeddings"]
 
@@ -66,6 +65,8 @@ def _untie(tensors: list[TensorEntry], config: dict, max_memory: int) -> tuple[l
     if embed is None:
         return tensors, f"lm_head.weight kept: {why}, but no input embedding was found to tie it to"
     with Files() as files:
+        from .verify import first_difference  # only here: verify's imports are start-up time for every export
+
         diff = first_difference(head, embed, files, max_memory)
     if diff:
         raise UsageError(f"{why}, but lm_head.weight and {embed.key} differ ({diff}); refusing to drop "
