@@ -63,10 +63,11 @@ Part = Bytes | Region
 class FilePlan:
     relpath: str
     parts: tuple[Part, ...]
+    nbytes: int = field(init=False, compare=False)
+    """Summed once: a reshard to 512 ranks asks each file's size several times, over ~100 parts each."""
 
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", sum([p.nbytes for p in self.parts]))
 
 
 @dataclass(frozen=True)
