@@ -159,11 +159,15 @@ def plan_strided(region: Region) -> tuple[Strided, ...]:
     size = math.prod(rs) * isz
     if size == 0:
         return ()
-    out: list[Strided] = []
-    seen: set[tuple] = set()
     # Whole rows of the tensor (a Shard(0) region): a chunk of whole rows gives one run, its rows in the region.
     rows = n and rs[1:] == entry.shape[1:]
     row = math.prod(rs[1:]) * isz
+    if rows:
+        fast = _row_runs(_candidates(entry.chunks, ro[0], rs[0]), ro[0], ro[0] + rs[0], row, rs[1:])
+        if fast is not None:
+            return fast
+    out: list[Strided] = []
+    seen: set[tuple] = set()
     ordered = True  # whether the pieces come in the order of dst, as Shard(0) chunks in order do
     for c in (_candidates(entry.chunks, ro[0], rs[0]) if n else entry.chunks):
         box = (c.offsets, c.sizes)
@@ -188,6 +192,33 @@ def plan_strided(region: Region) -> tuple[Strided, ...]:
             f"tensor {entry.key!r}: chunks supply {covered} of the {size} bytes of box "
             f"{list(ro)}+{list(rs)} (a rank file or chunk is missing)")
     return tuple(merged)
+
+
+def _row_runs(chunks: Iterable[Chunk], first: int, end: int, row: int,
+              tail: tuple[int, ...]) -> tuple[Strided, ...] | None:
+    """Rows ``[first, end)`` (``row`` bytes each) from ``chunks`` of whole rows that follow one another down
+    dim 0, as ``Shard(0)`` chunks in order do: a copy each, those that follow on in one file joined. None where
+    the chunks are anything else (a gap, a replica, other strides): the general walk sorts that out."""
+    out: list[Strided] = []
+    done = first
+    for c in chunks:
+        if c.strides is not None or c.sizes[1:] != tail:
+            return None
+        top = c.offsets[0]
+        bottom = top + c.sizes[0]
+        if bottom <= first or top >= end or top == bottom:
+            continue
+        a = max(first, top)
+        if a != done:
+            return None
+        done = min(end, bottom)
+        src = c.span.offset + (a - top) * row
+        last = out[-1].src if out else None
+        if last is not None and last.file == c.span.file and last.offset + last.length == src:
+            out[-1] = Strided(Span(last.file, last.offset, last.length + (done - a) * row), out[-1].dst)
+        else:
+            out.append(Strided(Span(c.span.file, src, (done - a) * row), (a - first) * row))
+    return tuple(out) if done == end else None
 
 
 def _chunk_strided(c: Chunk, ro: tuple[int, ...], rs: tuple[int, ...], isz: int) -> list[Strided]:

@@ -24,6 +24,7 @@ import errno
 import functools
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
@@ -66,22 +67,29 @@ class _Writer:
     def __init__(self, files: Files, max_memory: int, progress: Callable[[int], None]) -> None:
         self.files, self.max_memory, self.progress = files, max_memory, progress
         self.kernel_copy = hasattr(os, "copy_file_range")
-        self.cap = max(1, min(max_memory // 2, _GATHER_BLOCK))  # a cast block is held beside it
-        self.buf = memoryview(bytearray(0))
+        # Two buffers (one filling, one being written) beside a cast block.
+        self.cap = max(1, min(max_memory // 4, _GATHER_BLOCK))
+        self.buf, self.spare = memoryview(bytearray(0)), memoryview(bytearray(0))
         self.out, self.start, self.fill = -1, 0, 0  # the buffer holds bytes [start, start + fill) of out
+        self.writing: Future[None] | None = None  # the spare buffer's write, in the writer thread
 
     def write_file(self, out: int, parts: tuple[Part, ...]) -> None:
         pos = self.fill = 0  # (what a failed file left buffered is not written to this one)
-        for part in parts:
-            if isinstance(part, Bytes):
-                self._buffered(out, pos, part.nbytes)[:] = part.data
-            elif part.cast is None or part.cast == part.entry.dtype:
-                self._copy(out, part, pos)
-            else:
-                self._cast_copy(out, part, part.cast, pos)
-            pos += part.nbytes
-            self.progress(part.nbytes)
-        self.flush()
+        with ThreadPoolExecutor(1, thread_name_prefix="ckptkit-write") as self.pool:
+            try:
+                for part in parts:
+                    n = part.nbytes
+                    if isinstance(part, Bytes):
+                        self._buffered(out, pos, n)[:] = part.data
+                    elif part.cast is None or part.cast == part.entry.dtype:
+                        self._copy(out, part, pos, n)
+                    else:
+                        self._cast_copy(out, part, part.cast, pos)
+                    pos += n
+                    self.progress(n)
+                self.flush()
+            finally:  # out is closed after this: no write of it may still be under way
+                self._written()
         os.ftruncate(out, pos)
 
     def _buffered(self, out: int, pos: int, n: int) -> memoryview:
@@ -97,15 +105,24 @@ class _Writer:
         return view
 
     def flush(self) -> None:
+        """Hand the buffered bytes to the writer thread (a write releases the GIL: the next buffer fills
+        meanwhile) and take the spare buffer once its own write is done."""
         if self.fill:
-            view = self.buf[:self.fill]
-            while view:
-                view = view[os.pwrite(self.out, view, self.start + self.fill - len(view)):]
+            self._written()
+            self.writing = self.pool.submit(_pwrite_all, self.out, self.buf[:self.fill], self.start)
+            self.buf, self.spare = self.spare, self.buf
         self.fill = 0
         if len(self.buf) > self.cap:  # one piece larger than the buffer's cap (a single row): not kept
             self.buf = memoryview(bytearray(0))
 
-    def _copy(self, out: int, region: Region, pos: int) -> None:
+    def _written(self) -> None:
+        writing, self.writing = self.writing, None
+        if writing is not None:
+            writing.result()
+        if len(self.spare) > self.cap:
+            self.spare = memoryview(bytearray(0))
+
+    def _copy(self, out: int, region: Region, pos: int, nbytes: int) -> None:
         pieces = plan_strided(region)
         if self.kernel_copy and all(s.count == 1 and s.src.length >= _KERNEL_COPY for s in pieces):
             for s in pieces:
@@ -113,7 +130,7 @@ class _Writer:
                                    key=region.entry.key)
                 self._copy_range(fd, out, s.src.offset, pos + s.dst, s.src.length)
             return
-        blocks = [region] if region.nbytes <= self.cap else row_blocks(region, self.cap)
+        blocks = [region] if nbytes <= self.cap else row_blocks(region, self.cap)
         for block in blocks:
             read_into(self._buffered(out, pos, block.nbytes), pieces if block is region else plan_strided(block),
                       self.files, region.entry.key)
@@ -149,6 +166,12 @@ class _Writer:
             data = _cast(read_region(block, self.files), block.entry.dtype, cast)
             os.pwrite(out, data, pos)
             pos += len(data)
+
+
+def _pwrite_all(out: int, view: memoryview, pos: int) -> None:
+    while view:
+        n = os.pwrite(out, view, pos)
+        view, pos = view[n:], pos + n
 
 
 def write_files(files: tuple[FilePlan, ...], stage: Path, *, max_memory: int = DEFAULT_MAX_MEMORY,
