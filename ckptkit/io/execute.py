@@ -124,16 +124,18 @@ class _Writer:
 
     def _copy(self, out: int, region: Region, pos: int, nbytes: int) -> None:
         pieces = plan_strided(region)
-        if self.kernel_copy and all(s.count == 1 and s.src.length >= _KERNEL_COPY for s in pieces):
+        if (self.kernel_copy and pieces and pieces[0].src.length >= _KERNEL_COPY
+                and all(s.count == 1 and s.src.length >= _KERNEL_COPY for s in pieces)):
             for s in pieces:
                 fd = self.files.fd(s.src.file, s.src.offset + s.src.length, start=s.src.offset,
                                    key=region.entry.key)
                 self._copy_range(fd, out, s.src.offset, pos + s.dst, s.src.length)
             return
-        blocks = [region] if nbytes <= self.cap else row_blocks(region, self.cap)
-        for block in blocks:
-            read_into(self._buffered(out, pos, block.nbytes), pieces if block is region else plan_strided(block),
-                      self.files, region.entry.key)
+        if nbytes <= self.cap:
+            read_into(self._buffered(out, pos, nbytes), pieces, self.files, region.entry.key)
+            return
+        for block in row_blocks(region, self.cap):
+            read_into(self._buffered(out, pos, block.nbytes), plan_strided(block), self.files, region.entry.key)
             pos += block.nbytes
 
     def _copy_range(self, src: int, out: int, src_off: int, dst_off: int, n: int) -> None:

@@ -146,7 +146,11 @@ def _chain(first: Range, rest: Iterable[Range]) -> Iterable[Range]:
 def read_region(region: Region, files: Files) -> bytearray:
     """The row-major bytes of ``region`` in the entry's dtype (``region.cast`` is not applied here)."""
     buf = bytearray(Region(region.entry, region.offsets, region.sizes).nbytes)
-    read_into(memoryview(buf), plan_strided(region), files, region.entry.key)
+    pieces = plan_strided(region)
+    if pieces and is_url(pieces[0].src.file):
+        _fetch_into(memoryview(buf), [cp for s in pieces for cp in s.copies()], files.remote, region.entry.key)
+    else:
+        read_into(memoryview(buf), pieces, files, region.entry.key)
     return buf
 
 
@@ -155,22 +159,20 @@ _SKIP = 64 << 10  # bytes between strided rows read into a scratch buffer rather
 
 
 def read_into(view: memoryview, pieces: Iterable[Strided], files: Files, key: str) -> None:
-    """Read ``pieces`` (of a region whose bytes ``view`` is) into their places in ``view``.
+    """Read ``pieces`` (of a region whose bytes ``view`` is) from local files into their places in ``view``.
 
     The rows of a strided piece (a chunk's columns of a ``Shard(1)`` tensor) are read straight into their
     places, one ``preadv`` for up to :data:`_IOV_MAX` of them: where the chunk holds only those columns its
     rows follow one another in the file; where it holds more, the bytes between them go to a scratch buffer."""
-    pieces = tuple(pieces)
-    if pieces and is_url(pieces[0].src.file):
-        _fetch_into(view, [cp for s in pieces for cp in s.copies()], files.remote, key)
-        return
     for s in pieces:
         src, run = s.src, s.src.length
-        end = src.offset + (s.count - 1) * s.src_step + run
-        fd = files.fd(src.file, end, start=src.offset, key=key)
         if s.count == 1:
-            _pread_into(fd, view[s.dst:s.dst + run], src.offset, src.file)
+            fd = files.fd(src.file, src.offset + run, start=src.offset, key=key)
+            to = view[s.dst:s.dst + run]
+            if os.preadv(fd, [to], src.offset) != run:  # a short read: the rest, or where the file ended
+                _pread_into(fd, to, src.offset, src.file)
             continue
+        fd = files.fd(src.file, src.offset + (s.count - 1) * s.src_step + run, start=src.offset, key=key)
         gap = s.src_step - run
         if not 0 <= gap <= _SKIP:  # rows far apart (or shared, an expanded tensor's): a read each
             for cp in s.copies():
