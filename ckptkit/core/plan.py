@@ -14,7 +14,6 @@ import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from ..errors import IncompleteCheckpointError
 from .boxes import row_major
@@ -144,7 +143,8 @@ def plan_copies(region: Region) -> tuple[Copy, ...]:
     strided = plan_strided(region)
     if all(s.count == 1 for s in strided):  # already ordered and coalesced
         return tuple(Copy(s.src, s.dst) for s in strided)
-    return tuple(_merged(sorted((cp for s in strided for cp in s.copies()), key=lambda cp: cp.dst)))
+    singles = sorted((Strided(cp.src, cp.dst) for s in strided for cp in s.copies()), key=lambda s: s.dst)
+    return tuple(Copy(s.src, s.dst) for s in _merged(singles))
 
 
 def plan_strided(region: Region) -> tuple[Strided, ...]:
@@ -163,7 +163,7 @@ def plan_strided(region: Region) -> tuple[Strided, ...]:
     rows = n and rs[1:] == entry.shape[1:]
     row = math.prod(rs[1:]) * isz
     if rows:
-        fast = _row_runs(_candidates(entry.chunks, ro[0], rs[0]), ro[0], ro[0] + rs[0], row, rs[1:])
+        fast = _shard0_runs(_candidates(entry.chunks, ro[0], rs[0]), ro[0], ro[0] + rs[0], row, rs[1:])
         if fast is not None:
             return fast
     out: list[Strided] = []
@@ -194,7 +194,7 @@ def plan_strided(region: Region) -> tuple[Strided, ...]:
     return tuple(merged)
 
 
-def _row_runs(chunks: Iterable[Chunk], first: int, end: int, row: int,
+def _shard0_runs(chunks: Iterable[Chunk], first: int, end: int, row: int,
               tail: tuple[int, ...]) -> tuple[Strided, ...] | None:
     """Rows ``[first, end)`` (``row`` bytes each) from ``chunks`` of whole rows that follow one another down
     dim 0, as ``Shard(0)`` chunks in order do: a copy each, those that follow on in one file joined. None where
@@ -259,20 +259,16 @@ def _chunk_strided(c: Chunk, ro: tuple[int, ...], rs: tuple[int, ...], isz: int)
     return out
 
 
-_Piece = TypeVar("_Piece", Copy, Strided)
-
-
-def _merged(pieces: Iterable[_Piece]) -> list[_Piece]:
+def _merged(pieces: list[Strided]) -> list[Strided]:
     """``pieces`` (ordered by ``dst``) with plain copies that follow on in source and destination joined."""
-    merged: list[_Piece] = []
-    for cp in pieces:
+    merged: list[Strided] = []
+    for s in pieces:
         last = merged[-1] if merged else None
-        if (last is not None and last.src.file == cp.src.file and last.src.offset + last.src.length == cp.src.offset
-                and last.dst + last.src.length == cp.dst and getattr(last, "count", 1) == getattr(cp, "count", 1) == 1):
-            merged[-1] = dataclasses.replace(last, src=Span(cp.src.file, last.src.offset,
-                                                            last.src.length + cp.src.length))
+        if (last is not None and last.count == s.count == 1 and last.src.file == s.src.file
+                and last.src.offset + last.src.length == s.src.offset and last.dst + last.src.length == s.dst):
+            merged[-1] = Strided(Span(s.src.file, last.src.offset, last.src.length + s.src.length), last.dst)
         else:
-            merged.append(cp)
+            merged.append(s)
     return merged
 
 
