@@ -78,13 +78,15 @@ class _Writer:
         with ThreadPoolExecutor(1, thread_name_prefix="ckptkit-write") as self.pool:
             try:
                 for part in parts:
-                    n = part.nbytes
                     if isinstance(part, Bytes):
+                        n = len(part.data)
                         self._buffered(out, pos, n)[:] = part.data
-                    elif part.cast is None or part.cast == part.entry.dtype:
-                        self._copy(out, part, pos, n)
                     else:
-                        self._cast_copy(out, part, part.cast, pos)
+                        n = part.nbytes
+                        if part.cast is None or part.cast == part.entry.dtype:
+                            self._copy(out, part, pos, n)
+                        else:
+                            self._cast_copy(out, part, part.cast, pos)
                     pos += n
                     self.progress(n)
                 self.flush()
