@@ -48,6 +48,7 @@ _real_copy_file_range = getattr(os, "copy_file_range", None)
 ])
 def test_convert_bit_exact_whatever_copy_file_range_does(tmp_path, monkeypatch, full_ckpt, training_state,
                                                          kernel_copy):
+    monkeypatch.setattr(executor, "_KERNEL_COPY", 1)  # every copy kernel-side, however small
     monkeypatch.setattr(os, "copy_file_range", kernel_copy)
     convert(full_ckpt, tmp_path / "dcp", to="sharded", world_size=3)
     convert(tmp_path / "dcp", tmp_path / "back.pt", to="full")
@@ -137,11 +138,73 @@ def test_write_files_makes_each_file_exactly_its_plan_s_size(tmp_path, parts):
 def test_copy_file_range_pieces_are_resumed_in_order(tmp_path, monkeypatch):
     # Large copies go in pieces of _COPY_PIECE bytes; 5-byte pieces stand in for 1 GiB ones.
     monkeypatch.setattr(executor, "_COPY_PIECE", 5)
+    monkeypatch.setattr(executor, "_KERNEL_COPY", 1)
     w = random_bits((7, 3), torch.float32, torch.Generator().manual_seed(2))
     entry = source(tmp_path, {"w": w})["w"]
     (tmp_path / "out").mkdir()
     write_files((FilePlan("w.bin", (Region.whole(entry),)),), tmp_path / "out")
     assert (tmp_path / "out" / "w.bin").read_bytes() == bytes(tensor_bits(w).numpy())
+
+
+@pytest.fixture
+def writes(monkeypatch) -> list[int]:
+    """The size of each buffered write the executor makes, in order (kernel copies fail the test)."""
+    sizes: list[int] = []
+    real = executor._pwrite_all
+    monkeypatch.setattr(executor, "_pwrite_all", lambda out, view, pos: sizes.append(len(view)) or real(out, view, pos))
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: pytest.fail("a small copy went kernel-side"))
+    return sizes
+
+
+def framed(tmp_path: Path, n: int) -> tuple[FilePlan, bytes]:
+    """A file of ``n`` small tensors each after framing bytes (as a DCP of many small chunks is), and its bytes."""
+    tensors = {f"t{i}": random_bits((3, i + 1), torch.float32, torch.Generator().manual_seed(i)) for i in range(n)}
+    entries = source(tmp_path, tensors)
+    parts: list = []
+    want = b""
+    for i in range(n):
+        parts += [Bytes(b"frame%d" % i), Region.whole(entries[f"t{i}"])]
+        want += b"frame%d" % i + bytes(tensor_bits(tensors[f"t{i}"]).numpy())
+    return FilePlan("f.bin", tuple(parts)), want
+
+
+def test_write_files_gathers_small_copies_and_framing_into_one_write(tmp_path, writes):
+    plan, want = framed(tmp_path, 20)
+    (tmp_path / "out").mkdir()
+    write_files((plan,), tmp_path / "out")
+    assert (tmp_path / "out" / "f.bin").read_bytes() == want
+    assert writes == [len(want)]
+
+
+def test_write_files_buffer_smaller_than_a_tensor_writes_in_blocks(tmp_path, writes):
+    # max_memory 256: two buffers of 64 bytes; the 3 x 20 float32 tensor (240 bytes) goes in row blocks.
+    plan, want = framed(tmp_path, 20)
+    (tmp_path / "out").mkdir()
+    write_files((plan,), tmp_path / "out", max_memory=256)
+    assert (tmp_path / "out" / "f.bin").read_bytes() == want
+    assert sum(writes) == len(want) and max(writes) <= 80  # one 80-byte row of the widest tensor at most
+
+
+def test_write_files_large_copies_go_kernel_side(tmp_path, monkeypatch):
+    monkeypatch.setattr(executor, "_KERNEL_COPY", 40)
+    monkeypatch.setattr(executor, "_pwrite_all", lambda *a: pytest.fail("a large copy went through the buffer"))
+    w = random_bits((4, 3), torch.float32, torch.Generator().manual_seed(5))
+    entry = source(tmp_path, {"w": w})["w"]
+    (tmp_path / "out").mkdir()
+    write_files((FilePlan("w.bin", (Region.whole(entry),)),), tmp_path / "out")
+    assert (tmp_path / "out" / "w.bin").read_bytes() == bytes(tensor_bits(w).numpy())
+
+
+def test_write_files_a_failed_buffered_write_names_the_destination(tmp_path, monkeypatch):
+    plan, _ = framed(tmp_path, 3)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(OSError, match=r"No space left on device \(writing /dst/f.bin\)"):
+        write_files((plan,), tmp_path / "out", names={"f.bin": Path("/dst/f.bin")})
 
 
 @pytest.mark.parametrize("existing", [False, True])  # a previous DST survives the failure unchanged

@@ -11,7 +11,7 @@ import pytest
 from ckptkit import Chunk, IncompleteCheckpointError, Span, TensorEntry
 from ckptkit.core.boxes import range_boxes
 from ckptkit.core.dtypes import by_name
-from ckptkit.core.plan import Copy, Region, plan_copies, row_blocks
+from ckptkit.core.plan import Copy, Region, Strided, plan_copies, plan_strided, row_blocks
 
 F32 = by_name("float32")
 BF16 = by_name("bfloat16")
@@ -65,6 +65,66 @@ def test_plan_copies_shard1_chunks_one_copy_per_row():
         cp("a", 8, 8, 16),      # a[8:16]  -> dst[16:24]  row 1, columns 0-1
         cp("b", 8, 8, 24),      # b[8:16]  -> dst[24:32]  row 1, columns 2-3
     )
+
+
+def test_plan_strided_shard1_chunks_one_strided_copy_each():
+    # The 2x4 tensor above: each column chunk's rows are one strided copy, 8 bytes a row, 8 apart in the
+    # chunk and 16 apart in the output.
+    w = entry((2, 4), chunk((0, 0), (2, 2), "a"), chunk((0, 2), (2, 2), "b"))
+    assert plan_strided(Region.whole(w)) == (
+        Strided(Span("a", 0, 8), 0, count=2, src_step=8, dst_step=16),   # a[0:8], a[8:16] -> dst[0:8], [16:24]
+        Strided(Span("b", 0, 8), 8, count=2, src_step=8, dst_step=16),   # b[0:8], b[8:16] -> dst[8:16], [24:32]
+    )
+
+
+def test_plan_strided_3d_column_chunk_one_strided_copy_per_index_before():
+    # A 2x3x2 tensor split along its last dim: chunk a holds [:, :, 0:1] (2x3x1, 4 bytes a run). Dim 1 is
+    # the stride (4 bytes apart in the chunk, 8 in the output); dim 0 is walked, one copy per index.
+    w = entry((2, 3, 2), chunk((0, 0, 0), (2, 3, 1), "a"), chunk((0, 0, 1), (2, 3, 1), "b"))
+    assert plan_strided(Region.whole(w)) == (
+        Strided(Span("a", 0, 4), 0, count=3, src_step=4, dst_step=8),     # a[0:12]  -> dst 0, 8, 16    i = 0
+        Strided(Span("b", 0, 4), 4, count=3, src_step=4, dst_step=8),     # b[0:12]  -> dst 4, 12, 20   i = 0
+        Strided(Span("a", 12, 4), 24, count=3, src_step=4, dst_step=8),   # a[12:24] -> dst 24, 32, 40  i = 1
+        Strided(Span("b", 12, 4), 28, count=3, src_step=4, dst_step=8),   # b[12:24] -> dst 28, 36, 44  i = 1
+    )
+    # The box that is chunk a: one plain copy.
+    assert plan_strided(Region(w, (0, 0, 0), (2, 3, 1))) == (Strided(Span("a", 0, 24), 0),)
+
+
+def test_plan_strided_whole_rows_in_order_join_what_follows_on():
+    # Shard(0) chunks in order, the first two back to back in one file: one copy for rows 0-3, one for 4-5.
+    w = entry((6, 2), chunk((0, 0), (2, 2), "f", 0), chunk((2, 0), (2, 2), "f", 16), chunk((4, 0), (2, 2), "g"))
+    assert plan_strided(Region.whole(w)) == (Strided(Span("f", 0, 32), 0), Strided(Span("g", 0, 16), 32))
+
+
+@pytest.mark.parametrize("w, region", [
+    # chunks out of order along dim 0, with a replica
+    (entry((4, 3), chunk((2, 0), (2, 3), "r1"), chunk((0, 0), (2, 3), "r0"), chunk((2, 0), (2, 3), "rep")), None),
+    # odd column chunks (2 and 3 of 5) of a 7-row tensor, a sub-box across both
+    (entry((7, 5), chunk((0, 0), (7, 2), "a"), chunk((0, 2), (7, 3), "b")), ((1, 1), (5, 3))),
+    # a padded chunk (rows 4 apart) beside a row-major one
+    (entry((3, 4), chunk((0, 0), (3, 2), "p", strides=(4, 1), length=40), chunk((0, 2), (3, 2), "q")), None),
+    # a transposed source: one element a run
+    (entry((2, 3), chunk((0, 0), (2, 3), "t", strides=(1, 2))), None),
+    # a 3-D tensor sharded along dims 1 and 2
+    (entry((2, 4, 3), *(chunk((0, i, j), (2, 2, c), f"c{i}{j}") for i in (0, 2) for j, c in ((0, 1), (1, 2)))),
+     ((1, 1, 0), (1, 3, 3))),
+    # a row gather over column chunks
+    (TensorEntry("w", ("w",), F32, (3, 4), (chunk((0, 0), (3, 2), "a"), chunk((0, 2), (3, 2), "b")),
+                 rows=(2, 0, 1)), None),
+])
+def test_plan_strided_expands_to_plan_copies(w, region):
+    region = Region(w, *region) if region else Region.whole(w)
+    expanded = sorted((c for s in plan_strided(region) for c in s.copies()), key=lambda c: c.dst)
+    per_byte = {c.dst + i: (c.src.file, c.src.offset + i) for c in expanded for i in range(c.src.length)}
+    want = {c.dst + i: (c.src.file, c.src.offset + i) for c in plan_copies(region) for i in range(c.src.length)}
+    assert per_byte == want and len(per_byte) == region.nbytes
+
+
+def test_plan_strided_missing_chunk_raises():
+    w = entry((4, 3), chunk((0, 0), (2, 3), "r0"))
+    with pytest.raises(IncompleteCheckpointError, match=r"tensor 'w': chunks supply 24 of the 48 bytes"):
+        plan_strided(Region.whole(w))
 
 
 def test_plan_copies_column_box_of_one_chunk():

@@ -12,6 +12,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import IncompleteCheckpointError
@@ -19,8 +20,8 @@ from .boxes import row_major
 from .dtypes import DType
 from .manifest import Chunk, Span, TensorEntry
 
-__all__ = ["Copy", "FilePlan", "Bytes", "Part", "Region", "WritePlan", "gather_copies", "plan_copies", "row_blocks",
-           "row_runs", "split_files"]
+__all__ = ["Copy", "FilePlan", "Bytes", "Part", "Region", "Strided", "WritePlan", "gather_copies", "plan_copies",
+           "plan_strided", "row_blocks", "row_runs", "split_files"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,20 +115,61 @@ def _candidates(chunks: tuple[Chunk, ...], offset: int, size: int) -> tuple[Chun
     return order[bisect.bisect_left(starts, offset - tallest + 1):bisect.bisect_left(starts, offset + size)]
 
 
+@dataclass(frozen=True, slots=True)
+class Strided:
+    """``count`` copies of ``src.length`` bytes: the i-th from ``src.offset + i * src_step`` of ``src.file`` to
+    byte ``dst + i * dst_step`` of the region's row-major buffer. The rows of a column chunk (``Shard(1)``) are
+    one of these rather than one :class:`Copy` each; a plain copy has ``count`` 1 and steps 0."""
+
+    src: Span
+    dst: int
+    count: int = 1
+    src_step: int = 0
+    dst_step: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.src.length
+
+    def copies(self) -> list[Copy]:
+        src = self.src
+        return [Copy(Span(src.file, src.offset + i * self.src_step, src.length), self.dst + i * self.dst_step)
+                for i in range(self.count)]
+
+
 def plan_copies(region: Region) -> tuple[Copy, ...]:
     """Source byte ranges that make up ``region`` (in the entry's own dtype), coalesced, ordered by ``dst``."""
     if region.entry.rows is not None:
         return gather_copies(region)
+    strided = plan_strided(region)
+    if all(s.count == 1 for s in strided):  # already ordered and coalesced
+        return tuple(Copy(s.src, s.dst) for s in strided)
+    singles = sorted((Strided(cp.src, cp.dst) for s in strided for cp in s.copies()), key=lambda s: s.dst)
+    return tuple(Copy(s.src, s.dst) for s in _merged(singles))
+
+
+def plan_strided(region: Region) -> tuple[Strided, ...]:
+    """:func:`plan_copies` with the rows of a chunk that the region takes in part as one :class:`Strided` each,
+    for the executor, which reads them with one system call rather than one per row. Ordered by ``dst``; only
+    plain copies are coalesced."""
     entry, ro, rs = region.entry, region.offsets, region.sizes
+    if entry.rows is not None:
+        return tuple(dataclasses.replace(s, dst=s.dst + shift) for shift, box in _gathered_boxes(region)
+                     for s in plan_strided(box))
     isz, n = entry.dtype.itemsize, len(entry.shape)
-    if math.prod(rs) == 0:
+    size = math.prod(rs) * isz
+    if size == 0:
         return ()
-    rstrides = row_major(rs)
-    copies: list[Copy] = []
-    seen: set[tuple] = set()
     # Whole rows of the tensor (a Shard(0) region): a chunk of whole rows gives one run, its rows in the region.
     rows = n and rs[1:] == entry.shape[1:]
     row = math.prod(rs[1:]) * isz
+    if rows:
+        fast = _shard0_runs(_candidates(entry.chunks, ro[0], rs[0]), ro[0], ro[0] + rs[0], row, rs[1:])
+        if fast is not None:
+            return fast
+    out: list[Strided] = []
+    seen: set[tuple] = set()
+    ordered = True  # whether the pieces come in the order of dst, as Shard(0) chunks in order do
     for c in (_candidates(entry.chunks, ro[0], rs[0]) if n else entry.chunks):
         box = (c.offsets, c.sizes)
         if box in seen:  # a replica (HSDP without de-duplication): the first copy serves
@@ -136,53 +178,99 @@ def plan_copies(region: Region) -> tuple[Copy, ...]:
         if rows and c.strides is None and c.sizes[1:] == rs[1:]:
             a, b = max(ro[0], c.offsets[0]), min(ro[0] + rs[0], c.offsets[0] + c.sizes[0])
             if a < b:
-                copies.append(Copy(Span(c.span.file, c.span.offset + (a - c.offsets[0]) * row, (b - a) * row),
-                                   (a - ro[0]) * row))
+                dst = (a - ro[0]) * row
+                ordered = ordered and (not out or out[-1].dst < dst)
+                out.append(Strided(Span(c.span.file, c.span.offset + (a - c.offsets[0]) * row, (b - a) * row), dst))
             continue
-        lo = tuple(max(r_off, c_off) for r_off, c_off in zip(ro, c.offsets, strict=True))
-        hi = tuple(min(r_off + r_size, c_off + c_size)
-                   for r_off, r_size, c_off, c_size in zip(ro, rs, c.offsets, c.sizes, strict=True))
-        if any(high <= low for low, high in zip(lo, hi, strict=True)):
-            continue
-        isizes = tuple(high - low for low, high in zip(lo, hi, strict=True))
-        cstrides = c.strides or row_major(c.sizes)
-        # Widen the contiguous run leftwards while every dim to its right is whole in chunk and region alike.
-        if n == 0:
-            k = 0
-        elif cstrides[-1] != 1:
-            k = n
-        else:
-            k = n - 1
-            while k > 0 and isizes[k] == c.sizes[k] == rs[k] and cstrides[k - 1] == cstrides[k] * c.sizes[k]:
-                k -= 1
-        run = math.prod(isizes[k:]) * isz
-        base_src = sum((lo[d] - c.offsets[d]) * cstrides[d] for d in range(k, n))
-        base_dst = sum((lo[d] - ro[d]) * rstrides[d] for d in range(k, n))
-        if k == 1:  # runs are rows (columns of a 2-D tensor, a Shard(1) chunk): no index tuples
-            src, step_src = c.span.offset + (base_src + (lo[0] - c.offsets[0]) * cstrides[0]) * isz, cstrides[0] * isz
-            dst, step_dst = (base_dst + (lo[0] - ro[0]) * rstrides[0]) * isz, rstrides[0] * isz
-            copies += [Copy(Span(c.span.file, src + i * step_src, run), dst + i * step_dst)
-                       for i in range(hi[0] - lo[0])]
-            continue
-        for idx in itertools.product(*(range(lo[d], hi[d]) for d in range(k))):
-            s = base_src + sum((i - c.offsets[d]) * cstrides[d] for d, i in enumerate(idx))
-            t = base_dst + sum((i - ro[d]) * rstrides[d] for d, i in enumerate(idx))
-            copies.append(Copy(Span(c.span.file, c.span.offset + s * isz, run), t * isz))
-    copies.sort(key=lambda cp: cp.dst)
-    merged: list[Copy] = []
-    for cp in copies:
-        last = merged[-1] if merged else None
-        if (last and last.src.file == cp.src.file and last.src.offset + last.src.length == cp.src.offset
-                and last.dst + last.src.length == cp.dst):
-            merged[-1] = Copy(Span(cp.src.file, last.src.offset, last.src.length + cp.src.length), last.dst)
-        else:
-            merged.append(cp)
-    covered = sum(cp.src.length for cp in merged)
-    if covered != math.prod(rs) * isz:
+        ordered = False
+        out += _chunk_strided(c, ro, rs, isz)
+    if not ordered:
+        out.sort(key=lambda s: s.dst)
+    merged = _merged(out)
+    covered = sum(s.nbytes for s in merged)
+    if covered != size:
         raise IncompleteCheckpointError(
-            f"tensor {entry.key!r}: chunks supply {covered} of the {math.prod(rs) * isz} bytes of box "
+            f"tensor {entry.key!r}: chunks supply {covered} of the {size} bytes of box "
             f"{list(ro)}+{list(rs)} (a rank file or chunk is missing)")
     return tuple(merged)
+
+
+def _shard0_runs(chunks: Iterable[Chunk], first: int, end: int, row: int,
+              tail: tuple[int, ...]) -> tuple[Strided, ...] | None:
+    """Rows ``[first, end)`` (``row`` bytes each) from ``chunks`` of whole rows that follow one another down
+    dim 0, as ``Shard(0)`` chunks in order do: a copy each, those that follow on in one file joined. None where
+    the chunks are anything else (a gap, a replica, other strides): the general walk sorts that out."""
+    out: list[Strided] = []
+    done = first
+    for c in chunks:
+        if c.strides is not None or c.sizes[1:] != tail:
+            return None
+        top = c.offsets[0]
+        bottom = top + c.sizes[0]
+        if bottom <= first or top >= end or top == bottom:
+            continue
+        a = max(first, top)
+        if a != done:
+            return None
+        done = min(end, bottom)
+        src = c.span.offset + (a - top) * row
+        last = out[-1].src if out else None
+        if last is not None and last.file == c.span.file and last.offset + last.length == src:
+            out[-1] = Strided(Span(last.file, last.offset, last.length + (done - a) * row), out[-1].dst)
+        else:
+            out.append(Strided(Span(c.span.file, src, (done - a) * row), (a - first) * row))
+    return tuple(out) if done == end else None
+
+
+def _chunk_strided(c: Chunk, ro: tuple[int, ...], rs: tuple[int, ...], isz: int) -> list[Strided]:
+    """The part of box ``ro``/``rs`` that chunk ``c`` holds, as strided copies along the last dim that is not
+    whole (one for a column chunk of a matrix; one per index of the dims before it for more dims)."""
+    n = len(rs)
+    lo = tuple(max(r_off, c_off) for r_off, c_off in zip(ro, c.offsets, strict=True))
+    hi = tuple(min(r_off + r_size, c_off + c_size)
+               for r_off, r_size, c_off, c_size in zip(ro, rs, c.offsets, c.sizes, strict=True))
+    if any(high <= low for low, high in zip(lo, hi, strict=True)):
+        return []
+    isizes = tuple(high - low for low, high in zip(lo, hi, strict=True))
+    cstrides = c.strides or row_major(c.sizes)
+    rstrides = row_major(rs)
+    # Widen the contiguous run leftwards while every dim to its right is whole in chunk and region alike.
+    if n == 0:
+        k = 0
+    elif cstrides[-1] != 1:
+        k = n
+    else:
+        k = n - 1
+        while k > 0 and isizes[k] == c.sizes[k] == rs[k] and cstrides[k - 1] == cstrides[k] * c.sizes[k]:
+            k -= 1
+    run = math.prod(isizes[k:]) * isz
+    base_src = sum((lo[d] - c.offsets[d]) * cstrides[d] for d in range(k, n))
+    base_dst = sum((lo[d] - ro[d]) * rstrides[d] for d in range(k, n))
+    if k == 0:
+        return [Strided(Span(c.span.file, c.span.offset + base_src * isz, run), base_dst * isz)]
+    # Dim k - 1 is the stride; the dims before it are walked one index at a time.
+    last = k - 1
+    count = isizes[last]
+    src_step, dst_step = (cstrides[last] * isz, rstrides[last] * isz) if count > 1 else (0, 0)
+    out = []
+    for idx in itertools.product(*(range(lo[d], lo[d] + 1 if d == last else hi[d]) for d in range(k))):
+        s = base_src + sum((i - c.offsets[d]) * cstrides[d] for d, i in enumerate(idx))
+        t = base_dst + sum((i - ro[d]) * rstrides[d] for d, i in enumerate(idx))
+        out.append(Strided(Span(c.span.file, c.span.offset + s * isz, run), t * isz, count, src_step, dst_step))
+    return out
+
+
+def _merged(pieces: list[Strided]) -> list[Strided]:
+    """``pieces`` (ordered by ``dst``) with plain copies that follow on in source and destination joined."""
+    merged: list[Strided] = []
+    for s in pieces:
+        last = merged[-1] if merged else None
+        if (last is not None and last.count == s.count == 1 and last.src.file == s.src.file
+                and last.src.offset + last.src.length == s.src.offset and last.dst + last.src.length == s.dst):
+            merged[-1] = Strided(Span(s.src.file, last.src.offset, last.src.length + s.src.length), last.dst)
+        else:
+            merged.append(s)
+    return merged
 
 
 def row_runs(rows: tuple[int, ...], start: int, stop: int) -> list[tuple[int, int, int]]:
@@ -196,20 +284,23 @@ def row_runs(rows: tuple[int, ...], start: int, stop: int) -> list[tuple[int, in
     return runs
 
 
+def _gathered_boxes(region: Region) -> list[tuple[int, Region]]:
+    """A row-gathered region as boxes of its source tensor, each with where its bytes go in the region: each
+    run of rows whose source rows follow on is one box."""
+    entry, ro, rs = region.entry, region.offsets, region.sizes
+    assert entry.rows is not None
+    source = dataclasses.replace(entry, rows=None)
+    row_bytes = math.prod(rs[1:]) * entry.dtype.itemsize
+    return [((first - ro[0]) * row_bytes, Region(source, (src, *ro[1:]), (end - first, *rs[1:])))
+            for first, end, src in row_runs(entry.rows, ro[0], ro[0] + rs[0])]
+
+
 def gather_copies(region: Region) -> tuple[Copy, ...]:
     """:func:`plan_copies` of a row-gathered entry (:attr:`TensorEntry.rows`): each run of rows whose source
     rows follow on is a box of the source tensor, planned as any box is and moved to its place in the region."""
-    entry, ro, rs = region.entry, region.offsets, region.sizes
-    if entry.rows is None:
+    if region.entry.rows is None:
         return plan_copies(region)
-    source = dataclasses.replace(entry, rows=None)
-    row_bytes = math.prod(rs[1:]) * entry.dtype.itemsize
-    copies: list[Copy] = []
-    for first, end, src in row_runs(entry.rows, ro[0], ro[0] + rs[0]):
-        shift = (first - ro[0]) * row_bytes
-        box = Region(source, (src, *ro[1:]), (end - first, *rs[1:]))
-        copies += [Copy(c.src, c.dst + shift) for c in plan_copies(box)]
-    return tuple(copies)
+    return tuple(Copy(c.src, c.dst + shift) for shift, box in _gathered_boxes(region) for c in plan_copies(box))
 
 
 def row_blocks(region: Region, budget: int) -> list[Region]:

@@ -24,17 +24,18 @@ import errno
 import functools
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
 
 from .. import errors
 from ..core.dtypes import DType
-from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_copies, row_blocks, split_files
+from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_strided, row_blocks, split_files
 from ..errors import CheckpointError, FormatError, UsageError
 from .publish import Staging, check_destination, stage
 from .remote import RemotePath, is_url
-from .sources import Files, read_region
+from .sources import Files, read_into, read_region
 from .transfer import StreamWriter, execute_remote
 
 __all__ = ["DEFAULT_MAX_MEMORY", "GROUP_TIMEOUT", "all_ranks", "execute", "execute_distributed", "gloo_group",
@@ -45,9 +46,8 @@ R = TypeVar("R")
 
 DEFAULT_MAX_MEMORY = 1 << 30
 _COPY_PIECE = 1 << 30  # copy_file_range moves at most this much per call; larger counts are split
-_FEW_COPIES = 16  # a region of up to this many copies moves by kernel copies whatever their size
-_SMALL_COPY = 1 << 16  # copies smaller than this on average go through memory instead
-_GATHER_BLOCK = 64 << 20  # bytes of such a region gathered at a time (its reads are as large again)
+_KERNEL_COPY = 1 << 20  # bytes from which a copy moves kernel-side rather than through the write buffer
+_GATHER_BLOCK = 8 << 20  # the write buffer's size
 
 
 def _cast(data: bytearray, src: DType, dst: DType) -> memoryview:
@@ -59,36 +59,86 @@ def _cast(data: bytearray, src: DType, dst: DType) -> memoryview:
 
 
 class _Writer:
+    """Writes a file's parts in order. Copies of at least :data:`_KERNEL_COPY` bytes move kernel-side; smaller
+    ones (a DCP of many small chunks: framing, a chunk, framing...; the rows of column chunks) are read into
+    one buffer with the framing between them and written with one ``pwrite`` per buffer: a kernel copy of a
+    small range costs several times the bytes' own cost, and a write per piece as much again."""
+
     def __init__(self, files: Files, max_memory: int, progress: Callable[[int], None]) -> None:
         self.files, self.max_memory, self.progress = files, max_memory, progress
         self.kernel_copy = hasattr(os, "copy_file_range")
+        # Two buffers (one filling, one being written) beside a cast block.
+        self.cap = max(1, min(max_memory // 4, _GATHER_BLOCK))
+        self.buf, self.spare = memoryview(bytearray(0)), memoryview(bytearray(0))
+        self.out, self.start, self.fill = -1, 0, 0  # the buffer holds bytes [start, start + fill) of out
+        self.writing: Future[None] | None = None  # the spare buffer's write, in the writer thread
 
     def write_file(self, out: int, parts: tuple[Part, ...]) -> None:
-        pos = 0
-        for part in parts:
-            if isinstance(part, Bytes):
-                os.pwrite(out, part.data, pos)
-            elif part.cast is None or part.cast == part.entry.dtype:
-                self._copy(out, part, pos)
-            else:
-                self._cast_copy(out, part, part.cast, pos)
-            pos += part.nbytes
-            self.progress(part.nbytes)
+        pos = self.fill = 0  # (what a failed file left buffered is not written to this one)
+        with ThreadPoolExecutor(1, thread_name_prefix="ckptkit-write") as self.pool:
+            try:
+                for part in parts:
+                    if isinstance(part, Bytes):
+                        n = len(part.data)
+                        self._buffered(out, pos, n)[:] = part.data
+                    else:
+                        n = part.nbytes
+                        if part.cast is None or part.cast == part.entry.dtype:
+                            self._copy(out, part, pos, n)
+                        else:
+                            self._cast_copy(out, part, part.cast, pos)
+                    pos += n
+                    self.progress(n)
+                self.flush()
+            finally:  # out is closed after this: no write of it may still be under way
+                self._written()
         os.ftruncate(out, pos)
 
-    def _copy(self, out: int, region: Region, pos: int) -> None:
-        copies = plan_copies(region)
-        if len(copies) > _FEW_COPIES and region.nbytes < len(copies) * _SMALL_COPY:
-            # Many small pieces (the rows of column chunks): a kernel copy each would cost a system call per
-            # row; read_region reads each chunk's rows in one piece and they go out in one write per block.
-            for block in row_blocks(region, max(1, min(self.max_memory // 2, _GATHER_BLOCK))):  # held twice
-                data = read_region(block, self.files)
-                os.pwrite(out, data, pos)
-                pos += len(data)
+    def _buffered(self, out: int, pos: int, n: int) -> memoryview:
+        """Room for bytes ``[pos, pos + n)`` of ``out`` in the buffer, written out by :meth:`flush`; bytes
+        that do not follow the buffered ones, or do not fit, flush it first."""
+        if out != self.out or pos != self.start + self.fill or self.fill + n > len(self.buf):
+            self.flush()
+            if n > len(self.buf):
+                self.buf = memoryview(bytearray(max(n, min(self.cap, len(self.buf) * 2 or 1 << 20))))
+            self.out, self.start = out, pos
+        view = self.buf[self.fill:self.fill + n]
+        self.fill += n
+        return view
+
+    def flush(self) -> None:
+        """Hand the buffered bytes to the writer thread (a write releases the GIL: the next buffer fills
+        meanwhile) and take the spare buffer once its own write is done."""
+        if self.fill:
+            self._written()
+            self.writing = self.pool.submit(_pwrite_all, self.out, self.buf[:self.fill], self.start)
+            self.buf, self.spare = self.spare, self.buf
+        self.fill = 0
+        if len(self.buf) > self.cap:  # one piece larger than the buffer's cap (a single row): not kept
+            self.buf = memoryview(bytearray(0))
+
+    def _written(self) -> None:
+        writing, self.writing = self.writing, None
+        if writing is not None:
+            writing.result()
+        if len(self.spare) > self.cap:
+            self.spare = memoryview(bytearray(0))
+
+    def _copy(self, out: int, region: Region, pos: int, nbytes: int) -> None:
+        pieces = plan_strided(region)
+        if (self.kernel_copy and pieces and pieces[0].src.length >= _KERNEL_COPY
+                and all(s.count == 1 and s.src.length >= _KERNEL_COPY for s in pieces)):
+            for s in pieces:
+                fd = self.files.fd(s.src.file, s.src.offset + s.src.length, start=s.src.offset,
+                                   key=region.entry.key)
+                self._copy_range(fd, out, s.src.offset, pos + s.dst, s.src.length)
             return
-        for cp in copies:
-            fd = self.files.fd(cp.src.file, cp.src.offset + cp.src.length, start=cp.src.offset, key=region.entry.key)
-            self._copy_range(fd, out, cp.src.offset, pos + cp.dst, cp.src.length)
+        if nbytes <= self.cap:
+            read_into(self._buffered(out, pos, nbytes), pieces, self.files, region.entry.key)
+            return
+        for block in row_blocks(region, self.cap):
+            read_into(self._buffered(out, pos, block.nbytes), plan_strided(block), self.files, region.entry.key)
+            pos += block.nbytes
 
     def _copy_range(self, src: int, out: int, src_off: int, dst_off: int, n: int) -> None:
         while n > 0 and self.kernel_copy:
@@ -114,11 +164,18 @@ class _Writer:
     def _cast_copy(self, out: int, region: Region, cast: DType, pos: int) -> None:
         # A block's source bytes and their cast copy are alive at once, so a row costs its size in both dtypes;
         # row_blocks counts the block in the cast dtype alone.
+        self.flush()
         both = region.entry.dtype.itemsize + cast.itemsize
         for block in row_blocks(region, max(1, self.max_memory * cast.itemsize // both)):
             data = _cast(read_region(block, self.files), block.entry.dtype, cast)
             os.pwrite(out, data, pos)
             pos += len(data)
+
+
+def _pwrite_all(out: int, view: memoryview, pos: int) -> None:
+    while view:
+        n = os.pwrite(out, view, pos)
+        view, pos = view[n:], pos + n
 
 
 def write_files(files: tuple[FilePlan, ...], stage: Path, *, max_memory: int = DEFAULT_MAX_MEMORY,

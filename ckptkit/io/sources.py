@@ -11,11 +11,11 @@ import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
 
-from ..core.plan import Copy, Region, plan_copies
+from ..core.plan import Copy, Region, Strided, plan_strided
 from ..errors import FormatError
 from .remote import PIECE, Range, RemoteFiles, bounds_error, coalesce, is_url
 
-__all__ = ["Files", "opened", "read_region"]
+__all__ = ["Files", "opened", "read_into", "read_region"]
 
 
 class Files:
@@ -144,41 +144,59 @@ def _chain(first: Range, rest: Iterable[Range]) -> Iterable[Range]:
 
 
 def read_region(region: Region, files: Files) -> bytearray:
-    """The row-major bytes of ``region`` in the entry's dtype (``region.cast`` is not applied here).
-
-    Copies whose source bytes follow one another (the rows of one chunk, when the region takes some of its
-    columns: a ``Shard(1)`` tensor) are read in one piece and placed from memory: one read per chunk rather
-    than one per row."""
+    """The row-major bytes of ``region`` in the entry's dtype (``region.cast`` is not applied here)."""
     buf = bytearray(Region(region.entry, region.offsets, region.sizes).nbytes)
-    view = memoryview(buf)
-    copies = plan_copies(region)
-    if copies and is_url(copies[0].src.file):
-        _fetch_into(view, copies, files.remote, region.entry.key)
-        return buf
-    runs: list[list[Copy]] = []
-    open_runs: dict[tuple[str, int], list[Copy]] = {}  # (file, where the run ends) -> a run a copy there extends
-    for cp in sorted(copies, key=lambda cp: (cp.src.file, cp.src.offset)):
-        run = open_runs.pop((cp.src.file, cp.src.offset), None)
-        if run is None:  # (an expanded tensor's copies share their source bytes: each starts a run of its own)
-            run = []
-            runs.append(run)
-        run.append(cp)
-        open_runs[(cp.src.file, cp.src.offset + cp.src.length)] = run
-    for run in runs:
-        first, last = run[0].src, run[-1].src
-        fd = files.fd(first.file, last.offset + last.length, start=first.offset, key=region.entry.key)
-        if len(run) == 1:
-            _pread_into(fd, view[run[0].dst:run[0].dst + first.length], first.offset, first.file)
-            continue
-        data = memoryview(bytearray(last.offset + last.length - first.offset))
-        _pread_into(fd, data, first.offset, first.file)
-        for cp in run:
-            at = cp.src.offset - first.offset
-            view[cp.dst:cp.dst + cp.src.length] = data[at:at + cp.src.length]
+    pieces = plan_strided(region)
+    if pieces and is_url(pieces[0].src.file):
+        _fetch_into(memoryview(buf), [cp for s in pieces for cp in s.copies()], files.remote, region.entry.key)
+    else:
+        read_into(memoryview(buf), pieces, files, region.entry.key)
     return buf
 
 
-def _fetch_into(view: memoryview, copies: tuple[Copy, ...], remote: RemoteFiles, key: str) -> None:
+_IOV_MAX = 1024  # buffers one preadv takes (Linux's UIO_MAXIOV)
+_SKIP = 64 << 10  # bytes between strided rows read into a scratch buffer rather than making a read per row
+
+
+def read_into(view: memoryview, pieces: Iterable[Strided], files: Files, key: str) -> None:
+    """Read ``pieces`` (of a region whose bytes ``view`` is) from local files into their places in ``view``.
+
+    The rows of a strided piece (a chunk's columns of a ``Shard(1)`` tensor) are read straight into their
+    places, one ``preadv`` for up to :data:`_IOV_MAX` of them: where the chunk holds only those columns its
+    rows follow one another in the file; where it holds more, the bytes between them go to a scratch buffer."""
+    for s in pieces:
+        src, run = s.src, s.src.length
+        if s.count == 1:
+            fd = files.fd(src.file, src.offset + run, start=src.offset, key=key)
+            to = view[s.dst:s.dst + run]
+            if os.preadv(fd, [to], src.offset) != run:  # a short read: the rest, or where the file ended
+                _pread_into(fd, to, src.offset, src.file)
+            continue
+        fd = files.fd(src.file, src.offset + (s.count - 1) * s.src_step + run, start=src.offset, key=key)
+        gap = s.src_step - run
+        if not 0 <= gap <= _SKIP:  # rows far apart (or shared, an expanded tensor's): a read each
+            for cp in s.copies():
+                _pread_into(fd, view[cp.dst:cp.dst + run], cp.src.offset, src.file)
+            continue
+        scratch = memoryview(bytearray(gap))
+        per_call = _IOV_MAX if gap == 0 else _IOV_MAX // 2
+        for first in range(0, s.count, per_call):
+            last = min(first + per_call, s.count)
+            iov = []
+            for i in range(first, last):
+                at = s.dst + i * s.dst_step
+                iov.append(view[at:at + run])
+                if gap and i + 1 < last:
+                    iov.append(scratch)
+            offset = src.offset + first * s.src_step
+            want = (last - first) * run + (last - first - 1) * gap
+            got = os.preadv(fd, iov, offset)
+            if got != want:  # a short read: row by row, for the rest or the error naming where the file ended
+                for cp in s.copies()[first:last]:
+                    _pread_into(fd, view[cp.dst:cp.dst + run], cp.src.offset, src.file)
+
+
+def _fetch_into(view: memoryview, copies: list[Copy], remote: RemoteFiles, key: str) -> None:
     """The copies' bytes into ``view``, fetched concurrently (``view`` bounds what is in flight)."""
     for cp in copies:
         remote.check(cp.src.file, cp.src.offset, cp.src.offset + cp.src.length, key)

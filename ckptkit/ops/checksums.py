@@ -29,7 +29,7 @@ from ..codecs.sharded_tensor import ShardedTensorData, sharded_tensor_globals
 from ..codecs.torchzip_read import read_archive
 from ..core import dtypes
 from ..core.manifest import Chunk, Format, Manifest, Span, TensorEntry, TensorRef, key_of
-from ..core.plan import Region, plan_copies, row_blocks
+from ..core.plan import Region, plan_strided, row_blocks
 from ..core.tree import flatten
 from ..errors import CheckpointError, ChecksumError, FormatError
 from ..formats import object_value
@@ -370,7 +370,7 @@ def _box_job(t: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...], w
         if got == want:
             return None
         where = "the tensor" if sizes == t.shape else f"chunk at {list(offsets)} size {list(sizes)}"
-        names = sorted({cp.src.file for cp in plan_copies(Region(t, offsets, sizes))})
+        names = sorted({s.src.file for s in plan_strided(Region(t, offsets, sizes))})
         return _mismatch(t.key, ", ".join(names), where, want, got)
     return run
 
