@@ -247,12 +247,18 @@ class DcpIO(FormatIO):
             return f"__{rank}_0.distcp", start, sizes[rank] - start
 
         tensors = []
+        names = [f"__{r}_0.distcp" for r in range(n)]
         for t in manifest.tensors:
             if t.sidecar:
                 continue
             cast = cast_for(t.dtype, options.cast)
-            chunks = [ChunkRecord(offsets, box, *put(rank, archive_parts(Region(t, offsets, box, cast))))
-                      for rank, (offsets, box) in shard0_boxes(t.shape, n)]
+            chunks = []
+            for rank, (offsets, box) in shard0_boxes(t.shape, n):  # a million times in a large reshard: inlined
+                head, region, tail = blob = archive_parts(Region(t, offsets, box, cast))
+                start = sizes[rank]
+                parts[rank] += blob
+                sizes[rank] = start + head.nbytes + region.nbytes + tail.nbytes
+                chunks.append(ChunkRecord(offsets, box, names[rank], start, sizes[rank] - start))
             tensors.append(TensorRecord(t.key, cast or t.dtype, t.shape, chunks))
         # torch never writes an empty container into DCP, and its loader trips over one (it falls back to a
         # pre-2.4 key scheme), so they are left out here too; convert() reports them.
