@@ -78,8 +78,7 @@ HASHED_BY = {("torch.distributed.checkpoint.metadata", "MetadataIndex"): ("fqn",
 
 def _hash_of(fields: tuple[str, ...]) -> Callable[[Any], int]:
     def hash_(self: Any) -> int:
-        d = self.__dict__
-        return hash(tuple(d.get(f) for f in fields))  # a field torch leaves at its class default is None
+        return hash(tuple(map(self.__dict__.get, fields)))  # a field torch leaves at its class default is None
     return hash_
 
 
