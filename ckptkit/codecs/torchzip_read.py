@@ -494,7 +494,7 @@ class _Framing:
         self.head, self.tail, self.length = head, tail, len(head) + ref.span.length + len(tail)
         self.dtype, self.shape, self.strides = ref.dtype, ref.shape, ref.strides
         self.offset, self.nbytes = ref.span.offset - start, ref.span.length
-        self.holes, self.active = holes, []
+        self.holes, self.active = holes, list[tuple[int, int, bool]]()
         self.pieces, self.texts = self._split(self.active)
 
     def _at(self, a: int, b: int) -> tuple[bool, int, int | None]:
@@ -502,24 +502,26 @@ class _Framing:
         offsets into the tail count from the archive's end, so that a longer tail read does not move them."""
         return (False, a, b) if b <= self.offset else (True, a - self.length, (b - self.length) or None)
 
-    def _split(self, holes: list[tuple[int, int, bool]]) -> tuple[list[tuple[bool, int, int | None, bytes]],
+    def _split(self, holes: list[tuple[int, int, bool]]) -> tuple[list[tuple[bool, int, bytes]],
                                                                      list[tuple[bool, int, int | None]]]:
-        """The pieces to compare (slice and expected bytes) between ``holes`` and the data; the text to decode."""
+        """The pieces to compare (where, as :meth:`_at` says, and the bytes expected there) between ``holes``
+        and the data; the text to decode."""
         lo, hi = self.offset, self.offset + self.nbytes
         pieces, at = [], 0
         for a, b in sorted([*((a, b) for a, b, _ in holes), (lo, hi), (self.length, self.length)]):
             if a > at:
-                pieces.append((*self._at(at, a), self.head[at:a] if a <= lo else self.tail[at - hi:a - hi]))
+                in_tail, start, _ = self._at(at, a)
+                pieces.append((in_tail, start, self.head[at:a] if a <= lo else self.tail[at - hi:a - hi]))
             at = max(at, b)
         return pieces, [self._at(a, b) for a, b, text in holes if text]
 
     def matches(self, head: bytes, tail: bytes, *, loose: bool = False) -> bool:
         """Whether an archive of this length that starts with ``head`` and ends with ``tail`` (each at least
-        as long as this framing's) is framed as this one. ``loose``: all holes skipped, not only the active
-        ones; the holes where the archive differs become active."""
+        as long as this framing's; both may be the whole archive) is framed as this one. ``loose``: all holes
+        skipped, not only the active ones; the holes where the archive differs become active."""
         pieces, texts = self._split(self.holes) if loose else (self.pieces, self.texts)
-        for in_tail, a, b, want in pieces:
-            if (tail if in_tail else head)[a:b] != want:
+        for in_tail, a, want in pieces:
+            if not (tail if in_tail else head).startswith(want, a):  # compares in place, without a copy
                 return False
         for in_tail, a, b in texts:
             try:
@@ -575,12 +577,13 @@ class ArchiveCache:
             return None
         head_len, tail_len, framings = known
         if length <= self._WHOLE:
-            whole = pread(length, start)
-            head, tail = whole[:head_len], whole[length - tail_len:]
+            head = tail = pread(length, start)  # offsets into the tail count from the end: the whole serves
+            if len(head) != length:  # the file ends early; the full read says so
+                return None
         else:
             head, tail = pread(head_len, start), pread(tail_len, start + length - tail_len)
-        if len(tail) != tail_len or len(head) != head_len:  # the file ends early; the full read says so
-            return None
+            if len(tail) != tail_len or len(head) != head_len:
+                return None
         for f in framings:
             if f.matches(head, tail):
                 return f

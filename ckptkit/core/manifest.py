@@ -95,6 +95,7 @@ class TensorEntry:
         """Chunks must lie inside the tensor and tile it exactly; identical replicas (HSDP) count once."""
         problems: list[str] = []
         boxes: dict[tuple, None] = {}  # distinct non-empty boxes, in chunk order
+        covered = 0  # their elements
         shape, rank, itemsize = self.shape, len(self.shape), self.dtype.itemsize
         for c in self.chunks:  # loops rather than generators: a tensor may have thousands of chunks
             where, offsets, sizes = c.span.file, c.offsets, c.sizes
@@ -112,12 +113,14 @@ class TensorEntry:
                 if c.span.length < need:
                     problems.append(f"chunk at {list(offsets)} in {where} holds {c.span.length} bytes, needs {need}")
                 if numel:
+                    known = len(boxes)
                     boxes[(offsets, sizes)] = None
-        distinct = list(boxes)
-        problems += [f"chunks at {list(distinct[i][0])} and {list(distinct[j][0])} overlap"
-                     for i, j in overlapping(distinct)]
-        covered = sum(math.prod(s) for _, s in distinct)
-        if not problems and covered != self.numel:
+                    covered += numel if len(boxes) > known else 0
+        if len(boxes) > 1:
+            distinct = list(boxes)
+            problems += [f"chunks at {list(distinct[i][0])} and {list(distinct[j][0])} overlap"
+                         for i, j in overlapping(distinct)]
+        if not problems and covered != math.prod(shape):
             problems.append(f"chunks cover {covered} of {self.numel} elements (a rank file or chunk is missing)")
         if problems:
             raise IncompleteCheckpointError(f"tensor {self.key!r}: " + "; ".join(problems))

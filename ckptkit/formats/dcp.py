@@ -29,6 +29,7 @@ from ..codecs.pickle_read import (
     EnumStandIn,
     Record,
     SafeUnpickler,
+    allow_plain_records,
     allow_records,
     keep_call,
     make_record,
@@ -57,12 +58,14 @@ META = "meta.pt"
 _DCP_META = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 _RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
+_INDEX = object()  # what DcpIO._interpret reads before the first key: the storage index
 
 
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    **allow_records(_DCP_META, "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-               "TensorProperties", "MetadataIndex", "StorageMeta"),
-    **allow_records(_FS, "_StorageInfo"),
+    **allow_plain_records(_DCP_META, "Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                          "ChunkStorageMetadata", "MetadataIndex", "StorageMeta"),
+    **allow_records(_DCP_META, "TensorProperties"),  # the one with a __setstate__ of its own
+    **allow_plain_records(_FS, "_StorageInfo"),
     (_DCP_META, "_MEM_FORMAT_ENCODING"): EnumStandIn(MEMORY_FORMATS, keep_call(_DCP_META, "_MEM_FORMAT_ENCODING")),
     ("builtins", "getattr"): safe_getattr(),
     ("torch", "Size"): tuple,
@@ -103,19 +106,19 @@ def check_blobs(manifest: Manifest) -> None:
             object_value(o)
 
 
-def _tensor_dtype(props: Record, where: str) -> DType:
+def _tensor_dtype(props: Record, meta_path: Path, key: str) -> DType:
     """The dtype of DCP's ``TensorProperties``, which torch unpickles as ``(dtype, layout, requires_grad,
     memory format, pin_memory)`` (older files: a dict), refusing anything else."""
     if hasattr(props, "state"):
         state = props.state
         if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[3], Call)):
-            raise FormatError(f"{where}: tensor properties {state!r:.80} are not (dtype, layout, requires_grad, "
-                              "memory format, pin_memory), as torch reads them")
+            raise FormatError(f"{meta_path}: {key!r}: tensor properties {state!r:.80} are not (dtype, layout, "
+                              "requires_grad, memory format, pin_memory), as torch reads them")
         dtype = state[0]
     else:
         dtype = getattr(props, "dtype", None)
     if not isinstance(dtype, DType):
-        raise FormatError(f"{where}: tensor properties carry no known dtype ({dtype!r:.60})")
+        raise FormatError(f"{meta_path}: {key!r}: tensor properties carry no known dtype ({dtype!r:.60})")
     return dtype
 
 
@@ -145,14 +148,15 @@ class DcpIO(FormatIO):
         md = SafeUnpickler(meta_path.read_bytes(), METADATA_GLOBALS, where=str(meta_path)).load_checked()
         if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict):
             raise FormatError(f"{meta_path}: not DCP metadata (found {type(md).__name__})")
-        at = ["the storage index"]  # the key being read, for the error below
+        at: list[Any] = [_INDEX]  # the key being read, for the error below
         try:
             return self._interpret(root, md, files, at)
         except CheckpointError:
             raise
         except (AttributeError, TypeError, KeyError, ValueError, IndexError, OverflowError) as e:
             # The records are untrusted data: one missing a field, or holding a string where DCP has a size.
-            raise FormatError(f"{meta_path}: malformed DCP metadata at {at[0]} ({type(e).__name__}: {e})") from None
+            where = "the storage index" if at[0] is _INDEX else repr(at[0])
+            raise FormatError(f"{meta_path}: malformed DCP metadata at {where} ({type(e).__name__}: {e})") from None
 
     def _interpret(self, root: Path, md: Any, files: Files, at: list[str]) -> Manifest:
         meta_path = root / METADATA
@@ -188,7 +192,7 @@ class DcpIO(FormatIO):
 
         archives = ArchiveCache()
         for key, sm in md.state_dict_metadata.items():
-            at[0] = repr(key)
+            at[0] = key
             path_ = from_dcp_path(tuple(paths.get(key, (key,))))
             if not isinstance(key, str) or not path_ or not all(
                     isinstance(k, (str, int)) and not isinstance(k, bool) for k in path_):
@@ -202,7 +206,7 @@ class DcpIO(FormatIO):
                 continue
             if kind != "TensorStorageMetadata":
                 raise FormatError(f"{meta_path}: {key!r} has unknown storage metadata {kind}")
-            dtype, shape = _tensor_dtype(sm.properties, f"{meta_path}: {key!r}"), _counts(sm.size, key, "size")
+            dtype, shape = _tensor_dtype(sm.properties, meta_path, key), _counts(sm.size, key, "size")
             chunks = []
             for c in sm.chunks:
                 offsets, sizes = _counts(c.offsets, key, "chunk offsets"), _counts(c.sizes, key, "chunk sizes")
