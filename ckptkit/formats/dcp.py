@@ -162,8 +162,8 @@ class DcpIO(FormatIO):
         meta_path = root / METADATA
         storage: dict[tuple[str, tuple | None], Any] = {}
         for idx, info in (getattr(md, "storage_data", None) or {}).items():
-            offset = None if getattr(idx, "offset", None) is None else tuple(idx.offset)
-            storage[(idx.fqn, offset)] = info
+            offset = getattr(idx, "offset", None)
+            storage[(idx.fqn, offset if offset is None or type(offset) is tuple else tuple(offset))] = info
         paths = getattr(md, "planner_data", None) or {}
         files.expect(_chunk_edges(root, md, storage))
         tensors: list[TensorEntry] = []
