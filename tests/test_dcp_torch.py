@@ -19,6 +19,8 @@ and 3 ranks, and its 2-row ``up`` weights leave rank 2 of 3 without rows.
 
 from __future__ import annotations
 
+import os
+import struct
 import traceback
 from pathlib import Path
 
@@ -345,3 +347,97 @@ def test_convert_torch_dcp_with_safetensors_serialization(tmp_path):
                                           r"is not supported"):
         convert(tmp_path / "dcp", tmp_path / "out.pt", to="full")
     assert not (tmp_path / "out.pt").exists()
+
+
+def torch_chunks(root: Path) -> dict[str, tuple[int, int]]:
+    """Each key's chunk archive in ``__0_0.distcp`` of a one-process ``dcp.save``, as (offset, length), read
+    with torch's own metadata reader."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return {index.fqn: (info.offset, info.length)
+            for index, info in FileSystemReader(str(root)).read_metadata().storage_data.items()}
+
+
+def save_alike(root: Path, n: int = 4) -> dict[str, torch.Tensor]:
+    """``n`` tensors of one dtype and shape saved by torch's DCP: archives that differ, outside their data, in
+    their serialization ids and CRC-32s only."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {f"t{i}": torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(n)}
+    dcp.save(state, checkpoint_id=str(root), no_dist=True)
+    return state
+
+
+def torch_loads(root: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(target, checkpoint_id=str(root), no_dist=True)
+    return target
+
+
+def test_archive_cache_takes_torch_written_chunks_of_one_framing(tmp_path):
+    from ckptkit.codecs.torchzip_read import ArchiveCache, read_archive
+
+    state = save_alike(tmp_path / "dcp")
+    path, chunks = str(tmp_path / "dcp" / "__0_0.distcp"), torch_chunks(tmp_path / "dcp")
+    cache = ArchiveCache()
+    with open(path, "rb") as f:
+        def pread(size: int, offset: int) -> bytes:
+            return os.pread(f.fileno(), size, offset)
+
+        start, length = chunks["t0"]
+        cache.read(path, start, length, pread=pread, where="t0")
+        for key in ("t1", "t2", "t3"):  # each with its own serialization id and CRC-32s: all framed as t0
+            start, length = chunks[key]
+            assert cache.lookup(pread, path, start, length) == read_archive(path, start, length, tree=False)
+        # Any other byte that differs, here the storage's device in data.pkl: not taken, the full read runs.
+        other = pread(length, start).replace(b"cpu", b"cpv")
+    (tmp_path / "other").write_bytes(other)
+    with open(tmp_path / "other", "rb") as f:
+        assert cache.lookup(lambda size, offset: os.pread(f.fileno(), size, offset), path, 0, length) is None
+    convert(tmp_path / "dcp", tmp_path / "out.pt", to="full")
+    assert_same_tree(load_full(tmp_path / "out.pt"), state)
+
+
+def record_data(archive: bytes, name: bytes) -> int:
+    """Where record ``name``'s bytes start in a zip archive: after its local header, name and padding."""
+    header = archive.index(name) - 30
+    name_len, extra_len = struct.unpack_from("<HH", archive, header + 26)
+    return header + 30 + name_len + extra_len
+
+
+@pytest.mark.parametrize("field", ["central directory CRC-32", "data descriptor CRC-32"])
+def test_convert_reads_torch_chunks_with_a_wrong_crc_as_torch_does(tmp_path, field):
+    # torch never checks a record's CRC-32: a chunk whose data no longer matches it loads all the same.
+    state = save_alike(tmp_path / "dcp")
+    path, (start, length) = tmp_path / "dcp" / "__0_0.distcp", torch_chunks(tmp_path / "dcp")["t2"]
+    data = bytearray(path.read_bytes())
+    archive = bytes(data[start:start + length])
+    if field == "central directory CRC-32":
+        at = archive.rindex(b"archive/data/0") - 46 + 16  # the name follows the 46-byte entry
+    else:
+        at = record_data(archive, b"archive/data/0") + 4 * 8 * 4
+        assert archive[at:at + 4] == b"PK\x07\x08"
+        at += 4
+    data[start + at] ^= 0x5A
+    path.write_bytes(data)
+    convert(tmp_path / "dcp", tmp_path / "out.pt", to="full")
+    assert_same_tree(load_full(tmp_path / "out.pt"), torch_loads(tmp_path / "dcp", state))
+
+
+def test_convert_refuses_torch_chunk_whose_serialization_id_is_not_text(tmp_path):
+    # torch.load decodes every archive's serialization id, so a chunk whose id is not UTF-8 fails in torch:
+    # the cached framing of the chunks before it must not take it.
+    state = save_alike(tmp_path / "dcp")
+    path, (start, length) = tmp_path / "dcp" / "__0_0.distcp", torch_chunks(tmp_path / "dcp")["t2"]
+    data = bytearray(path.read_bytes())
+    data[start + record_data(bytes(data[start:start + length]), b"archive/.data/serialization_id") + 5] = 0xFF
+    path.write_bytes(data)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match="UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff"):
+        torch_loads(tmp_path / "dcp", state)
+    with pytest.raises(FormatError, match=rf"^{path}: 't2' chunk \[0, 0\]: not a torch\.save archive torch can read "
+                                          r"\(serialization id b'.*' is not UTF-8 text\)$"):
+        convert(tmp_path / "dcp", tmp_path / "out.pt", to="full")

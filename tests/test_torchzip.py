@@ -352,3 +352,19 @@ def test_central_directory_of_more_than_65535_records_is_zip64():
     with zipfile.ZipFile(planned) as z:
         infos = z.infolist()
     assert len(infos) == 70_000 and infos[-1].header_offset == 100 * 69_999
+
+
+@pytest.mark.parametrize("reads", [
+    [(100, 0), (100, 100), (50, 200), (300, 250)],                  # in order: the second reads ahead
+    [(100, 0), (100, 100), (100, 150_000), (100, 150_100)],         # a jump past the block: read as asked
+    [(100, 0), (100, 100), (100, 50), (100, 0)],                    # backwards, inside the block read ahead
+    [(1000, 199_500), (1000, 200_500), (1000, 200_900), (10, 210_000)],  # up to and past the end of the file
+    [(100, 0), (40_000, 100), (100, 40_100)],                       # a large read does not read ahead
+])
+def test_files_pread_gives_what_os_pread_gives_whatever_the_order(tmp_path, reads):
+    data = os.urandom(201_000)
+    (tmp_path / "f").write_bytes(data)
+    with Files() as files, open(tmp_path / "f", "rb") as f:
+        pread = files.pread(str(tmp_path / "f"), 100)
+        for n, offset in reads:
+            assert pread(n, offset) == os.pread(f.fileno(), n, offset) == data[offset:offset + n]

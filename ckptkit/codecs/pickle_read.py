@@ -23,9 +23,9 @@ from typing import Any
 from ..core.gc_pause import gc_paused
 from ..errors import FormatError, UnsafeCheckpointError
 
-__all__ = ["MEMORY_FORMATS", "Call", "EnumStandIn", "Record", "Ref", "SafeUnpickler", "allow_records",
-           "check_opcodes", "check_tree", "keep_call", "make_record", "record_class", "ref", "safe_getattr",
-           "strided_layout"]
+__all__ = ["MEMORY_FORMATS", "Call", "EnumStandIn", "Record", "Ref", "SafeUnpickler", "allow_plain_records",
+           "allow_records", "check_opcodes", "check_tree", "keep_call", "make_record", "record_class", "ref",
+           "safe_getattr", "strided_layout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,22 +54,27 @@ class Record:
     """Stand-in for an allowed class built by NEWOBJ + BUILD: its state becomes attributes.
 
     Unhashable, as torch's (non-frozen) dataclasses are, unless :data:`HASHED_BY` names the fields torch hashes:
-    a pickle that uses one as a dict key fails here where it fails in torch."""
+    a pickle that uses one as a dict key fails here where it fails in torch.
+
+    This base has no ``__setstate__``: the unpickler's own BUILD sets a dict state (or a ``(dict, slots)``
+    pair) and refuses any other, as for a torch class without one (:func:`allow_plain_records`). The classes
+    of :func:`record_class` take any state (:func:`_set_state`)."""
 
     _pickle_name: Ref
     __hash__ = None  # type: ignore[assignment]
 
-    def __setstate__(self, state: Any) -> None:
-        if (isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict))
-                and isinstance(state[1], dict)):
-            state = {**(state[0] or {}), **state[1]}  # (dict, slots) from dataclasses with __slots__
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.state = state
-
     def __repr__(self) -> str:
         return f"{self._pickle_name.name}({self.__dict__})"
+
+
+def _set_state(self: Any, state: Any) -> None:
+    if (isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict))
+            and isinstance(state[1], dict)):
+        state = {**(state[0] or {}), **state[1]}  # (dict, slots) from dataclasses with __slots__
+    if isinstance(state, dict):
+        self.__dict__.update(state)
+    else:
+        self.state = state
 
 
 HASHED_BY = {("torch.distributed.checkpoint.metadata", "MetadataIndex"): ("fqn", "offset")}
@@ -78,17 +83,20 @@ HASHED_BY = {("torch.distributed.checkpoint.metadata", "MetadataIndex"): ("fqn",
 
 def _hash_of(fields: tuple[str, ...]) -> Callable[[Any], int]:
     def hash_(self: Any) -> int:
-        d = self.__dict__
-        return hash(tuple(d.get(f) for f in fields))  # a field torch leaves at its class default is None
+        return hash(tuple(map(self.__dict__.get, fields)))  # a field torch leaves at its class default is None
     return hash_
 
 
 @functools.cache
-def record_class(module: str, name: str) -> type[Record]:
+def record_class(module: str, name: str, *, plain: bool = False) -> type[Record]:
+    """The stand-in class for ``module.name``; ``plain``: built by the unpickler's own BUILD (see :class:`Record`),
+    else with a ``__setstate__`` that keeps a state of any other form as ``.state``."""
     attrs: dict[str, Any] = {"_pickle_name": ref(module, name)}
     fields = HASHED_BY.get((module, name))
     if fields:
         attrs["__hash__"] = _hash_of(fields)
+    if not plain:
+        attrs["__setstate__"] = _set_state
     return type(name, (Record,), attrs)
 
 
@@ -306,9 +314,16 @@ def allow_records(module: str, *names: str) -> dict[tuple[str, str], type[Record
     return {(module, n): record_class(module, n) for n in names}
 
 
+def allow_plain_records(module: str, *names: str) -> dict[tuple[str, str], type[Record]]:
+    """:func:`allow_records` for classes that define no ``__setstate__`` in torch: the unpickler's own BUILD
+    sets their state, refusing one that is not a dict (or a ``(dict, slots)`` pair) as it does for torch, and
+    without a Python call per object (a 1M-chunk ``.metadata`` has 3M of them)."""
+    return {(module, n): record_class(module, n, plain=True) for n in names}
+
+
 def make_record(module: str, name: str, state: Any) -> Record:
     obj = record_class(module, name).__new__(record_class(module, name))
-    obj.__setstate__(state)
+    _set_state(obj, state)
     return obj
 
 

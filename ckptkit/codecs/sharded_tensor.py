@@ -157,7 +157,7 @@ class _PgState(Record):
 def _slotted(module: str, name: str, fields: dict) -> Record:
     """A record of a ``__slots__`` class: torch pickles its state as ``(None, {slot: value})``."""
     obj = record_class(module, name).__new__(record_class(module, name))
-    obj.__dict__["state"] = (None, fields)  # kept as is: Record.__setstate__ would merge the pair into a dict
+    obj.__dict__["state"] = (None, fields)  # kept as is: its __setstate__ would merge the pair into a dict
     return obj
 
 
@@ -193,7 +193,7 @@ def sharded_tensor(dtype: DType, size: tuple[int, ...], shards: tuple[ShardBox, 
         "shards_metadata": [_shard_meta(box, placements[box]) for box in shards],
         "size": keep_call("torch", "Size")(tuple(size)), "tensor_properties": props})
     pg = _PgState()
-    pg.__setstate__({"local_rank": rank, "global_rank": rank, "local_world_size": world_size,
+    pg.__dict__.update({"local_rank": rank, "global_rank": rank, "local_world_size": world_size,
                      "global_world_size": world_size})
     by_offset = sorted(shards, key=lambda b: sum(b.offsets))
     spec = make_record(_SPEC, "ChunkShardingSpec", {"dim": 0, "placements": [placements[b] for b in by_offset]})

@@ -39,6 +39,11 @@ class _Window(io.RawIOBase):
         self._pread, self._start, self._len, self._pos = pread, start, length, 0
         self.reads: list[tuple[int, int]] = []
         """Every byte range the parser asked for, so that :class:`ArchiveCache` knows what its checks saw."""
+        self.holes: list[tuple[int, int, bool]] = []
+        """Byte ranges ``(start, end, text)`` whose values neither torch nor the checks use (CRC-32s), or use
+        only as UTF-8 text (``text``: the serialization id): what may differ between archives of one framing."""
+        self.descriptors: list[int] = []
+        """Where the data descriptors of records written with one (flag bit 3) would begin."""
         self._head = pread(min(length, self._EDGE), start)
         tail_at = max(0, length - self._EDGE)
         self._tail_at, self._tail = tail_at, pread(length - tail_at, start + tail_at)
@@ -349,6 +354,7 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
             raise bad("the central directory is shorter than its entries")
         (sig, _, _, flags, method, _, _, _, comp, size, name_len, extra_len, comment_len, entry_disk, _, _,
          offset) = _CENTRAL.unpack_from(cd, pos)
+        window.holes.append((cd_offset + pos + 16, cd_offset + pos + 20, False))  # the CRC-32: torch never checks it
         raw = cd[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len]
         extra = cd[pos + _CENTRAL.size + name_len:pos + _CENTRAL.size + name_len + extra_len]
         pos += _CENTRAL.size + name_len + extra_len + comment_len
@@ -379,6 +385,8 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
         if not slash or not name.startswith(prefix):
             raise bad(f"record {name} is not in the directory {prefix or name!r} every record shares")
         out.setdefault(name[len(prefix):], Span(path, start + data, size))  # torch finds the first of a name
+        if flags & 0x8:
+            window.descriptors.append(data + size)
     _check_small_records(out, window, start, bad)
     return out
 
@@ -404,6 +412,9 @@ def _check_small_records(records: dict[str, Span], window: _Window, start: int, 
     if alignment is not None and not re.fullmatch(rb"\s*[-+]?\d+\s*", alignment):
         raise bad(f"storage alignment {alignment!r:.40} is not a number")
     serial = read(".data/serialization_id")
+    if serial:  # torch.save writes a new one into every archive; torch.load only decodes it
+        at = records[".data/serialization_id"].offset - start
+        window.holes.append((at, at + len(serial), True))
     try:
         (serial or b"").decode("utf-8")  # torch hands it to Python as text
     except UnicodeDecodeError:
@@ -467,27 +478,86 @@ def _parse(window: _Window, path: str, where: str,
 
 
 class _Framing:
-    """The bytes of a checked tensor archive outside its tensor data, and the tensor it holds (offsets relative
-    to the archive)."""
+    """A checked tensor archive's bytes outside its tensor data (``head`` before it, ``tail`` after it), the
+    ranges among them that may differ between archives of this framing (:attr:`_Window.holes`), and the
+    tensor it holds (offsets relative to the archive).
 
-    __slots__ = ("head", "tail", "dtype", "shape", "strides", "offset", "nbytes")
+    A hole is *active* once an archive differed there (torch.save's serialization id and the CRC-32s of its
+    records do, from chunk to chunk); only active holes are skipped when comparing, so archives that are
+    all alike (ckptkit's) cost two compares each."""
 
-    def __init__(self, head: bytes, tail: bytes, ref: TensorRef, start: int) -> None:
-        self.head, self.tail = head, tail
+    __slots__ = ("head", "tail", "length", "holes", "active", "pieces", "texts", "dtype", "shape", "strides",
+                 "offset", "nbytes")
+
+    def __init__(self, head: bytes, tail: bytes, holes: list[tuple[int, int, bool]], ref: TensorRef,
+                 start: int) -> None:
+        self.head, self.tail, self.length = head, tail, len(head) + ref.span.length + len(tail)
         self.dtype, self.shape, self.strides = ref.dtype, ref.shape, ref.strides
         self.offset, self.nbytes = ref.span.offset - start, ref.span.length
+        self.holes, self.active = holes, list[tuple[int, int, bool]]()
+        self.pieces, self.texts = self._split(self.active)
+
+    def _at(self, a: int, b: int) -> tuple[bool, int, int | None]:
+        """Bytes ``[a, b)`` of the archive as a slice ``(in tail, from, to)`` of an archive's head or tail;
+        offsets into the tail count from the archive's end, so that a longer tail read does not move them."""
+        return (False, a, b) if b <= self.offset else (True, a - self.length, (b - self.length) or None)
+
+    def _split(self, holes: list[tuple[int, int, bool]]) -> tuple[list[tuple[bool, int, bytes]],
+                                                                     list[tuple[bool, int, int | None]]]:
+        """The pieces to compare (where, as :meth:`_at` says, and the bytes expected there) between ``holes``
+        and the data; the text to decode."""
+        lo, hi = self.offset, self.offset + self.nbytes
+        pieces, at = [], 0
+        for a, b in sorted([*((a, b) for a, b, _ in holes), (lo, hi), (self.length, self.length)]):
+            if a > at:
+                in_tail, start, _ = self._at(at, a)
+                pieces.append((in_tail, start, self.head[at:a] if a <= lo else self.tail[at - hi:a - hi]))
+            at = max(at, b)
+        return pieces, [self._at(a, b) for a, b, text in holes if text]
+
+    def matches(self, head: bytes, tail: bytes, *, loose: bool = False) -> bool:
+        """Whether an archive of this length that starts with ``head`` and ends with ``tail`` (each at least
+        as long as this framing's; both may be the whole archive) is framed as this one. ``loose``: all holes
+        skipped, not only the active ones; the holes where the archive differs become active."""
+        if not (loose or self.active):  # archives all alike (ckptkit's)
+            return head.startswith(self.head) and tail.endswith(self.tail)
+        pieces, texts = self._split(self.holes) if loose else (self.pieces, self.texts)
+        for in_tail, a, want in pieces:
+            if not (tail if in_tail else head).startswith(want, a):  # compares in place, without a copy
+                return False
+        for in_tail, a, b in texts:
+            try:
+                (tail if in_tail else head)[a:b].decode("utf-8")
+            except UnicodeDecodeError:  # the full read names the fault
+                return False
+        if loose:
+            self.active = [h for h in self.holes if h in self.active or self._differs(head, tail, h)]
+            self.pieces, self.texts = self._split(self.active)
+        return True
+
+    def _differs(self, head: bytes, tail: bytes, hole: tuple[int, int, bool]) -> bool:
+        """Whether the archive's bytes in ``hole`` differ from this framing's."""
+        in_tail, a, b = self._at(hole[0], hole[1])
+        hi = self.offset + self.nbytes
+        mine = self.tail[hole[0] - hi:hole[1] - hi] if in_tail else self.head[a:b]
+        return (tail if in_tail else head)[a:b] != mine
+
+    def ref(self, path: str, start: int) -> TensorRef:
+        return TensorRef(self.dtype, self.shape, Span(path, start + self.offset, self.nbytes), self.strides)
 
 
 class ArchiveCache:
     """The one-tensor archives of a DCP checkpoint (one per chunk), each checked in full once per framing.
 
     ``torch.save`` writes the same bytes around the tensor data of every chunk of one dtype and shape: local
-    headers, ``data.pkl``, the small records, the central directory, all with offsets relative to the archive.
+    headers, ``data.pkl``, the small records, the central directory, all with offsets relative to the archive,
+    except for a serialization id of the same length and the records' CRC-32s, which torch never checks.
     :meth:`read` parses and checks an archive as :func:`read_archive` does, and remembers its bytes outside
     the tensor data when the checks read none of the data. :meth:`lookup` then takes any archive of the same
-    length whose bytes outside the data are those same bytes: the checks, a function of exactly those bytes,
-    would find the same tensor at the same place. It costs a read of the head and the tail and a compare,
-    instead of a zip and pickle parse (a 1M-chunk checkpoint has 1M archives).
+    length whose bytes outside the data are those same bytes, but for those holes (a serialization id must
+    still be UTF-8 text, as torch decodes it): the checks, a function of exactly those bytes, would find the
+    same tensor at the same place. It costs a read of the head and the tail and a compare, instead of a zip
+    and pickle parse (a 1M-chunk checkpoint has 1M archives).
     """
 
     _KEEP = 8  # framings remembered per archive length; a checkpoint has a handful (one per dtype and shape)
@@ -498,19 +568,30 @@ class ArchiveCache:
 
     def lookup(self, pread: Callable[[int, int], bytes], path: str, start: int, length: int) -> TensorRef | None:
         """The tensor of the archive at ``start`` if its framing is one already checked, else None."""
+        framing = self.find(pread, start, length)
+        return None if framing is None else framing.ref(path, start)
+
+    def find(self, pread: Callable[[int, int], bytes], start: int, length: int) -> _Framing | None:
+        """:meth:`lookup`'s framing, which tells the tensor's dtype, shape, strides, and ``offset`` and ``nbytes``
+        in the archive, without making a :class:`TensorRef`."""
         known = self._by_length.get(length)
         if known is None:
             return None
         head_len, tail_len, framings = known
         if length <= self._WHOLE:
-            whole = pread(length, start)
-            head, tail = whole[:head_len], whole[length - tail_len:]
+            head = tail = pread(length, start)  # offsets into the tail count from the end: the whole serves
+            if len(head) != length:  # the file ends early; the full read says so
+                return None
         else:
             head, tail = pread(head_len, start), pread(tail_len, start + length - tail_len)
-        if len(tail) == tail_len:  # else the file ends early; the full read says so
-            for f in framings:
-                if head.startswith(f.head) and tail.endswith(f.tail):
-                    return TensorRef(f.dtype, f.shape, Span(path, start + f.offset, f.nbytes), f.strides)
+            if len(tail) != tail_len or len(head) != head_len:
+                return None
+        for f in framings:
+            if f.matches(head, tail):
+                return f
+        for f in framings:
+            if f.holes and f.matches(head, tail, loose=True):
+                return f
         return None
 
     def read(self, path: str, start: int, length: int, *, pread: Callable[[int, int], bytes], where: str) -> Any:
@@ -523,10 +604,26 @@ class ArchiveCache:
             if 0 <= lo <= hi <= length and all(end <= lo or begin >= hi for begin, end in window.reads):
                 head, tail = pread(lo, start), pread(length - hi, start + hi)
                 if len(head) == lo and len(tail) == length - hi:
-                    framings.append(_Framing(head, tail, value, start))
+                    framings.append(_Framing(head, tail, _holes(window, head, tail, lo, hi), value, start))
                     self._by_length[length] = (max(len(f.head) for f in framings),
                                                max(len(f.tail) for f in framings), framings)
         return value
+
+
+def _holes(window: _Window, head: bytes, tail: bytes, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+    """The window's holes outside the tensor data ``[lo, hi)``, and the CRC-32 of every data descriptor that
+    follows its record with the descriptor's signature (torch reads sizes and CRCs from the central directory
+    only), unless the checks read those bytes for something else."""
+    length = hi + len(tail)
+
+    def at(a: int, b: int) -> bytes:
+        return head[a:b] if b <= lo else tail[a - hi:b - hi] if a >= hi else b""
+
+    holes = list(window.holes)
+    for d in window.descriptors:
+        if d + 8 <= length and at(d, d + 4) == b"PK\x07\x08" and all(b <= d + 4 or a >= d + 8 for a, b in window.reads):
+            holes.append((d + 4, d + 8, False))
+    return [h for h in holes if h[1] <= lo or h[0] >= hi]
 
 
 def load_blob(span: Span, *, where: str) -> Any:

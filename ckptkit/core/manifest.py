@@ -95,29 +95,34 @@ class TensorEntry:
         """Chunks must lie inside the tensor and tile it exactly; identical replicas (HSDP) count once."""
         problems: list[str] = []
         boxes: dict[tuple, None] = {}  # distinct non-empty boxes, in chunk order
-        shape, rank, itemsize = self.shape, len(self.shape), self.dtype.itemsize
-        for c in self.chunks:  # loops rather than generators: a tensor may have thousands of chunks
-            where, offsets, sizes = c.span.file, c.offsets, c.sizes
+        covered = 0  # their elements
+        shape, rank, itemsize, prod = self.shape, len(self.shape), self.dtype.itemsize, math.prod
+        dims = range(rank)  # indexing beats zip(..., strict=True) here: this loop runs once per chunk
+        for c in self.chunks:  # loops rather than generators: a tensor may have a million chunks
+            offsets, sizes = c.offsets, c.sizes
             if len(offsets) != rank or len(sizes) != rank:
-                problems.append(f"chunk in {where} has rank {len(sizes)}, tensor has rank {rank}")
+                problems.append(f"chunk in {c.span.file} has rank {len(sizes)}, tensor has rank {rank}")
                 continue
-            for offset, size, dim in zip(offsets, sizes, shape, strict=True):
-                if offset < 0 or offset + size > dim:
-                    problems.append(f"chunk at {list(offsets)} size {list(sizes)} in {where} "
+            for d in dims:
+                if offsets[d] < 0 or offsets[d] + sizes[d] > shape[d]:
+                    problems.append(f"chunk at {list(offsets)} size {list(sizes)} in {c.span.file} "
                                     f"exceeds shape {list(shape)}")
                     break
             else:
-                numel = math.prod(sizes)
+                numel = prod(sizes)
                 need = (numel if c.strides is None else extent(sizes, c.strides)) * itemsize
                 if c.span.length < need:
-                    problems.append(f"chunk at {list(offsets)} in {where} holds {c.span.length} bytes, needs {need}")
+                    problems.append(f"chunk at {list(offsets)} in {c.span.file} holds {c.span.length} bytes, "
+                                    f"needs {need}")
                 if numel:
+                    known = len(boxes)
                     boxes[(offsets, sizes)] = None
-        distinct = list(boxes)
-        problems += [f"chunks at {list(distinct[i][0])} and {list(distinct[j][0])} overlap"
-                     for i, j in overlapping(distinct)]
-        covered = sum(math.prod(s) for _, s in distinct)
-        if not problems and covered != self.numel:
+                    covered += numel if len(boxes) > known else 0
+        if len(boxes) > 1:
+            distinct = list(boxes)
+            problems += [f"chunks at {list(distinct[i][0])} and {list(distinct[j][0])} overlap"
+                         for i, j in overlapping(distinct)]
+        if not problems and covered != math.prod(shape):
             problems.append(f"chunks cover {covered} of {self.numel} elements (a rank file or chunk is missing)")
         if problems:
             raise IncompleteCheckpointError(f"tensor {self.key!r}: " + "; ".join(problems))
