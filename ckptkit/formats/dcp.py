@@ -251,6 +251,10 @@ class DcpIO(FormatIO):
         return DcpOptions(cast=target.cast, world_size=target.world_size, meta_groups=target.meta_groups)
 
     def plan(self, manifest: Manifest, options: DcpOptions) -> WritePlan:
+        with gc_paused():  # millions of parts and records, none in a cycle: see ckptkit.core.gc_pause
+            return self._plan(manifest, options)
+
+    def _plan(self, manifest: Manifest, options: DcpOptions) -> WritePlan:
         n = options.world_size
         parts: list[list[Part]] = [[] for _ in range(n)]
         sizes = [0] * n
