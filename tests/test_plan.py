@@ -6,6 +6,8 @@ float32 (4 bytes an element) unless a test says otherwise.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from ckptkit import Chunk, IncompleteCheckpointError, Span, TensorEntry
@@ -367,3 +369,15 @@ def test_row_blocks_of_a_gather_keep_it():
 def test_row_gather_refuses_what_is_not_a_permutation():
     with pytest.raises(IncompleteCheckpointError, match=r"a row gather must permute the 3 rows of shape \[3, 2\]"):
         gathered((3, 2), (0, 0, 1), chunk((0, 0), (3, 2), "f"))
+
+
+def test_plan_strided_keeps_its_chunk_index_on_the_entry_and_lets_it_go_with_it():
+    # A library process (a training job calling ckptkit.load) must not hold a converted checkpoint's chunks.
+    chunks = tuple(Chunk((i, 0), (1, 4), Span("f", 16 * i, 16)) for i in range(64))
+    entry = TensorEntry("w", ("w",), by_name("float32"), (64, 4), chunks)
+    probe = chunks[0]
+    before = sys.getrefcount(probe)
+    assert plan_strided(Region(entry, (3, 0), (10, 4))) == (Strided(Span("f", 48, 160), 0),)
+    assert entry.by_row is not None
+    del entry, chunks
+    assert sys.getrefcount(probe) == before - 1  # the tuple's reference went, and nothing else held it

@@ -77,6 +77,9 @@ class TensorEntry:
     """A row gather: row ``i`` of this tensor is row ``rows[i]`` of the tensor its chunks describe (a key
     mapping's rotary q/k permutation); None: the chunks' own order. Byte copies honour it
     (:func:`ckptkit.core.plan.plan_copies`), so it streams like any other tensor."""
+    by_row: tuple | None = field(default=None, init=False, compare=False, repr=False)
+    """The chunks ordered down dim 0, made on first use by :mod:`ckptkit.core.plan` (a reshard to N ranks
+    looks each tensor's chunks up N times). Kept here, it goes when the entry goes."""
 
     def __post_init__(self) -> None:
         if self.rows is not None and (not self.shape or sorted(self.rows) != list(range(self.shape[0]))):

@@ -94,24 +94,22 @@ class Copy:
 
 
 _INDEX_FROM = 16  # chunks; fewer are scanned
-_INDEX_LIMIT = 1 << 16  # indexed tensors remembered
-_index: dict[int, tuple[tuple[Chunk, ...], list[int], list[Chunk], int]] = {}
 
 
-def _candidates(chunks: tuple[Chunk, ...], offset: int, size: int) -> tuple[Chunk, ...] | list[Chunk]:
-    """The chunks that may meet rows ``[offset, offset + size)``, in their order in ``chunks`` where boxes
-    repeat. A reshard to N ranks plans N regions per tensor; scanning every chunk for each would cost
-    ranks x ranks per tensor, so chunks are kept sorted along dim 0 (one index per tensor, remembered by the
-    identity of its chunks) and found by bisection."""
+def _candidates(entry: TensorEntry, offset: int, size: int) -> tuple[Chunk, ...] | list[Chunk]:
+    """The chunks of ``entry`` that may meet rows ``[offset, offset + size)``, in their order in its chunks
+    where boxes repeat. A reshard to N ranks plans N regions per tensor; scanning every chunk for each would
+    cost ranks x ranks per tensor, so the chunks are sorted along dim 0 once per entry
+    (:attr:`TensorEntry.by_row`) and found by bisection."""
+    chunks = entry.chunks
     if len(chunks) < _INDEX_FROM:
         return chunks
-    known = _index.get(id(chunks))
-    if known is None or known[0] is not chunks:
-        if len(_index) >= _INDEX_LIMIT:
-            _index.clear()
+    known = entry.by_row
+    if known is None:
         order = sorted(chunks, key=lambda c: c.offsets[0])  # stable: replicas keep their order
-        known = _index[id(chunks)] = (chunks, [c.offsets[0] for c in order], order, max(c.sizes[0] for c in order))
-    _, starts, order, tallest = known
+        known = ([c.offsets[0] for c in order], order, max(c.sizes[0] for c in order))
+        object.__setattr__(entry, "by_row", known)  # a cache, not a field: see TensorEntry.by_row
+    starts, order, tallest = known
     return order[bisect.bisect_left(starts, offset - tallest + 1):bisect.bisect_left(starts, offset + size)]
 
 
@@ -164,13 +162,13 @@ def plan_strided(region: Region) -> tuple[Strided, ...]:
     rows = n and rs[1:] == entry.shape[1:]
     row = math.prod(rs[1:]) * isz
     if rows:
-        fast = _shard0_runs(_candidates(entry.chunks, ro[0], rs[0]), ro[0], ro[0] + rs[0], row, rs[1:])
+        fast = _shard0_runs(_candidates(entry, ro[0], rs[0]), ro[0], ro[0] + rs[0], row, rs[1:])
         if fast is not None:
             return fast
     out: list[Strided] = []
     seen: set[tuple] = set()
     ordered = True  # whether the pieces come in the order of dst, as Shard(0) chunks in order do
-    for c in (_candidates(entry.chunks, ro[0], rs[0]) if n else entry.chunks):
+    for c in (_candidates(entry, ro[0], rs[0]) if n else entry.chunks):
         box = (c.offsets, c.sizes)
         if box in seen:  # a replica (HSDP without de-duplication): the first copy serves
             continue
