@@ -19,6 +19,7 @@ and 3 ranks, and its 2-row ``up`` weights leave rank 2 of 3 without rows.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 import traceback
@@ -441,3 +442,44 @@ def test_convert_refuses_torch_chunk_whose_serialization_id_is_not_text(tmp_path
     with pytest.raises(FormatError, match=rf"^{path}: 't2' chunk \[0, 0\]: not a torch\.save archive torch can read "
                                           r"\(serialization id b'.*' is not UTF-8 text\)$"):
         convert(tmp_path / "dcp", tmp_path / "out.pt", to="full")
+
+
+def test_export_hf_reads_only_the_model_s_chunks(tmp_path):
+    # An export writes the model alone, so it checks the model's chunk archives alone: a damaged optimizer
+    # chunk that every full read refuses (convert, as torch's loader does) leaves the export what it was.
+    import torch.distributed.checkpoint as dcp
+
+    gen = torch.Generator().manual_seed(0)
+    model = {"embed.weight": torch.randn(6, 4, generator=gen), "head.weight": torch.randn(5, 4, generator=gen)}
+    optim = {"state": {k: {"exp_avg": torch.randn(v.shape, generator=gen)} for k, v in model.items()},
+             "param_groups": [{"lr": 0.1, "params": list(model)}]}
+    dcp.save({"model": model, "optim": optim}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    export_hf(tmp_path / "dcp", tmp_path / "intact")
+    path = tmp_path / "dcp" / "__0_0.distcp"
+    start, _ = torch_chunks(tmp_path / "dcp")["optim.state.embed.weight.exp_avg"]
+    data = bytearray(path.read_bytes())
+    data[start:start + 4] = b"PK\x00\x00"  # no longer a zip local header
+    path.write_bytes(data)
+    with pytest.raises(FormatError, match=r"'optim\.state\.embed\.weight\.exp_avg' chunk at \[0, 0\] is not a "
+                                          r"torch\.save record"):
+        convert(tmp_path / "dcp", tmp_path / "out.pt", to="full")
+    export_hf(tmp_path / "dcp", tmp_path / "hf")
+    written = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    assert written == (tmp_path / "intact" / "model.safetensors").read_bytes()
+    assert_same_tree(load_hf(tmp_path / "hf"), model)
+
+
+def test_read_part_leaves_unwanted_tensors_without_chunks_so_writing_them_fails(tmp_path):
+    from ckptkit.errors import IncompleteCheckpointError
+    from ckptkit.formats.dcp import DcpIO
+    from ckptkit.formats.hf import HfIO, HfOptions
+    from ckptkit.io.execute import execute
+
+    state = save_alike(tmp_path / "dcp")
+    partial = DcpIO().read_part(tmp_path / "dcp", lambda m: {"t1"})
+    assert {t.key: len(t.chunks) for t in partial.tensors} == {"t0": 0, "t1": 1, "t2": 0, "t3": 0}
+    with pytest.raises(IncompleteCheckpointError, match=r"tensor 't0': chunks supply 0 of the 128 bytes"):
+        execute(HfIO().plan(partial, HfOptions()), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    execute(HfIO().plan(dataclasses.replace(partial, tensors=partial.tensors[1:2]), HfOptions()), tmp_path / "hf")
+    assert_same_tree(load_hf(tmp_path / "hf"), {"t1": state["t1"]})

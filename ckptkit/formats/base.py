@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import json
 import re
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -110,6 +111,12 @@ class FormatIO(abc.ABC):
     @abc.abstractmethod
     def read(self, path: Path) -> Manifest:
         """The manifest of the checkpoint at ``path``; raises a :class:`CheckpointError` naming the bad file."""
+
+    def read_part(self, path: Path, wanted: Callable[[Manifest], Collection[str]]) -> Manifest:
+        """:meth:`read`, where a format that can tells which tensors are ``wanted`` (the keys it returns for a
+        manifest whose tensors have no chunks yet) before it reads theirs: the others come without chunks,
+        so that planning them fails rather than writes anything. This one reads them all."""
+        return self.read(path)
 
     @abc.abstractmethod
     def options(self, target: Target, manifest: Manifest) -> WriteOptions:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,16 +140,22 @@ class DcpIO(FormatIO):
         # A large checkpoint's description is millions of small objects that form no cycles: the collector
         # would walk them again and again as they are made (a third of the time of reading 50,000 chunks).
         with Files() as files, gc_paused():
-            return self._read(path.absolute(), files)
+            return self._read(path.absolute(), files, None)
 
-    def _read(self, root: Path, files: Files) -> Manifest:
+    def read_part(self, path: Path, wanted: Callable[[Manifest], Collection[str]]) -> Manifest:
+        # The chunks' archives are most of a read; an export wants the model's alone (an AdamW checkpoint's
+        # optimizer state is two thirds of its chunks). .metadata says every key, dtype and shape first.
+        with Files() as files, gc_paused():
+            return self._read(path.absolute(), files, wanted)
+
+    def _read(self, root: Path, files: Files, wanted: Callable[[Manifest], Collection[str]] | None) -> Manifest:
         meta_path = root / METADATA
         md = SafeUnpickler(meta_path.read_bytes(), METADATA_GLOBALS, where=str(meta_path)).load_checked()
         if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict):
             raise FormatError(f"{meta_path}: not DCP metadata (found {type(md).__name__})")
         at: list[Any] = [_INDEX]  # the key being read, for the error below
         try:
-            return self._interpret(root, md, files, at)
+            return self._interpret(root, md, files, at, wanted)
         except CheckpointError:
             raise
         except (AttributeError, TypeError, KeyError, ValueError, IndexError, OverflowError) as e:
@@ -157,7 +163,8 @@ class DcpIO(FormatIO):
             where = "the storage index" if at[0] is _INDEX else repr(at[0])
             raise FormatError(f"{meta_path}: malformed DCP metadata at {where} ({type(e).__name__}: {e})") from None
 
-    def _interpret(self, root: Path, md: Any, files: Files, at: list[str]) -> Manifest:
+    def _interpret(self, root: Path, md: Any, files: Files, at: list[str],
+                   wanted: Callable[[Manifest], Collection[str]] | None) -> Manifest:
         meta_path = root / METADATA
         storage: dict[tuple[str, tuple | None], Any] = {}
         for idx, info in (getattr(md, "storage_data", None) or {}).items():
@@ -189,7 +196,7 @@ class DcpIO(FormatIO):
                 rank_files.add(relative)
             return file, _count(info.offset, key, "offset"), _count(info.length, key, "length")
 
-        archives = ArchiveCache()
+        headers: list[tuple[str, tuple, DType, tuple[int, ...], Any]] = []  # each tensor's .metadata, checked
         for key, sm in md.state_dict_metadata.items():
             at[0] = key
             path_ = from_dcp_path(tuple(paths.get(key, (key,))))
@@ -205,7 +212,18 @@ class DcpIO(FormatIO):
                 continue
             if kind != "TensorStorageMetadata":
                 raise FormatError(f"{meta_path}: {key!r} has unknown storage metadata {kind}")
-            dtype, shape = _tensor_dtype(sm.properties, meta_path, key), _counts(sm.size, key, "size")
+            headers.append((key, path_, _tensor_dtype(sm.properties, meta_path, key), _counts(sm.size, key, "size"),
+                            sm))
+        chosen = None
+        if wanted is not None and not (root / META).is_file():  # (meta.pt's entries join later: read them all)
+            chosen = set(wanted(Manifest(Format.SHARDED, str(root), tuple(
+                TensorEntry(key, path_, dtype, shape, ()) for key, path_, dtype, shape, _ in headers), tuple(objects))))
+        archives = ArchiveCache()
+        for key, path_, dtype, shape, sm in headers:
+            at[0] = key
+            if chosen is not None and key not in chosen:
+                tensors.append(TensorEntry(key, path_, dtype, shape, ()))  # not read: planning it fails
+                continue
             chunks = []
             for c in sm.chunks:
                 offsets, sizes = _counts(c.offsets, key, "chunk offsets"), _counts(c.sizes, key, "chunk sizes")
@@ -237,7 +255,7 @@ class DcpIO(FormatIO):
         on_disk = {p.name for p in root.iterdir() if _RANK_FILE.search(p.name)}
         ranks = [int(m.group(1)) for f in rank_files | on_disk if (m := _RANK_FILE.search(f))]
         world = max(ranks) + 1 if ranks else None
-        split = {len(t.chunks) for t in tensors if t.numel}
+        split = {len(t.chunks) for t in tensors if t.numel and t.chunks}
         details = [("files", str(len(rank_files))), ("chunks per tensor", ",".join(map(str, sorted(split))))]
         if (root / META).is_file():
             groups = {str(t.path[0]) for t in tensors} | {str(o.path[0]) for o in objects}

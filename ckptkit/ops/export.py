@@ -141,7 +141,9 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         raise UsageError("--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype bf16 or fp16")
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
     src, dst = as_path(src, storage_options), as_path(dst, storage_options)
-    manifest = detect(src, local).read(src)
+    # Only the model's chunks are read (DCP): the rest, optimizer state above all, is never written here.
+    manifest = detect(src, local).read_part(src, lambda m: {k for _, k in select_model(
+        m, model_key, tuple(strip_prefixes), strip_wrappers).saved_keys})
     sel = select_model(manifest, model_key, tuple(strip_prefixes), strip_wrappers)
     notes = list(sel.notes)
     tensors = list(sel.tensors)
