@@ -63,4 +63,6 @@ def cuda_results(tmp_path_factory):
 @pytest.mark.parametrize("cell", CELLS, ids=[c.name for c in CELLS])
 def test_harness_cell_passes_on_cuda(cuda_results, cell):
     result = cuda_results[cell.name]
+    if result.status is runner.Status.SKIP:  # FSDP2 on more ranks than this machine has GPUs
+        pytest.skip(result.reason)
     assert result.status is runner.Status.PASS, f"{result.reason}\n{result.detail}"

@@ -335,3 +335,13 @@ def test_quick_matrix_cell_passes(quick_results, cell):
         assert result.status is runner.Status.PASS, f"{result.status.value}: {result.reason}\n{result.detail}"
     else:
         assert (result.status, result.reason) == (runner.Status.SKIP, expected)
+
+
+def test_skip_reason_fsdp2_on_more_ranks_than_gpus_on_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    reason = runner._skip_reason(Cell(fsdp1(2, form=Format.FULL), fsdp2(3)), None, "cuda")
+    assert reason == ("FSDP2 on 3 ranks needs a GPU per rank (NCCL); this machine has 1, and FSDP2 ranks sharing "
+                      "GPUs over gloo die with SIGSEGV")
+    assert runner._skip_reason(Cell(fsdp1(2), fsdp1(3)), None, "cuda") is None  # FSDP1 ranks share GPUs fine
+    assert runner._skip_reason(Cell(fsdp2(1), fsdp2(1)), None, "cuda") is None
+    assert runner._skip_reason(Cell(fsdp2(2), fsdp2(3)), None, "cpu") is None

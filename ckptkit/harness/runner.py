@@ -210,11 +210,18 @@ def _pinning_refused() -> str | None:
     return None
 
 
-def _skip_reason(cell: Cell, pinning_refused: str | None) -> str | None:
+def _skip_reason(cell: Cell, pinning_refused: str | None, device: str = "cpu") -> str | None:
     if pinning_refused and any(c.wrapper is Wrapper.FSDP1 and c.cpu_offload for c in (cell.source, cell.target)):
         return ("FSDP1 CPUOffload(offload_params=True) pins the offloaded shards (torch 2.13 fsdp/_flat_param.py, "
                 f"FlatParamHandle.init_flat_param_attributes: pin_memory()), which torch refuses here: "
                 f"{pinning_refused}")
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    shared = [c for c in (cell.source, cell.target) if c.wrapper is Wrapper.FSDP2 and c.world_size > gpus]
+    if device == "cuda" and shared:
+        # Seen on one H100 with torch 2.11 (bin/gpu-check, 2026-11-22): FSDP1 and DDP ranks sharing a GPU over
+        # gloo pass; FSDP2's die in its collectives. NCCL, one GPU a rank, is what FSDP2 runs on.
+        return (f"FSDP2 on {shared[0].world_size} ranks needs a GPU per rank (NCCL); this machine has {gpus}, and "
+                "FSDP2 ranks sharing GPUs over gloo die with SIGSEGV")
     return None
 
 
@@ -242,7 +249,7 @@ def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], 
     pinning_refused = _pinning_refused()
     runnable = []
     for i, cell in enumerate(cells):
-        reason = _skip_reason(cell, pinning_refused)
+        reason = _skip_reason(cell, pinning_refused, device)
         if reason:
             results[i] = CellResult(cell, Status.SKIP, reason)
         else:

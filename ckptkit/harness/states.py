@@ -89,6 +89,14 @@ def load(form: Format, model: nn.Module, optimizer: torch.optim.Optimizer, path:
     HF, which holds the model alone and leaves the optimizer fresh)."""
     if form is Format.FULL:
         state = torch.load(path, map_location="cpu", weights_only=True)
+        if isinstance(model, FullyShardedDataParallel) and model.cpu_offload.offload_params:
+            # set_state_dict refuses an FSDP1 model whose parameters are offloaded to the CPU while its buffers
+            # stay on the GPU ("Multiple devices found", torch 2.11 on CUDA): FSDP1's own full-state API loads it.
+            with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                model.load_state_dict(state["model"])
+                optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(
+                    model, optimizer, state["optim"]))
+            return state["step"]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(full_state_dict=True))
         return state["step"]
