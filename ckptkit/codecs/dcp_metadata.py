@@ -92,7 +92,7 @@ class MetadataPickle:
             self._str(o.key)
             self._new_record(_DCP, "BytesStorageMetadata")  # no state, so no BUILD
             count = self._item(count, len(tensors) + len(objects))
-        self._close(count, len(tensors) + len(objects))
+        self._close(len(tensors) + len(objects))
         self._const("planner_data")
         self._open_dict(len(planner_data))
         count = 0
@@ -100,7 +100,7 @@ class MetadataPickle:
             self._str(key)
             self._tuple(path)
             count = self._item(count, len(planner_data))
-        self._close(count, len(planner_data))
+        self._close(len(planner_data))
         self._const("storage_data")
         n = sum(len(t.chunks) for t in tensors) + len(objects)
         self._open_dict(n)
@@ -113,12 +113,12 @@ class MetadataPickle:
             self._index(o.key, None, None)
             self._storage(o.file, o.offset, o.length)
             count = self._item(count, n)
-        self._close(count, n)
+        self._close(n)
         self._const("storage_meta")
         self._out += b"N"
         self._const("version")
         self._const("1.0.0")
-        self._close(5, 5)
+        self._close(5)
         self._out += b"b."
         return bytes(self._out)
 
@@ -281,7 +281,8 @@ class MetadataPickle:
             self._out += b"u("
         return count
 
-    def _close(self, count: int, n: int) -> None:
+    def _close(self, n: int) -> None:
+        """The end of a dict of ``n`` items (one item is a SETITEM of its own)."""
         if n == 1:
             self._out += b"s"
         elif n > 1:
