@@ -444,9 +444,10 @@ def test_convert_refuses_torch_chunk_whose_serialization_id_is_not_text(tmp_path
         convert(tmp_path / "dcp", tmp_path / "out.pt", to="full")
 
 
-def test_export_hf_reads_only_the_model_s_chunks(tmp_path):
+def test_export_hf_and_verify_model_only_read_only_the_model_s_chunks(tmp_path):
     # An export writes the model alone, so it checks the model's chunk archives alone: a damaged optimizer
-    # chunk that every full read refuses (convert, as torch's loader does) leaves the export what it was.
+    # chunk that every full read refuses (convert, as torch's loader does) leaves the export what it was, and
+    # verify --model-only compares the models.
     import torch.distributed.checkpoint as dcp
 
     gen = torch.Generator().manual_seed(0)
@@ -467,6 +468,9 @@ def test_export_hf_reads_only_the_model_s_chunks(tmp_path):
     written = (tmp_path / "hf" / "model.safetensors").read_bytes()
     assert written == (tmp_path / "intact" / "model.safetensors").read_bytes()
     assert_same_tree(load_hf(tmp_path / "hf"), model)
+    assert verify(tmp_path / "dcp", tmp_path / "hf", model_only=True).ok
+    with pytest.raises(FormatError, match=r"'optim\.state\.embed\.weight\.exp_avg' chunk at \[0, 0\]"):
+        verify(tmp_path / "dcp", tmp_path / "dcp")  # the whole of it is read
 
 
 def test_read_part_leaves_unwanted_tensors_without_chunks_so_writing_them_fails(tmp_path):

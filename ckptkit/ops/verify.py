@@ -282,7 +282,13 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     mapping = KeyMapping(renames=tuple(parse_rename(r) if isinstance(r, str) else (r[0], r[1]) for r in renames))
     prefixes = tuple(strip_prefixes)
     pb = as_path(b, storage_options)
-    ma, mb = detect(pa, local).read(pa), detect(pb, local).read(pb)
+    if model_only:  # the model's chunks alone are read, as export_hf reads them
+        def model_keys(m: Manifest) -> set[str]:
+            return {k for _, k in select_model(m, strip_prefixes=prefixes).saved_keys}
+
+        ma, mb = detect(pa, local).read_part(pa, model_keys), detect(pb, local).read_part(pb, model_keys)
+    else:
+        ma, mb = detect(pa, local).read(pa), detect(pb, local).read(pb)
     ta, oa, notes_a = _entries(ma, model_only, prefixes, mapping)
     tb, ob, notes_b = _entries(mb, model_only, prefixes, mapping)
     diffs = [Difference(k, f"only in {a}") for k in {**ta, **oa} if k not in tb and k not in ob]
