@@ -196,7 +196,7 @@ class DcpIO(FormatIO):
                 rank_files.add(relative)
             return file, _count(info.offset, key, "offset"), _count(info.length, key, "length")
 
-        headers: list[tuple[str, tuple, DType, tuple[int, ...], Any]] = []  # each tensor's .metadata, checked
+        headers: list[tuple[TensorEntry, Any]] = []  # each tensor's .metadata, checked, as an entry without chunks
         for key, sm in md.state_dict_metadata.items():
             at[0] = key
             path_ = from_dcp_path(tuple(paths.get(key, (key,))))
@@ -212,17 +212,18 @@ class DcpIO(FormatIO):
                 continue
             if kind != "TensorStorageMetadata":
                 raise FormatError(f"{meta_path}: {key!r} has unknown storage metadata {kind}")
-            headers.append((key, path_, _tensor_dtype(sm.properties, meta_path, key), _counts(sm.size, key, "size"),
-                            sm))
+            headers.append((TensorEntry(key, path_, _tensor_dtype(sm.properties, meta_path, key),
+                                        _counts(sm.size, key, "size"), ()), sm))
         chosen = None
         if wanted is not None and not (root / META).is_file():  # (meta.pt's entries join later: read them all)
-            chosen = set(wanted(Manifest(Format.SHARDED, str(root), tuple(
-                TensorEntry(key, path_, dtype, shape, ()) for key, path_, dtype, shape, _ in headers), tuple(objects))))
+            chosen = set(wanted(Manifest(Format.SHARDED, str(root), tuple(bare for bare, _ in headers),
+                                         tuple(objects))))
         archives = ArchiveCache()
-        for key, path_, dtype, shape, sm in headers:
+        for bare, sm in headers:
+            key, path_, dtype, shape = bare.key, bare.path, bare.dtype, bare.shape
             at[0] = key
             if chosen is not None and key not in chosen:
-                tensors.append(TensorEntry(key, path_, dtype, shape, ()))  # not read: planning it fails
+                tensors.append(bare)  # not read: planning it fails
                 continue
             chunks = []
             for c in sm.chunks:

@@ -19,7 +19,7 @@ from ..io.sources import Files
 from .convert import Changes, Report, map_model, parse_size, write
 from .hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
 from .mapping import KeyMapSource, Renames, key_mapping
-from .select import select_model
+from .select import model_keys, select_model
 
 __all__ = ["ASSET_FILES", "TIE_DEFAULTS", "export_hf", "tie_word_embeddings"]
 
@@ -142,8 +142,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
     src, dst = as_path(src, storage_options), as_path(dst, storage_options)
     # Only the model's chunks are read (DCP): the rest, optimizer state above all, is never written here.
-    manifest = detect(src, local).read_part(src, lambda m: {k for _, k in select_model(
-        m, model_key, tuple(strip_prefixes), strip_wrappers).saved_keys})
+    manifest = detect(src, local).read_part(src, model_keys(model_key, tuple(strip_prefixes), strip_wrappers))
     sel = select_model(manifest, model_key, tuple(strip_prefixes), strip_wrappers)
     notes = list(sel.notes)
     tensors = list(sel.tensors)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry
 from ..errors import UsageError
 from .names import strip_names
 
-__all__ = ["MODEL_KEYS", "OPTIMIZER_SLOTS", "ModelSelection", "meta_groups",
+__all__ = ["MODEL_KEYS", "OPTIMIZER_SLOTS", "ModelSelection", "meta_groups", "model_keys",
            "optimizer_sections", "select_model"]
 
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
@@ -248,6 +249,14 @@ def select_model(manifest: Manifest, model_key: str = "auto", strip_prefixes: tu
     groups_of = tuple(dict.fromkeys(str(t.path[0]) for t in chosen))
     return ModelSelection(tuple(out), rule, groups_of, tuple(sources), tuple(origin.items()),
                           tuple(sorted(counts.items())), left_out)
+
+
+def model_keys(model_key: str = "auto", strip_prefixes: tuple[str, ...] = (),
+               strip_wrappers: bool = True) -> Callable[[Manifest], set[str]]:
+    """For :meth:`FormatIO.read_part`: the keys, as saved, of the model part :func:`select_model` picks (with
+    these arguments) from a manifest."""
+    return lambda manifest: {k for _, k in select_model(manifest, model_key, strip_prefixes,
+                                                        strip_wrappers).saved_keys}
 
 
 def _explicit(manifest: Manifest, model_key: str) -> tuple[list[TensorEntry], tuple[str, ...], str]:

@@ -27,7 +27,7 @@ from ..io.remote import as_path, is_url
 from ..io.sources import Files, read_region
 from . import checksums
 from .mapping import KeyMapping, Renames, parse_rename, rename_keys
-from .select import select_model
+from .select import model_keys, select_model
 
 __all__ = ["SCHEMA_VERSION", "Difference", "VerifyReport", "compare_tensors", "first_difference", "verify"]
 
@@ -283,10 +283,8 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     prefixes = tuple(strip_prefixes)
     pb = as_path(b, storage_options)
     if model_only:  # the model's chunks alone are read, as export_hf reads them
-        def model_keys(m: Manifest) -> set[str]:
-            return {k for _, k in select_model(m, strip_prefixes=prefixes).saved_keys}
-
-        ma, mb = detect(pa, local).read_part(pa, model_keys), detect(pb, local).read_part(pb, model_keys)
+        wanted = model_keys(strip_prefixes=prefixes)
+        ma, mb = detect(pa, local).read_part(pa, wanted), detect(pb, local).read_part(pb, wanted)
     else:
         ma, mb = detect(pa, local).read(pa), detect(pb, local).read(pb)
     ta, oa, notes_a = _entries(ma, model_only, prefixes, mapping)
