@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import struct
 import pickletools
 import subprocess
 
@@ -111,6 +112,19 @@ def test_safe_getattr_allows_enum_members_only():
 def test_safe_unpickler_damaged_pickle_is_a_format_error(data, message):
     with pytest.raises(FormatError, match=rf"^ckpt/\.metadata: {message}"):
         unpickle(data)
+
+
+@pytest.mark.parametrize("size", [0, 1, 46, 63, 64, 300])  # the walk takes strings under 64 bytes itself
+def test_safe_unpickler_walks_strings_to_the_memo_bomb_behind_them(size):
+    # A string of each length, then a memo index of 2**28: the guard must still reach it (the C unpickler would
+    # size its memo to 4 GiB at once); and a string declaring more bytes than follow is refused by the guard.
+    text = b"X" + struct.pack("<I", size) + b"." * size
+    with pytest.raises(FormatError, match=rf"^ckpt/\.metadata: cannot read pickle: it stores memo entry 268435456 "
+                                          rf"at byte {9 + size}"):
+        unpickle(b"\x80\x02" + text + b"0Nr\x00\x00\x00\x10.")
+    with pytest.raises(FormatError, match=rf"^ckpt/\.metadata: cannot read pickle: it declares {size + 1} bytes "
+                                          rf"at byte 7, but only {size} follow"):
+        unpickle(b"\x80\x02X" + struct.pack("<I", size + 1) + b"." * size)
 
 
 def test_safe_unpickler_refuses_persistent_ids_where_none_belong():

@@ -141,6 +141,9 @@ def safe_getattr(attrs: Mapping[tuple[int, str], Any] | None = None) -> Callable
 # What a pickle may make the unpickler allocate
 
 
+_SHORT = 64  # string lengths the regular expression of _plain_run takes itself
+
+
 @functools.cache
 def _plain_run(bits: int) -> re.Pattern[bytes]:
     """A run of opcodes whose arguments have a fixed length, with LONG_BINPUT memo indices below ``2**bits``.
@@ -166,6 +169,10 @@ def _plain_run(bits: int) -> re.Pattern[bytes]:
         top = b"[\x00-" + re.escape(bytes([(1 << rest) - 1])) + b"]" if rest else b"\x00"
         index = b"." * whole + top + b"\x00" * (3 - whole)
     alternatives = [b"r" + index] + [one_of(codes) + b"." * n for n, codes in sorted(by_length.items())]
+    # Short strings too (BINUNICODE of under 64 bytes: a .metadata has a few per chunk, its file name and the
+    # parts of keys), one alternative per length: the walk would otherwise leave the expression at each.
+    alternatives.append(b"X(?:" + b"|".join(re.escape(bytes([n])) + b"\x00\x00\x00" + b"." * n
+                                            for n in range(_SHORT)) + b")")
     # Possessive (3.11+): a run never needs to give back what it matched, and saying so halves the time.
     star = b"*+" if sys.version_info >= (3, 11) else b"*"
     return re.compile(b"(?:" + b"|".join(alternatives) + b")" + star, re.DOTALL)
