@@ -75,10 +75,11 @@ class _Writer:
 
     def write_file(self, out: int, parts: tuple[Part, ...]) -> None:
         pos = self.fill = 0  # (what a failed file left buffered is not written to this one)
+        told = 0  # bytes reported to progress: once a buffer's worth, not per part (a DCP has three per chunk)
         with ThreadPoolExecutor(1, thread_name_prefix="ckptkit-write") as self.pool:
             try:
                 for part in parts:
-                    if isinstance(part, Bytes):
+                    if type(part) is Bytes:
                         n = len(part.data)
                         self._buffered(out, pos, n)[:] = part.data
                     else:
@@ -88,11 +89,14 @@ class _Writer:
                         else:
                             self._cast_copy(out, part, part.cast, pos)
                     pos += n
-                    self.progress(n)
+                    if pos - told >= _GATHER_BLOCK:
+                        self.progress(pos - told)
+                        told = pos
                 self.flush()
             finally:  # out is closed after this: no write of it may still be under way
                 self._written()
         os.ftruncate(out, pos)
+        self.progress(pos - told)
 
     def _buffered(self, out: int, pos: int, n: int) -> memoryview:
         """Room for bytes ``[pos, pos + n)`` of ``out`` in the buffer, written out by :meth:`flush`; bytes
