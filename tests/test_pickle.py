@@ -9,8 +9,8 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import struct
 import pickletools
+import struct
 import subprocess
 
 import pytest
