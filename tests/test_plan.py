@@ -74,8 +74,8 @@ def test_plan_strided_shard1_chunks_one_strided_copy_each():
     # chunk and 16 apart in the output.
     w = entry((2, 4), chunk((0, 0), (2, 2), "a"), chunk((0, 2), (2, 2), "b"))
     assert plan_strided(Region.whole(w)) == (
-        Strided(Span("a", 0, 8), 0, count=2, src_step=8, dst_step=16),   # a[0:8], a[8:16] -> dst[0:8], [16:24]
-        Strided(Span("b", 0, 8), 8, count=2, src_step=8, dst_step=16),   # b[0:8], b[8:16] -> dst[8:16], [24:32]
+        Strided(Span("a", 0, 8), 0, rows=2, src_step=8, dst_step=16),   # a[0:8], a[8:16] -> dst[0:8], [16:24]
+        Strided(Span("b", 0, 8), 8, rows=2, src_step=8, dst_step=16),   # b[0:8], b[8:16] -> dst[8:16], [24:32]
     )
 
 
@@ -84,10 +84,10 @@ def test_plan_strided_3d_column_chunk_one_strided_copy_per_index_before():
     # the stride (4 bytes apart in the chunk, 8 in the output); dim 0 is walked, one copy per index.
     w = entry((2, 3, 2), chunk((0, 0, 0), (2, 3, 1), "a"), chunk((0, 0, 1), (2, 3, 1), "b"))
     assert plan_strided(Region.whole(w)) == (
-        Strided(Span("a", 0, 4), 0, count=3, src_step=4, dst_step=8),     # a[0:12]  -> dst 0, 8, 16    i = 0
-        Strided(Span("b", 0, 4), 4, count=3, src_step=4, dst_step=8),     # b[0:12]  -> dst 4, 12, 20   i = 0
-        Strided(Span("a", 12, 4), 24, count=3, src_step=4, dst_step=8),   # a[12:24] -> dst 24, 32, 40  i = 1
-        Strided(Span("b", 12, 4), 28, count=3, src_step=4, dst_step=8),   # b[12:24] -> dst 28, 36, 44  i = 1
+        Strided(Span("a", 0, 4), 0, rows=3, src_step=4, dst_step=8),     # a[0:12]  -> dst 0, 8, 16    i = 0
+        Strided(Span("b", 0, 4), 4, rows=3, src_step=4, dst_step=8),     # b[0:12]  -> dst 4, 12, 20   i = 0
+        Strided(Span("a", 12, 4), 24, rows=3, src_step=4, dst_step=8),   # a[12:24] -> dst 24, 32, 40  i = 1
+        Strided(Span("b", 12, 4), 28, rows=3, src_step=4, dst_step=8),   # b[12:24] -> dst 28, 36, 44  i = 1
     )
     # The box that is chunk a: one plain copy.
     assert plan_strided(Region(w, (0, 0, 0), (2, 3, 1))) == (Strided(Span("a", 0, 24), 0),)

@@ -14,6 +14,7 @@ import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..errors import IncompleteCheckpointError
 from .boxes import row_major
@@ -113,26 +114,28 @@ def _candidates(entry: TensorEntry, offset: int, size: int) -> tuple[Chunk, ...]
     return order[bisect.bisect_left(starts, offset - tallest + 1):bisect.bisect_left(starts, offset + size)]
 
 
-@dataclass(frozen=True, slots=True)
-class Strided:
-    """``count`` copies of ``src.length`` bytes: the i-th from ``src.offset + i * src_step`` of ``src.file`` to
+class Strided(NamedTuple):
+    """``rows`` copies of ``src.length`` bytes: the i-th from ``src.offset + i * src_step`` of ``src.file`` to
     byte ``dst + i * dst_step`` of the region's row-major buffer. The rows of a column chunk (``Shard(1)``) are
-    one of these rather than one :class:`Copy` each; a plain copy has ``count`` 1 and steps 0."""
+    one of these rather than one :class:`Copy` each; a plain copy has ``rows`` 1 and steps 0.
+
+    A tuple, not a frozen dataclass: the executor makes one or more per region (a million in a large reshard),
+    and a frozen dataclass takes three times as long to make."""
 
     src: Span
     dst: int
-    count: int = 1
+    rows: int = 1
     src_step: int = 0
     dst_step: int = 0
 
     @property
     def nbytes(self) -> int:
-        return self.count * self.src.length
+        return self.rows * self.src.length
 
     def copies(self) -> list[Copy]:
         src = self.src
         return [Copy(Span(src.file, src.offset + i * self.src_step, src.length), self.dst + i * self.dst_step)
-                for i in range(self.count)]
+                for i in range(self.rows)]
 
 
 def plan_copies(region: Region) -> tuple[Copy, ...]:
@@ -140,7 +143,7 @@ def plan_copies(region: Region) -> tuple[Copy, ...]:
     if region.entry.rows is not None:
         return gather_copies(region)
     strided = plan_strided(region)
-    if all(s.count == 1 for s in strided):  # already ordered and coalesced
+    if all(s.rows == 1 for s in strided):  # already ordered and coalesced
         return tuple(Copy(s.src, s.dst) for s in strided)
     singles = sorted((Strided(cp.src, cp.dst) for s in strided for cp in s.copies()), key=lambda s: s.dst)
     return tuple(Copy(s.src, s.dst) for s in _merged(singles))
@@ -152,7 +155,7 @@ def plan_strided(region: Region) -> tuple[Strided, ...]:
     plain copies are coalesced."""
     entry, ro, rs = region.entry, region.offsets, region.sizes
     if entry.rows is not None:
-        return tuple(dataclasses.replace(s, dst=s.dst + shift) for shift, box in _gathered_boxes(region)
+        return tuple(s._replace(dst=s.dst + shift) for shift, box in _gathered_boxes(region)
                      for s in plan_strided(box))
     isz, n = entry.dtype.itemsize, len(entry.shape)
     size = math.prod(rs) * isz
@@ -248,13 +251,13 @@ def _chunk_strided(c: Chunk, ro: tuple[int, ...], rs: tuple[int, ...], isz: int)
         return [Strided(Span(c.span.file, c.span.offset + base_src * isz, run), base_dst * isz)]
     # Dim k - 1 is the stride; the dims before it are walked one index at a time.
     last = k - 1
-    count = isizes[last]
-    src_step, dst_step = (cstrides[last] * isz, rstrides[last] * isz) if count > 1 else (0, 0)
+    rows = isizes[last]
+    src_step, dst_step = (cstrides[last] * isz, rstrides[last] * isz) if rows > 1 else (0, 0)
     out = []
     for idx in itertools.product(*(range(lo[d], lo[d] + 1 if d == last else hi[d]) for d in range(k))):
         s = base_src + sum((i - c.offsets[d]) * cstrides[d] for d, i in enumerate(idx))
         t = base_dst + sum((i - ro[d]) * rstrides[d] for d, i in enumerate(idx))
-        out.append(Strided(Span(c.span.file, c.span.offset + s * isz, run), t * isz, count, src_step, dst_step))
+        out.append(Strided(Span(c.span.file, c.span.offset + s * isz, run), t * isz, rows, src_step, dst_step))
     return out
 
 
@@ -263,7 +266,7 @@ def _merged(pieces: list[Strided]) -> list[Strided]:
     merged: list[Strided] = []
     for s in pieces:
         last = merged[-1] if merged else None
-        if (last is not None and last.count == s.count == 1 and last.src.file == s.src.file
+        if (last is not None and last.rows == s.rows == 1 and last.src.file == s.src.file
                 and last.src.offset + last.src.length == s.src.offset and last.dst + last.src.length == s.dst):
             merged[-1] = Strided(Span(s.src.file, last.src.offset, last.src.length + s.src.length), last.dst)
         else:

@@ -79,7 +79,7 @@ class _Writer:
         with ThreadPoolExecutor(1, thread_name_prefix="ckptkit-write") as self.pool:
             try:
                 for part in parts:
-                    if type(part) is Bytes:
+                    if isinstance(part, Bytes):
                         n = len(part.data)
                         self._buffered(out, pos, n)[:] = part.data
                     else:
@@ -131,7 +131,7 @@ class _Writer:
     def _copy(self, out: int, region: Region, pos: int, nbytes: int) -> None:
         pieces = plan_strided(region)
         if (self.kernel_copy and pieces and pieces[0].src.length >= _KERNEL_COPY
-                and all(s.count == 1 and s.src.length >= _KERNEL_COPY for s in pieces)):
+                and all(s.rows == 1 and s.src.length >= _KERNEL_COPY for s in pieces)):
             for s in pieces:
                 fd = self.files.fd(s.src.file, s.src.offset + s.src.length, start=s.src.offset,
                                    key=region.entry.key)

@@ -207,13 +207,13 @@ def read_into(view: memoryview, pieces: Iterable[Strided], files: Files, key: st
     rows follow one another in the file; where it holds more, the bytes between them go to a scratch buffer."""
     for s in pieces:
         src, run = s.src, s.src.length
-        if s.count == 1:
+        if s.rows == 1:
             fd = files.fd(src.file, src.offset + run, start=src.offset, key=key)
             to = view[s.dst:s.dst + run]
             if os.preadv(fd, [to], src.offset) != run:  # a short read: the rest, or where the file ended
                 _pread_into(fd, to, src.offset, src.file)
             continue
-        fd = files.fd(src.file, src.offset + (s.count - 1) * s.src_step + run, start=src.offset, key=key)
+        fd = files.fd(src.file, src.offset + (s.rows - 1) * s.src_step + run, start=src.offset, key=key)
         gap = s.src_step - run
         if not 0 <= gap <= _SKIP:  # rows far apart (or shared, an expanded tensor's): a read each
             for cp in s.copies():
@@ -221,8 +221,8 @@ def read_into(view: memoryview, pieces: Iterable[Strided], files: Files, key: st
             continue
         scratch = memoryview(bytearray(gap))
         per_call = _IOV_MAX if gap == 0 else _IOV_MAX // 2
-        for first in range(0, s.count, per_call):
-            last = min(first + per_call, s.count)
+        for first in range(0, s.rows, per_call):
+            last = min(first + per_call, s.rows)
             iov = []
             for i in range(first, last):
                 at = s.dst + i * s.dst_step
