@@ -363,6 +363,17 @@ def test_bad_dcp_metadata_is_a_one_line_error_naming_file_and_key(tmp_path, dcp_
     assert "ckptkit: error: " in proc.stderr and ("'model." in proc.stderr or "distcp" in proc.stderr)
 
 
+def test_dcp_metadata_index_with_an_unhashable_offset_is_refused_as_torch_refuses_it(tmp_path, dcp_ckpt):
+    # torch hashes each MetadataIndex as its dict key while unpickling; ckptkit's stand-ins hash by identity,
+    # and the reader checks the offset itself.
+    _dcp_edit(dcp_ckpt, lambda md: object.__setattr__(next(iter(md.storage_data)), "offset", [0, 0]))
+    with pytest.raises(TypeError, match="unhashable type: 'list'"):
+        torch.load(dcp_ckpt / ".metadata", weights_only=False)
+    proc = script("convert", dcp_ckpt, tmp_path / "out.pt", "--to", "full")
+    assert_one_line_error(proc, "malformed DCP metadata at the storage index (TypeError: unhashable type: 'list')")
+    assert not (tmp_path / "out.pt").exists()
+
+
 def test_ctrl_c_while_the_console_script_starts_is_one_line():
     # Defect 7: Ctrl-C during start-up printed a traceback. (The signal arrives while the package imports.)
     proc = python("""

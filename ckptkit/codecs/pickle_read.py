@@ -53,8 +53,8 @@ class Call:
 class Record:
     """Stand-in for an allowed class built by NEWOBJ + BUILD: its state becomes attributes.
 
-    Unhashable, as torch's (non-frozen) dataclasses are, unless :data:`HASHED_BY` names the fields torch hashes:
-    a pickle that uses one as a dict key fails here where it fails in torch.
+    Unhashable, as torch's (non-frozen) dataclasses are, unless :data:`HASHABLE` names it: a pickle that uses
+    one as a dict key fails here where it fails in torch.
 
     This base has no ``__setstate__``: the unpickler's own BUILD sets a dict state (or a ``(dict, slots)``
     pair) and refuses any other, as for a torch class without one (:func:`allow_plain_records`). The classes
@@ -77,14 +77,11 @@ def _set_state(self: Any, state: Any) -> None:
         self.state = state
 
 
-HASHED_BY = {("torch.distributed.checkpoint.metadata", "MetadataIndex"): ("fqn", "offset")}
-"""torch classes among the allowed ones that hash (frozen dataclasses), and the fields they hash."""
-
-
-def _hash_of(fields: tuple[str, ...]) -> Callable[[Any], int]:
-    def hash_(self: Any) -> int:
-        return hash(tuple(map(self.__dict__.get, fields)))  # a field torch leaves at its class default is None
-    return hash_
+HASHABLE = {("torch.distributed.checkpoint.metadata", "MetadataIndex")}
+"""torch classes among the allowed ones that hash (frozen dataclasses). Their stand-ins hash by identity, as
+stand-ins compare: a hash of their fields, a Python call per chunk of a ``.metadata``, would tell nothing
+more, since no two stand-ins are equal. Torch hashes the fields, and so refuses an unhashable one (a list
+for a ``torch.Size``): the DCP reader checks that itself."""
 
 
 @functools.cache
@@ -92,9 +89,8 @@ def record_class(module: str, name: str, *, plain: bool = False) -> type[Record]
     """The stand-in class for ``module.name``; ``plain``: built by the unpickler's own BUILD (see :class:`Record`),
     else with a ``__setstate__`` that keeps a state of any other form as ``.state``."""
     attrs: dict[str, Any] = {"_pickle_name": ref(module, name)}
-    fields = HASHED_BY.get((module, name))
-    if fields:
-        attrs["__hash__"] = _hash_of(fields)
+    if (module, name) in HASHABLE:
+        attrs["__hash__"] = object.__hash__
     if not plain:
         attrs["__setstate__"] = _set_state
     return type(name, (Record,), attrs)
