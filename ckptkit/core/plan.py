@@ -214,12 +214,14 @@ def _shard0_runs(chunks: Iterable[Chunk], first: int, end: int, row: int,
         if a != done:
             return None
         done = min(end, bottom)
-        src = c.span.offset + (a - top) * row
+        span = c.span
+        src, length = span.offset + (a - top) * row, (done - a) * row
         last = out[-1].src if out else None
-        if last is not None and last.file == c.span.file and last.offset + last.length == src:
-            out[-1] = Strided(Span(last.file, last.offset, last.length + (done - a) * row), out[-1].dst)
-        else:
-            out.append(Strided(Span(c.span.file, src, (done - a) * row), (a - first) * row))
+        if last is not None and last.file == span.file and last.offset + last.length == src:
+            out[-1] = Strided(Span(last.file, last.offset, last.length + length), out[-1].dst)
+        else:  # a whole chunk (nearly always in a reshard of small chunks) is its own span
+            whole = src == span.offset and length == span.length
+            out.append(Strided(span if whole else Span(span.file, src, length), (a - first) * row))
     return tuple(out) if done == end else None
 
 
