@@ -177,7 +177,7 @@ def test_write_files_gathers_small_copies_and_framing_into_one_write(tmp_path, w
 
 
 def test_write_files_buffer_smaller_than_a_tensor_writes_in_blocks(tmp_path, writes):
-    # max_memory 256: three buffers of 42 bytes; the 3 x 20 float32 tensor (240 bytes) goes in row blocks.
+    # max_memory 256: two buffers of 64 bytes; the 3 x 20 float32 tensor (240 bytes) goes in row blocks.
     plan, want = framed(tmp_path, 20)
     (tmp_path / "out").mkdir()
     write_files((plan,), tmp_path / "out", max_memory=256)
@@ -205,18 +205,6 @@ def test_write_files_a_failed_buffered_write_names_the_destination(tmp_path, mon
     (tmp_path / "out").mkdir()
     with pytest.raises(OSError, match=r"No space left on device \(writing /dst/f.bin\)"):
         write_files((plan,), tmp_path / "out", names={"f.bin": Path("/dst/f.bin")})
-
-
-def test_write_files_a_source_cut_short_fails_the_buffer_that_reads_it(tmp_path, writes):
-    # The reader thread reads a buffer's copies; its short read must fail the run, and the writer thread must
-    # write nothing of that buffer.
-    plan, _ = framed(tmp_path, 3)
-    src = tmp_path / "src.safetensors"
-    os.truncate(src, src.stat().st_size - 4)  # after planning, as a file another process rewrites
-    (tmp_path / "out").mkdir()
-    with pytest.raises(FormatError, match=rf"^{src}: 't2' needs bytes up to offset 256 but the file has 252"):
-        write_files((plan,), tmp_path / "out")
-    assert writes == []
 
 
 @pytest.mark.parametrize("existing", [False, True])  # a previous DST survives the failure unchanged

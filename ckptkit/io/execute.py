@@ -20,7 +20,6 @@ training job's group in a save hook); every rank plans the whole job. The calls 
 from __future__ import annotations
 
 import atexit
-import collections
 import errno
 import functools
 import os
@@ -32,7 +31,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 from .. import errors
 from ..core.dtypes import DType
-from ..core.plan import Bytes, FilePlan, Part, Region, Strided, WritePlan, plan_strided, row_blocks, split_files
+from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_strided, row_blocks, split_files
 from ..errors import CheckpointError, FormatError, UsageError
 from .publish import Staging, check_destination, stage
 from .remote import RemotePath, is_url
@@ -62,31 +61,22 @@ def _cast(data: bytearray, src: DType, dst: DType) -> memoryview:
 class _Writer:
     """Writes a file's parts in order. Copies of at least :data:`_KERNEL_COPY` bytes move kernel-side; smaller
     ones (a DCP of many small chunks: framing, a chunk, framing...; the rows of column chunks) are read into
-    a buffer with the framing between them and written with one ``pwrite`` per buffer: a kernel copy of a
-    small range costs several times the bytes' own cost, and a write per piece as much again.
-
-    A buffer goes through three hands: this thread lays out its framing and where each copy goes, a reader
-    thread then ``preadv``'s the copies into it, and a writer thread writes it out. Reads and writes release
-    the GIL, so the two copies of each byte (into the buffer, out of it) run beside the Python of laying out
-    the next buffer: for a checkpoint of small chunks, that Python is as long as the copies."""
+    one buffer with the framing between them and written with one ``pwrite`` per buffer: a kernel copy of a
+    small range costs several times the bytes' own cost, and a write per piece as much again."""
 
     def __init__(self, files: Files, max_memory: int, progress: Callable[[int], None]) -> None:
         self.files, self.max_memory, self.progress = files, max_memory, progress
         self.kernel_copy = hasattr(os, "copy_file_range")
-        # Three buffers (filling, being read into, being written) beside a cast block: at most half the budget.
-        self.cap = max(1, min(max_memory // 6, _GATHER_BLOCK))
-        self.buf = memoryview(bytearray(0))
+        # Two buffers (one filling, one being written) beside a cast block.
+        self.cap = max(1, min(max_memory // 4, _GATHER_BLOCK))
+        self.buf, self.spare = memoryview(bytearray(0)), memoryview(bytearray(0))
         self.out, self.start, self.fill = -1, 0, 0  # the buffer holds bytes [start, start + fill) of out
-        self.reads: list[tuple[memoryview, tuple[Strided, ...], str]] = []  # the buffer's copies, not yet read
-        self.free: list[memoryview] = []
-        self.busy: collections.deque[tuple[Future[None], memoryview]] = collections.deque()  # oldest first
+        self.writing: Future[None] | None = None  # the spare buffer's write, in the writer thread
 
     def write_file(self, out: int, parts: tuple[Part, ...]) -> None:
         pos = self.fill = 0  # (what a failed file left buffered is not written to this one)
-        self.reads = []
         told = 0  # bytes reported to progress: once a buffer's worth, not per part (a DCP has three per chunk)
-        with ThreadPoolExecutor(1, thread_name_prefix="ckptkit-read") as self.reader, \
-                ThreadPoolExecutor(1, thread_name_prefix="ckptkit-write") as self.writer:
+        with ThreadPoolExecutor(1, thread_name_prefix="ckptkit-write") as self.pool:
             try:
                 for part in parts:
                     if isinstance(part, Bytes):
@@ -104,7 +94,7 @@ class _Writer:
                         told = pos
                 self.flush()
             finally:  # out is closed after this: no write of it may still be under way
-                self._written(0)
+                self._written()
         os.ftruncate(out, pos)
         self.progress(pos - told)
 
@@ -121,26 +111,22 @@ class _Writer:
         return view
 
     def flush(self) -> None:
-        """Hand the buffer to the reader thread, which reads its copies into it, and on to the writer thread;
-        take a free buffer (waiting for the oldest in flight if there are already two)."""
+        """Hand the buffered bytes to the writer thread (a write releases the GIL: the next buffer fills
+        meanwhile) and take the spare buffer once its own write is done."""
         if self.fill:
-            reads, self.reads = self.reads, []
-            done = self.reader.submit(_read_all, reads, self.files) if reads else None
-            self.busy.append((self.writer.submit(_write_after, done, self.out, self.buf[:self.fill], self.start),
-                              self.buf))
-            self._written(2)
-            self.buf = self.free.pop() if self.free else memoryview(bytearray(0))
+            self._written()
+            self.writing = self.pool.submit(_pwrite_all, self.out, self.buf[:self.fill], self.start)
+            self.buf, self.spare = self.spare, self.buf
         self.fill = 0
         if len(self.buf) > self.cap:  # one piece larger than the buffer's cap (a single row): not kept
             self.buf = memoryview(bytearray(0))
 
-    def _written(self, left: int) -> None:
-        """Wait until at most ``left`` buffers are in flight; raise what failed in them."""
-        while len(self.busy) > left:
-            future, buf = self.busy.popleft()
-            future.result()
-            if len(buf) <= self.cap:
-                self.free.append(buf)
+    def _written(self) -> None:
+        writing, self.writing = self.writing, None
+        if writing is not None:
+            writing.result()
+        if len(self.spare) > self.cap:
+            self.spare = memoryview(bytearray(0))
 
     def _copy(self, out: int, region: Region, pos: int, nbytes: int) -> None:
         pieces = plan_strided(region)
@@ -152,16 +138,11 @@ class _Writer:
                 self._copy_range(fd, out, s.src.offset, pos + s.dst, s.src.length)
             return
         if nbytes <= self.cap:
-            self._read_later(self._buffered(out, pos, nbytes), pieces, region.entry.key)
+            read_into(self._buffered(out, pos, nbytes), pieces, self.files, region.entry.key)
             return
         for block in row_blocks(region, self.cap):
-            self._read_later(self._buffered(out, pos, block.nbytes), plan_strided(block), region.entry.key)
+            read_into(self._buffered(out, pos, block.nbytes), plan_strided(block), self.files, region.entry.key)
             pos += block.nbytes
-
-    def _read_later(self, view: memoryview, pieces: tuple[Strided, ...], key: str) -> None:
-        """Read ``pieces`` into ``view`` (of the buffer) when the buffer is handed on. (:meth:`_buffered` may
-        hand on the buffer before, and so start a new list of reads: ``view`` is taken first.)"""
-        self.reads.append((view, pieces, key))
 
     def _copy_range(self, src: int, out: int, src_off: int, dst_off: int, n: int) -> None:
         while n > 0 and self.kernel_copy:
@@ -193,17 +174,6 @@ class _Writer:
             data = _cast(read_region(block, self.files), block.entry.dtype, cast)
             os.pwrite(out, data, pos)
             pos += len(data)
-
-
-def _read_all(reads: list[tuple[memoryview, tuple[Strided, ...], str]], files: Files) -> None:
-    for view, pieces, key in reads:
-        read_into(view, pieces, files, key)
-
-
-def _write_after(read: Future[None] | None, out: int, view: memoryview, pos: int) -> None:
-    if read is not None:
-        read.result()  # (a failed read fails the write: nothing of this buffer is written)
-    _pwrite_all(out, view, pos)
 
 
 def _pwrite_all(out: int, view: memoryview, pos: int) -> None:

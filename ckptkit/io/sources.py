@@ -37,9 +37,7 @@ class Files:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as e:
                 raise FormatError(f"{path}: cannot open ({e.strerror})") from e
-            # The executor's reader thread opens files too: the first open of a path is the one kept.
-            if self._fds.setdefault(path, (fd, os.fstat(fd).st_size))[0] != fd:
-                os.close(fd)
+            self._fds[path] = (fd, os.fstat(fd).st_size)
         fd, size = self._fds[path]
         if 0 <= start <= need_end <= size:
             return fd
