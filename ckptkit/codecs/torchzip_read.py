@@ -352,7 +352,7 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
     for _ in range(count):
         if pos + _CENTRAL.size > len(cd):
             raise bad("the central directory is shorter than its entries")
-        (sig, _, _, flags, method, _, _, _, comp, size, name_len, extra_len, comment_len, entry_disk, _, _,
+        (sig, _, _, flags, method, _, _, _, comp, size, name_len, extra_len, comment_len, entry_disk, _, attributes,
          offset) = _CENTRAL.unpack_from(cd, pos)
         window.holes.append((cd_offset + pos + 16, cd_offset + pos + 20, False))  # the CRC-32: torch never checks it
         raw = cd[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len]
@@ -364,6 +364,8 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
             name = raw.decode("utf-8")  # torch hands record names to Python as UTF-8 text
         except UnicodeDecodeError:
             raise bad(f"record name {raw!r:.60} is not UTF-8") from None
+        if name.endswith("/") or attributes & 0x10:  # miniz's test; it then reads none of the bytes, nor says so
+            raise bad(f"record {name} is a directory to torch's zip reader, which reads none of its bytes")
         wide = [v for v in (size, comp, offset) if v == _U32]
         if wide:
             values = iter(_zip64_values(extra, len(wide)))

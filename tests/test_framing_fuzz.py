@@ -1,0 +1,272 @@
+"""Chunk archives of a torch-written DCP, damaged one way at a time, read by torch and by ckptkit.
+
+``DcpIO`` reads the first chunk archive of each length in full and takes later ones from ``ArchiveCache``
+when their bytes outside the tensor data equal the first's, but for the holes: the serialization id (which
+must still be UTF-8 text) and the records' CRC-32s. Each case damages one archive, the first of its length
+(``t0``, read in full) or a later one (``t2``, met by the cache), and reads the checkpoint twice:
+
+- torch reads each chunk as DCP's ``FileSystemReader.read_data`` does (:func:`torch_reads`;
+  ``test_torch_reads_as_dcp_load`` holds that to ``dcp.load`` itself);
+- ckptkit reads it with ``DcpIO().read`` and each tensor's bytes through ``read_region``.
+
+Where torch reads every chunk, ckptkit gives exactly torch's bytes or refuses, naming the file and a damaged
+key; where torch refuses one, ckptkit refuses. The same damage gets the same verdict in the first archive as
+in a later one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+import shutil
+import struct
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptkit.core.plan import Region
+from ckptkit.errors import CheckpointError
+from ckptkit.formats.dcp import DcpIO
+from ckptkit.io.sources import Files, read_region
+
+SEED = 20261123
+FIRST, LATER = "t0", "t2"  # .metadata names t0 first: read in full; t2 is taken from the cache of t0's framing
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A one-process ``dcp.save`` and where each chunk's archive lies in its ``__0_0.distcp``."""
+
+    root: Path
+    state: dict[str, torch.Tensor]
+    chunks: dict[str, tuple[int, int]]
+    data: bytes
+
+    def archive(self, key: str) -> bytes:
+        start, length = self.chunks[key]
+        return self.data[start:start + length]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Source:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root = tmp_path_factory.mktemp("fuzz") / "dcp"
+    gen = torch.Generator().manual_seed(0)
+    # Three chunks of one framing, one of another length, and one whose data can hold a 300-byte record.
+    state = {**{f"t{i}": torch.randn(4, 8, generator=gen) for i in range(3)},
+             "u": torch.randn(3, 8, generator=gen), "big": torch.randn(16, 8, generator=gen)}
+    dcp.save(state, checkpoint_id=str(root), no_dist=True)
+    storage = FileSystemReader(str(root)).read_metadata().storage_data
+    chunks = {index.fqn: (info.offset, info.length) for index, info in storage.items()}
+    return Source(root, state, chunks, (root / "__0_0.distcp").read_bytes())
+
+
+def torch_reads(archive: bytes, like: torch.Tensor) -> torch.Tensor | Exception:
+    """What DCP's ``FileSystemReader.read_data`` (torch 2.13) makes of a chunk's archive: ``torch.load`` with
+    ``weights_only=True``, narrowed to the chunk's box, copied into the state dict's tensor; or its error."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    try:
+        tensor = torch.load(io.BytesIO(archive), map_location="cpu", weights_only=True)
+        tensor = narrow_tensor_by_index(tensor, [0] * like.dim(), like.shape)
+        if tensor.size() != like.size():
+            raise AssertionError(f"mismatch sizes {like.size()} vs {tensor.size()}")
+        return torch.zeros_like(like).copy_(tensor.detach())
+    except Exception as e:  # torch refuses with many types
+        return e
+
+
+def ckptkit_reads(root: Path) -> dict[str, bytes] | CheckpointError:
+    """Each tensor's bytes as ckptkit reads the DCP at ``root``, or its refusal."""
+    try:
+        manifest = DcpIO().read(root)
+    except CheckpointError as e:
+        return e
+    with Files() as files:
+        return {t.key: bytes(read_region(Region.whole(t), files)) for t in manifest.tensors}
+
+
+class Trial:
+    """A copy of the source in which a case replaces chunk archives, and what torch and ckptkit read of it."""
+
+    def __init__(self, source: Source, root: Path) -> None:
+        shutil.copytree(source.root, root)
+        self.source, self.root = source, root
+        self.intact = {key: torch_reads(source.archive(key), like) for key, like in source.state.items()}
+
+    def judge(self, damaged: dict[str, bytes]) -> tuple[str, str | None]:
+        """ckptkit's outcome with the ``damaged`` archives in place ("read" or "refused"), and how it departs
+        from torch's (None where it does not)."""
+        data = bytearray(self.source.data)
+        for key, archive in damaged.items():
+            start, length = self.source.chunks[key]
+            assert len(archive) == length, "a case keeps the archive's length, so that the cache may take it"
+            data[start:start + length] = archive
+        file = self.root / "__0_0.distcp"
+        file.write_bytes(data)
+        theirs = {key: torch_reads(damaged[key], like) if key in damaged else self.intact[key]
+                  for key, like in self.source.state.items()}
+        refused = {key: e for key, e in theirs.items() if isinstance(e, Exception)}
+        ours = ckptkit_reads(self.root)
+        if isinstance(ours, CheckpointError):
+            if not (str(file) in str(ours) and any(repr(key) in str(ours) for key in damaged)):
+                return "refused", f"refused without naming {file} and a damaged key: {ours}"
+            return "refused", None
+        if refused:
+            return "read", f"torch refuses {', '.join(refused)} ({next(iter(refused.values()))!r:.150}); ckptkit reads"
+        differ = [key for key, t in theirs.items() if t.numpy().tobytes() != ours[key]]  # type: ignore[union-attr]
+        return "read", f"ckptkit reads other bytes than torch for {differ}" if differ else None
+
+    def faults(self, label: str, damage: Callable[[bytearray], None]) -> list[str]:
+        """:meth:`judge` of ``damage`` done to the first archive of its length and, apart, to a later one: how
+        ckptkit departs from torch in either, and where the two verdicts differ."""
+        outcomes, found = [], []
+        for key in (FIRST, LATER):
+            archive = bytearray(self.source.archive(key))
+            damage(archive)
+            outcome, fault = self.judge({key: bytes(archive)})
+            outcomes.append(outcome)
+            if fault:
+                found.append(f"{label} in {key}: {fault}")
+        if outcomes[0] != outcomes[1]:
+            found.append(f"{label}: {outcomes[0]} in the first archive, {outcomes[1]} in a later one")
+        return found
+
+
+@pytest.fixture
+def trial(source, tmp_path) -> Trial:
+    return Trial(source, tmp_path / "dcp")
+
+
+# ------------------------------------------------------------------------------ the archive's parts
+
+
+def layout(archive: bytes) -> dict[str, range]:
+    """Named byte ranges of a ``torch.save`` archive: each record's local header (name and padding included),
+    bytes, data descriptor and central directory entry; the zip64 end record and locator; the end record."""
+    with zipfile.ZipFile(io.BytesIO(archive)) as z:
+        infos = z.infolist()
+    parts = {}
+    for info in infos:
+        name, at = info.filename.partition("/")[2], info.header_offset
+        name_len, extra_len = struct.unpack_from("<HH", archive, at + 26)
+        data = at + 30 + name_len + extra_len
+        parts[f"local header of {name}"] = range(at, data)
+        parts[name] = range(data, data + info.file_size)
+        parts[f"data descriptor of {name}"] = range(data + info.file_size, data + info.file_size + 16)
+    end = archive.rindex(b"PK\x05\x06")
+    (at,) = struct.unpack_from("<I", archive, end + 16)
+    for info in infos:
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", archive, at + 28)
+        parts[f"directory entry of {info.filename.partition('/')[2]}"] = range(at, at + 46 + name_len + extra_len
+                                                                               + comment_len)
+        at += 46 + name_len + extra_len + comment_len
+    parts["zip64 end record"] = range(at, at + 56)
+    parts["zip64 locator"] = range(at + 56, at + 76)
+    parts["end record"] = range(end, end + 22)
+    return parts
+
+
+def named(parts: dict[str, range], pos: int) -> str:
+    return next(f"{name} +{pos - r.start}" for name, r in parts.items() if pos in r)
+
+
+def entry(archive: bytes | bytearray, record: str) -> int:
+    """Where the central directory entry of ``record`` (named without the ``archive/`` folder) starts."""
+    return layout(bytes(archive))[f"directory entry of {record}"].start
+
+
+def point(archive: bytearray, record: str, name: str, at: str, size: int) -> None:
+    """Turn the directory entry of ``record`` into one for ``name`` (no longer than ``record``'s name; the
+    rest becomes its extra field) whose bytes are the ``size`` bytes of record ``at``, from its start."""
+    pos, raw = entry(archive, record), f"archive/{name}".encode()
+    name_len, extra_len = struct.unpack_from("<HH", archive, pos + 28)
+    assert len(raw) <= name_len
+    archive[pos + 46:pos + 46 + len(raw)] = raw
+    struct.pack_into("<HH", archive, pos + 28, len(raw), extra_len + name_len - len(raw))
+    struct.pack_into("<II", archive, pos + 20, size, size)
+    struct.pack_into("<I", archive, pos + 42, layout(bytes(archive))[f"local header of {at}"].start)
+
+
+def assert_refused(trial: Trial, damage: Callable[[bytearray], None], key: str, match: str) -> None:
+    """``damage`` to ``key``'s archive makes ckptkit refuse the checkpoint, naming the file, the key and
+    ``match``, where torch refuses it too or reads what ckptkit cannot (:meth:`Trial.judge` says which)."""
+    archive = bytearray(trial.source.archive(key))
+    damage(archive)
+    assert trial.judge({key: bytes(archive)}) == ("refused", None)
+    with pytest.raises(CheckpointError, match=rf"^{trial.root / '__0_0.distcp'}: '{key}' chunk \[0, 0\]: .*{match}"):
+        DcpIO().read(trial.root)
+
+
+def damaged_pair(trial: Trial, first: Callable[[bytearray], None],
+                 later: Callable[[bytearray], None]) -> dict[str, bytes]:
+    """The first archive of its length damaged by ``first``, a later one by ``later``."""
+    out = {}
+    for key, damage in ((FIRST, first), (LATER, later)):
+        archive = bytearray(trial.source.archive(key))
+        damage(archive)
+        out[key] = bytes(archive)
+    return out
+
+
+# ------------------------------------------------------------------------------------ the oracle
+
+
+def test_torch_reads_as_dcp_load(trial):
+    # torch_reads against dcp.load itself: a chunk torch reads as saved, one with other strides, one with a
+    # changed CRC-32, and two it refuses (a version above 10, a shape .metadata does not have).
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    def replace(old: bytes, new: bytes) -> Callable[[bytearray], None]:
+        return lambda a: a.__setitem__(slice(None), bytes(a).replace(old, new))
+
+    cases = {"intact": lambda a: None,
+             "strides (7, 1)": replace(b"K\x08K\x01\x86", b"K\x07K\x01\x86"),
+             "CRC-32": lambda a: struct.pack_into("<I", a, entry(a, "data/0") + 16, 0x12345678),
+             "version 99": replace(b"3\nPK", b"99PK"),
+             "shape (4, 7)": replace(b"K\x04K\x08\x86", b"K\x04K\x07\x86")}
+    for name, damage in cases.items():
+        archive = bytearray(trial.source.archive(LATER))
+        damage(archive)
+        trial.judge({LATER: bytes(archive)})  # writes it in place
+        target = {key: torch.zeros_like(like) for key, like in trial.source.state.items()}
+        try:
+            dcp.load(target, checkpoint_id=str(trial.root), no_dist=True)
+        except CheckpointException as e:
+            assert isinstance(torch_reads(bytes(archive), trial.source.state[LATER]), Exception), (name, e)
+        else:
+            assert torch.equal(torch_reads(bytes(archive), trial.source.state[LATER]), target[LATER]), name
+            assert name in ("intact", "strides (7, 1)", "CRC-32")
+
+
+# ------------------------------------------------------------------------ faults found, one by one
+
+
+def directory(record: str) -> Callable[[bytearray], None]:
+    return lambda a: struct.pack_into("<I", a, entry(a, record) + 38, 0x10)  # external attributes: DOS directory
+
+
+def slash_name(a: bytearray) -> None:
+    # data/0 named data// in the central directory, and the pickle's storage key "0" made "/" to match.
+    a[entry(a, "data/0") + 46 + len("archive/data/")] = ord("/")
+    a[bytes(a).index(b"X\x01\x00\x00\x000") + 5] = ord("/")
+
+
+@pytest.mark.parametrize("key", [FIRST, LATER])
+@pytest.mark.parametrize("damage, record", [
+    (directory("data/0"), "data/0"),       # torch loads a tensor of whatever its buffer held
+    (directory("version"), "version"),     # torch fails on whatever the buffer held
+    (directory("data.pkl"), "data.pkl"),
+    (slash_name, "data//"),                # a name ending in "/" is a directory too
+], ids=["data/0", "version", "data.pkl", "name ending in /"])
+def test_dcp_read_refuses_a_record_torch_takes_for_a_directory(trial, key, damage, record):
+    # miniz takes a record for a directory if its name ends in "/" or its DOS attributes say so, and then
+    # reads none of its bytes, and says nothing: what torch loads from it is not what the file holds.
+    assert_refused(trial, damage, key, rf"record archive/{re.escape(record)} is a directory to torch's zip reader")
