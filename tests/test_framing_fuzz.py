@@ -270,3 +270,28 @@ def test_dcp_read_refuses_a_record_torch_takes_for_a_directory(trial, key, damag
     # miniz takes a record for a directory if its name ends in "/" or its DOS attributes say so, and then
     # reads none of its bytes, and says nothing: what torch loads from it is not what the file holds.
     assert_refused(trial, damage, key, rf"record archive/{re.escape(record)} is a directory to torch's zip reader")
+
+
+def zip64(field: str, value: int) -> Callable[[bytearray], None]:
+    def damage(a: bytearray) -> None:
+        parts = layout(bytes(a))
+        if field == "disks":
+            struct.pack_into("<I", a, parts["zip64 locator"].start + 16, value)
+        else:
+            struct.pack_into("<Q", a, parts["zip64 end record"].start + 4, value)
+    return damage
+
+
+@pytest.mark.parametrize("key", [FIRST, LATER])
+@pytest.mark.parametrize("field, value", [
+    ("disks", 0),          # the locator's count of disks: miniz takes exactly 1
+    ("disks", 2),
+    ("record size", 43),   # the zip64 end record's size, less its first 12 bytes: miniz takes 44 or more
+])
+def test_dcp_read_refuses_zip64_end_records_torch_refuses(trial, key, field, value):
+    assert_refused(trial, zip64(field, value), key, r"zip64 end record")
+
+
+def test_dcp_read_takes_zip64_end_records_torch_takes(trial):
+    assert trial.faults("a zip64 end record of 44 bytes", zip64("record size", 44)) == []
+    assert trial.judge({LATER: trial.source.archive(LATER)}) == ("read", None)

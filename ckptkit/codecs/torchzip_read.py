@@ -331,12 +331,15 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
     window.seek(max(0, eocd - _EOCD64_LOCATOR.size))
     locator = window.read(_EOCD64_LOCATOR.size) if eocd >= _EOCD64_LOCATOR.size else b""
     if locator[:4] == b"PK\x06\x07":  # torch's writer (miniz) always adds the zip64 records, and its reader uses them
-        _, _, where64, _ = _EOCD64_LOCATOR.unpack(locator)
+        _, _, where64, disks = _EOCD64_LOCATOR.unpack(locator)
         window.seek(where64)
         record = window.read(_EOCD64.size)
         if len(record) != _EOCD64.size or record[:4] != b"PK\x06\x06" or where64 + _EOCD64.size > eocd:
             raise bad("a damaged zip64 end record")
-        _, _, _, _, disk, cd_disk, on_disk, count, cd_size, cd_offset = _EOCD64.unpack(record)
+        _, size64, _, _, disk, cd_disk, on_disk, count, cd_size, cd_offset = _EOCD64.unpack(record)
+        if disks != 1 or size64 < _EOCD64.size - 12:  # miniz refuses either; its size leaves out 12 bytes
+            raise bad(f"a zip64 end record of {size64} bytes, on {disks} disks; torch's reader takes one disk and "
+                      f"at least {_EOCD64.size - 12} bytes")
         end_of_cd = where64
     elif _U16 in (disk, cd_disk, on_disk, count) or _U32 in (cd_size, cd_offset):
         raise bad("zip64 values without a zip64 end record")
