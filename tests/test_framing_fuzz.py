@@ -185,13 +185,14 @@ def entry(archive: bytes | bytearray, record: str) -> int:
 def point(archive: bytearray, record: str, name: str, at: str, size: int) -> None:
     """Turn the directory entry of ``record`` into one for ``name`` (no longer than ``record``'s name; the
     rest becomes its extra field) whose bytes are the ``size`` bytes of record ``at``, from its start."""
-    pos, raw = entry(archive, record), f"archive/{name}".encode()
+    parts, raw = layout(bytes(archive)), f"archive/{name}".encode()
+    pos = parts[f"directory entry of {record}"].start
     name_len, extra_len = struct.unpack_from("<HH", archive, pos + 28)
     assert len(raw) <= name_len
     archive[pos + 46:pos + 46 + len(raw)] = raw
     struct.pack_into("<HH", archive, pos + 28, len(raw), extra_len + name_len - len(raw))
     struct.pack_into("<II", archive, pos + 20, size, size)
-    struct.pack_into("<I", archive, pos + 42, layout(bytes(archive))[f"local header of {at}"].start)
+    struct.pack_into("<I", archive, pos + 42, parts[f"local header of {at}"].start)
 
 
 def assert_refused(trial: Trial, damage: Callable[[bytearray], None], key: str, match: str) -> None:
@@ -295,3 +296,16 @@ def test_dcp_read_refuses_zip64_end_records_torch_refuses(trial, key, field, val
 def test_dcp_read_takes_zip64_end_records_torch_takes(trial):
     assert trial.faults("a zip64 end record of 44 bytes", zip64("record size", 44)) == []
     assert trial.judge({LATER: trial.source.archive(LATER)}) == ("read", None)
+
+
+@pytest.mark.parametrize("key", [FIRST, LATER])
+@pytest.mark.parametrize("record, name", [
+    (".format_version", "data/0"),       # before data/0 in the directory: torch reads this one
+    (".format_version", "DATA/0"),       # miniz compares names without case: the same
+    (".storage_alignment", "data/0"),    # torch reads the real one, which ckptkit, taking the first, did not
+])
+def test_dcp_read_refuses_two_records_of_one_name(trial, key, record, name):
+    # A second entry of data/0's name whose bytes are the pickle's: miniz finds a record by binary search over
+    # the names sorted without case, so which of the two torch reads depends on the names around them.
+    assert_refused(trial, lambda a: point(a, record, name, "data.pkl", 128), key,
+                   r"two records named archive/data/0 \(in any case\)")

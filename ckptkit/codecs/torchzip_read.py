@@ -351,6 +351,7 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
     cd = window.read(cd_size)
     out: dict[str, Span] = {}
     prefix = None
+    folded: set[bytes] = set()
     pos = 0
     for _ in range(count):
         if pos + _CENTRAL.size > len(cd):
@@ -389,7 +390,10 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
         prefix = prefix if prefix is not None else first + slash
         if not slash or not name.startswith(prefix):
             raise bad(f"record {name} is not in the directory {prefix or name!r} every record shares")
-        out.setdefault(name[len(prefix):], Span(path, start + data, size))  # torch finds the first of a name
+        if raw.lower() in folded:  # miniz finds a name by binary search, ignoring (ASCII) case: any of them
+            raise bad(f"two records named {name} (in any case); torch's zip reader may read either")
+        folded.add(raw.lower())
+        out[name[len(prefix):]] = Span(path, start + data, size)
         if flags & 0x8:
             window.descriptors.append(data + size)
     _check_small_records(out, window, start, bad)
