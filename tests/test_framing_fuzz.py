@@ -309,3 +309,44 @@ def test_dcp_read_refuses_two_records_of_one_name(trial, key, record, name):
     # the names sorted without case, so which of the two torch reads depends on the names around them.
     assert_refused(trial, lambda a: point(a, record, name, "data.pkl", 128), key,
                    r"two records named archive/data/0 \(in any case\)")
+
+
+def serial_over_pickle(stride: int) -> Callable[[bytearray], None]:
+    """data.pkl written in ASCII up to requires_grad (no PROTO; MARK ... TUPLE for TUPLE2), with strides
+    ``(stride, 1)``, and the serialization id's entry pointing at those ASCII bytes: valid UTF-8 text. The
+    id's own bytes and the CRC-32 in its data descriptor, no record's now, are made alike in every archive."""
+    def damage(a: bytearray) -> None:
+        pkl, serial = layout(bytes(a))["data.pkl"], layout(bytes(a))[".data/serialization_id"]
+        a[serial.start:serial.stop + 8] = b"0" * len(serial) + b"PK\x07\x08" + bytes(4)
+        text = bytes(a[pkl.start + 2:pkl.stop]).replace(b"K\x04K\x08\x86", b"(K\x04K\x08t").replace(
+            b"K\x08K\x01\x86", b"(K" + bytes([stride]) + b"K\x01t")
+        a[pkl.start:pkl.stop] = text
+        point(a, ".data/serialization_id", ".data/serialization_id", "data.pkl", text.index(b"\x89"))
+    return damage
+
+
+@pytest.mark.parametrize("first, later", [(8, 7), (7, 8)])
+def test_dcp_read_compares_a_serialization_id_that_is_also_the_pickle(trial, first, later):
+    # Both archives hold what torch reads as strided tensors; the bytes that differ are both the serialization
+    # id (a hole the cache skips) and the pickle's strides. The cache must not take one for the other.
+    damaged = damaged_pair(trial, serial_over_pickle(first), serial_over_pickle(later))
+    assert isinstance(torch_reads(damaged[LATER], trial.source.state[LATER]), torch.Tensor)
+    assert trial.judge(damaged) == ("read", None)
+
+
+def version_on_crc(text: bytes) -> Callable[[bytearray], None]:
+    """The version record's bytes moved onto the CRC-32 in data/0's directory entry, which holds ``text``."""
+    def damage(a: bytearray) -> None:
+        crc, header = entry(a, "data/0") + 16, layout(bytes(a))["local header of version"].start
+        struct.pack_into("<H", a, header + 28, crc - (header + 30 + len("archive/version")))
+        a[crc:crc + 2] = text
+    return damage
+
+
+@pytest.mark.parametrize("later, outcome", [
+    (b"99", "refused"),   # torch reads versions 1 to 10
+    (b"x\n", "refused"),
+    (b"7\n", "read"),
+])
+def test_dcp_read_compares_a_crc_that_is_also_a_record(trial, later, outcome):
+    assert trial.judge(damaged_pair(trial, version_on_crc(b"3\n"), version_on_crc(later))) == (outcome, None)

@@ -622,15 +622,20 @@ class ArchiveCache:
 def _holes(window: _Window, head: bytes, tail: bytes, lo: int, hi: int) -> list[tuple[int, int, bool]]:
     """The window's holes outside the tensor data ``[lo, hi)``, and the CRC-32 of every data descriptor that
     follows its record with the descriptor's signature (torch reads sizes and CRCs from the central directory
-    only), unless the checks read those bytes for something else."""
+    only), unless the checks read those bytes for something else: a window's hole is read once, by the check
+    that found it; a record that overlaps it (a pickle that is also the serialization id, a version on a
+    CRC-32) reads it again, and then it must not differ between archives."""
     length = hi + len(tail)
 
     def at(a: int, b: int) -> bytes:
         return head[a:b] if b <= lo else tail[a - hi:b - hi] if a >= hi else b""
 
-    holes = list(window.holes)
+    def readers(a: int, b: int) -> int:
+        return sum(start < b and end > a for start, end in window.reads)
+
+    holes = [h for h in window.holes if readers(h[0], h[1]) == 1]
     for d in window.descriptors:
-        if d + 8 <= length and at(d, d + 4) == b"PK\x07\x08" and all(b <= d + 4 or a >= d + 8 for a, b in window.reads):
+        if d + 8 <= length and at(d, d + 4) == b"PK\x07\x08" and not readers(d + 4, d + 8):
             holes.append((d + 4, d + 8, False))
     return [h for h in holes if h[1] <= lo or h[0] >= hi]
 
