@@ -350,3 +350,17 @@ def version_on_crc(text: bytes) -> Callable[[bytearray], None]:
 ])
 def test_dcp_read_compares_a_crc_that_is_also_a_record(trial, later, outcome):
     assert trial.judge(damaged_pair(trial, version_on_crc(b"3\n"), version_on_crc(later))) == (outcome, None)
+
+
+@pytest.mark.parametrize("record, text", [
+    (".data/serialization_id", b"1" * 256 + b"\xff" * 44),  # torch decodes all of it as UTF-8
+    (".storage_alignment", b"64" + b" " * 254 + b"x" * 44),  # int() of all of it
+    ("version", b" " * 255 + b"34" + b"\n" * 43),           # std::stoull of all of it: 34
+])
+def test_dcp_read_refuses_small_records_longer_than_it_reads(trial, record, text):
+    def damage(a: bytearray) -> None:
+        data = layout(bytes(a))["data/0"].start
+        a[data:data + len(text)] = text
+        point(a, record, record, "data/0", len(text))
+
+    assert_refused(trial, damage, "big", rf"record {re.escape(record)} holds 300 bytes; ckptkit reads up to 256")
