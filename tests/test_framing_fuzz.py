@@ -364,3 +364,11 @@ def test_dcp_read_refuses_small_records_longer_than_it_reads(trial, record, text
         point(a, record, record, "data/0", len(text))
 
     assert_refused(trial, damage, "big", rf"record {re.escape(record)} holds 300 bytes; ckptkit reads up to 256")
+
+
+@pytest.mark.parametrize("key", [FIRST, LATER])
+@pytest.mark.parametrize("name", ["constants.pkl", "constants.pkl\0x"])  # torch lists names up to a NUL
+def test_dcp_read_refuses_an_archive_torch_takes_for_torchscript(trial, key, name):
+    # torch.load takes an archive with a constants.pkl record for TorchScript, which weights_only=True refuses.
+    assert_refused(trial, lambda a: point(a, ".format_version", name, ".format_version", 1), key,
+                   r"torch\.load takes an archive with a constants\.pkl for TorchScript")

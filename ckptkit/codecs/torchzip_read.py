@@ -390,6 +390,9 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
         prefix = prefix if prefix is not None else first + slash
         if not slash or not name.startswith(prefix):
             raise bad(f"record {name} is not in the directory {prefix or name!r} every record shares")
+        if name[len(prefix):].partition("\0")[0] == "constants.pkl":  # torch lists the names as C strings
+            raise bad(f"record {name}: torch.load takes an archive with a constants.pkl for TorchScript, and "
+                      "loads it with torch.jit.load (or, with weights_only=True, refuses it)")
         if raw.lower() in folded:  # miniz finds a name by binary search, ignoring (ASCII) case: any of them
             raise bad(f"two records named {name} (in any case); torch's zip reader may read either")
         folded.add(raw.lower())
