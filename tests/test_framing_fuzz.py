@@ -58,9 +58,10 @@ def source(tmp_path_factory) -> Source:
 
     root = tmp_path_factory.mktemp("fuzz") / "dcp"
     gen = torch.Generator().manual_seed(0)
-    # Three chunks of one framing, one of another length, and one whose data can hold a 300-byte record.
+    # Three chunks of one framing, one of another length, one whose data can hold a 300-byte record, and bytes.
     state = {**{f"t{i}": torch.randn(4, 8, generator=gen) for i in range(3)},
-             "u": torch.randn(3, 8, generator=gen), "big": torch.randn(16, 8, generator=gen)}
+             "u": torch.randn(3, 8, generator=gen), "big": torch.randn(16, 8, generator=gen),
+             "bytes": torch.arange(32, dtype=torch.uint8).reshape(4, 8)}
     dcp.save(state, checkpoint_id=str(root), no_dist=True)
     storage = FileSystemReader(str(root)).read_metadata().storage_data
     chunks = {index.fqn: (info.offset, info.length) for index, info in storage.items()}
@@ -372,3 +373,36 @@ def test_dcp_read_refuses_an_archive_torch_takes_for_torchscript(trial, key, nam
     # torch.load takes an archive with a constants.pkl record for TorchScript, which weights_only=True refuses.
     assert_refused(trial, lambda a: point(a, ".format_version", name, ".format_version", 1), key,
                    r"torch\.load takes an archive with a constants\.pkl for TorchScript")
+
+
+def pickle_edit(old: bytes, new: bytes) -> Callable[[bytearray], None]:
+    """data.pkl with ``old`` replaced by ``new``, its record's sizes to match (a longer one runs into the data
+    descriptor after it, which neither reader reads)."""
+    def damage(a: bytearray) -> None:
+        pkl = layout(bytes(a))["data.pkl"]
+        text = bytes(a[pkl.start:pkl.stop]).replace(old, new)
+        a[pkl.start:pkl.start + len(text)] = text
+        struct.pack_into("<II", a, entry(a, "data.pkl") + 20, len(text), len(text))
+    return damage
+
+
+@pytest.mark.parametrize("key", [FIRST, LATER])
+@pytest.mark.parametrize("damage, match", [
+    (pickle_edit(b"X\x07\x00\x00\x00storage", b"T\x07\x00\x00\x00storage"), "BINSTRING"),
+    (pickle_edit(b"X\x03\x00\x00\x00cpu", b"B\x03\x00\x00\x00cpu"), "BINBYTES"),
+    (pickle_edit(b"X\x03\x00\x00\x00cpu", b"\x8b\x03\x00\x00\x00cpu"), "LONG4"),
+    (pickle_edit(b")R", b")0"), "POP"),
+    (pickle_edit(b"ccollections\nOrderedDict\n", b"cbuiltins\nfrozenset\n"), "builtins.frozenset"),
+    (pickle_edit(b"ccollections\nOrderedDict\nq\x08)R", b"cbuiltins\nslice\nq\x08N\x85R"), "builtins.slice"),
+], ids=["BINSTRING", "BINBYTES", "LONG4", "POP", "frozenset", "slice"])
+def test_dcp_read_refuses_pickles_torch_weights_only_refuses(trial, key, damage, match):
+    # DCP loads every chunk with torch.load(weights_only=True), whose unpickler knows fewer opcodes and globals
+    # than Python's; these chunks would be the tensors torch saved, had it read them.
+    assert_refused(trial, damage, key, re.escape(match))
+
+
+def test_dcp_read_refuses_a_storage_class_torch_weights_only_refuses(trial):
+    # torch.save names torch.storage.UntypedStorage; torch.UntypedStorage, the same class, is not on the
+    # weights-only allow-list. A uint8 chunk so named would be the tensor torch saved, had it read it.
+    assert_refused(trial, pickle_edit(b"ctorch\nByteStorage\n", b"ctorch\nUntypedStorage\n"), "bytes",
+                   r"torch\.UntypedStorage")

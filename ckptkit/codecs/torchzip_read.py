@@ -280,6 +280,26 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     **{("torch", d.storage_class): _storage_class(d) for d in dtypes.DTYPES if d.storage_class},
 }
 
+# What torch.load(weights_only=True) unpickles, as DCP's reader loads every chunk (torch's
+# _weights_only_unpickler, 2.13): OBJECT_GLOBALS less three it refuses, and fewer opcodes than Python's.
+_WEIGHTS_ONLY_GLOBALS = {k: v for k, v in OBJECT_GLOBALS.items()
+                         if k not in {("builtins", "frozenset"), ("builtins", "slice"), ("torch", "UntypedStorage")}}
+_WEIGHTS_ONLY_OPCODES = frozenset({
+    "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "MARK",
+    "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE", "NEWFALSE", "NEWTRUE", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT",
+    "EMPTY_SET", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE", "SHORT_BINSTRING", "BINPERSID",
+    "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT"})
+
+
+def _weights_only_opcodes(data: bytes, where: str) -> None:
+    """Refuse a pickle (that Python's unpickler read) using an opcode torch's weights-only unpickler lacks."""
+    import pickletools
+
+    for op, _, pos in pickletools.genops(data):
+        if op.name not in _WEIGHTS_ONLY_OPCODES:
+            raise FormatError(f"{where}: the pickle uses opcode {op.name} (byte {pos}), which torch.load refuses "
+                              "with weights_only=True, as DCP loads a chunk")
+
 
 _EOCD = struct.Struct("<4sHHHHIIH")                 # end of central directory, 22 bytes
 _EOCD64_LOCATOR = struct.Struct("<4sIQI")           # 20 bytes, just before it in a zip64 archive
@@ -458,9 +478,10 @@ def read_archive(path: str, start: int = 0, length: int | None = None, *, where:
     return value
 
 
-def _parse(window: _Window, path: str, where: str,
-           extra_globals: dict | None) -> tuple[Any, bytes, dict[str, Span], list[_Storage]]:
-    """The archive's value, its ``data.pkl``, its records, and the storages the pickle named."""
+def _parse(window: _Window, path: str, where: str, extra_globals: dict | None, *,
+           weights_only: bool = False) -> tuple[Any, bytes, dict[str, Span], list[_Storage]]:
+    """The archive's value, its ``data.pkl``, its records, and the storages the pickle named. ``weights_only``:
+    held to what ``torch.load(weights_only=True)`` unpickles."""
     start = window._start
     records = _records(window, path, where)
     if "data.pkl" not in records:
@@ -487,8 +508,10 @@ def _parse(window: _Window, path: str, where: str,
         storages.append(_Storage(span, tag.dtype, f"data/{key}"))
         return storages[-1]
 
-    allowed = {**OBJECT_GLOBALS, **(extra_globals or {})}
+    allowed = _WEIGHTS_ONLY_GLOBALS if weights_only else {**OBJECT_GLOBALS, **(extra_globals or {})}
     value = SafeUnpickler(data, allowed, where=where, persistent_load=persistent_load).load_checked()
+    if weights_only:
+        _weights_only_opcodes(data, where)
     return value, data, records, storages
 
 
@@ -610,9 +633,10 @@ class ArchiveCache:
         return None
 
     def read(self, path: str, start: int, length: int, *, pread: Callable[[int, int], bytes], where: str) -> Any:
-        """:func:`read_archive` of the archive at ``start`` (``tree=False``), remembering its framing."""
+        """:func:`read_archive` of the archive at ``start`` (``tree=False``), remembering its framing; its pickle
+        held to what ``torch.load(weights_only=True)`` reads, as DCP loads a chunk."""
         window = _Window(pread, start, length)
-        value, _, _, storages = _parse(window, path, where or path, None)
+        value, _, _, storages = _parse(window, path, where or path, None, weights_only=True)
         _, _, framings = self._by_length.get(length, (0, 0, []))
         if isinstance(value, TensorRef) and len(storages) == 1 and len(framings) < self._KEEP:
             lo, hi = storages[0].span.offset - start, storages[0].span.offset - start + storages[0].span.length
