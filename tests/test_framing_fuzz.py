@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import random
 import re
 import shutil
 import struct
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -422,3 +423,121 @@ def test_dcp_read_names_the_key_of_a_chunk_whose_tensor_overruns_its_storage(tri
     # is read, knows the file alone; the refusal names the chunk too.
     assert_refused(trial, pickle_edit(b"QK\x00", b"QK\x02"), key,
                    r"the tensor on storage 'data/0': offset 2 and float32 \[4, 8\] with strides \[8, 1\] need 136")
+
+
+# ------------------------------------------------------------------------------------------ sweeps
+
+Damage = tuple[str, Callable[[bytearray], None]]
+
+
+def set_byte(parts: dict[str, range], pos: int, value: int) -> Damage:
+    def damage(a: bytearray) -> None:
+        a[pos] = value
+    return f"{named(parts, pos)} = {value:#04x}", damage
+
+
+def set_bytes(parts: dict[str, range], pos: int, value: bytes) -> Damage:
+    def damage(a: bytearray) -> None:
+        a[pos:pos + len(value)] = value
+    return f"{named(parts, pos)} = {value!r}", damage
+
+
+def headers(parts: dict[str, range]) -> Iterator[int]:
+    """The fixed fields of the zip structures: local headers, directory entries, the end records."""
+    for name, r in parts.items():
+        if name.startswith("local header"):
+            yield from r[:30]
+        elif name.startswith("directory entry"):
+            yield from r[:46]
+        elif name.endswith(("end record", "locator")):
+            yield from r
+
+
+def names_and_padding(parts: dict[str, range]) -> Iterator[int]:
+    for name, r in parts.items():
+        if name.startswith("local header"):
+            yield from r[30:]
+        elif name.startswith("directory entry"):
+            yield from r[46:]
+
+
+def sweep_header_bits(parts: dict[str, range], archive: bytes, rng: random.Random) -> Iterator[Damage]:
+    # One bit of every header byte, the bit drawn: offsets, sizes, lengths, signatures, attributes, disks.
+    for pos in headers(parts):
+        yield set_byte(parts, pos, archive[pos] ^ 1 << rng.randrange(8))
+
+
+def sweep_header_bytes(parts: dict[str, range], archive: bytes, rng: random.Random) -> Iterator[Damage]:
+    for pos in headers(parts):
+        yield set_byte(parts, pos, rng.choice([v for v in range(256) if v != archive[pos]]))
+
+
+def sweep_names(parts: dict[str, range], archive: bytes, rng: random.Random) -> Iterator[Damage]:
+    # Record names (case included: miniz ignores it) and the "FB" padding fields, a bit of every other byte.
+    for pos in names_and_padding(parts):
+        if rng.random() < 0.5:
+            yield set_byte(parts, pos, archive[pos] ^ 1 << rng.randrange(8))
+
+
+def sweep_pickle(parts: dict[str, range], archive: bytes, rng: random.Random) -> Iterator[Damage]:
+    # Opcodes, the storage key and location, numel, offset, shape, strides, requires_grad, the hooks.
+    for pos in parts["data.pkl"]:
+        yield set_byte(parts, pos, archive[pos] ^ 1 << rng.randrange(8))
+        yield set_byte(parts, pos, rng.choice([v for v in range(256) if v != archive[pos]]))
+
+
+def sweep_small_records(parts: dict[str, range], archive: bytes, rng: random.Random) -> Iterator[Damage]:
+    # Every bit and eight drawn values of version, byteorder, .storage_alignment and .format_version.
+    for record in ("version", "byteorder", ".storage_alignment", ".format_version"):
+        for pos in parts[record]:
+            for bit in range(8):
+                yield set_byte(parts, pos, archive[pos] ^ 1 << bit)
+            for value in rng.sample([v for v in range(256) if v != archive[pos]], 8):
+                yield set_byte(parts, pos, value)
+
+
+def sweep_descriptors(parts: dict[str, range], archive: bytes, rng: random.Random) -> Iterator[Damage]:
+    # Data descriptors (signature, CRC-32, sizes), which torch never reads.
+    for name, r in parts.items():
+        if name.startswith("data descriptor"):
+            for pos in r:
+                yield set_byte(parts, pos, rng.choice([v for v in range(256) if v != archive[pos]]))
+
+
+def sweep_holes(parts: dict[str, range], archive: bytes, rng: random.Random) -> Iterator[Damage]:
+    # Any CRC-32 (torch checks none); serialization ids of other text, or of bytes that are not UTF-8.
+    for name, r in parts.items():
+        if name.startswith("directory entry"):
+            crcs = [r.start + 16]
+        elif name.startswith("data descriptor"):
+            crcs = [r.start + 4]
+        else:
+            continue
+        for at in crcs:
+            for _ in range(3):
+                yield set_bytes(parts, at, rng.randbytes(4))
+    serial = parts[".data/serialization_id"].start
+    texts = [b"0" * 40, "é".encode() * 20, "\u20ac".encode() * 13 + b"x", "\U0001f600".encode() * 10, bytes(40),
+             bytes(rng.randrange(0x20, 0x7F) for _ in range(40))]
+    for bad in (b"\x80", b"\xc0\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xe2\x82", b"\xff"):
+        for at in (0, 17, 40 - len(bad)):
+            texts.append(texts[0][:at] + bad + texts[0][at + len(bad):])
+    for text in texts:
+        yield set_bytes(parts, serial, text)
+
+
+SWEEPS = {
+    "header bits": sweep_header_bits, "header bytes": sweep_header_bytes, "names and padding": sweep_names,
+    "data.pkl": sweep_pickle, "small records": sweep_small_records, "data descriptors": sweep_descriptors,
+    "holes": sweep_holes,
+}
+
+
+@pytest.mark.parametrize("sweep", list(SWEEPS))
+def test_dcp_read_agrees_with_torch_on_damaged_chunk_archives(trial, sweep):
+    first = trial.source.archive(FIRST)
+    parts = layout(first)
+    assert layout(trial.source.archive(LATER)) == parts  # one framing: the cache takes t2 for t0's
+    damages = list(SWEEPS[sweep](parts, first, random.Random(f"{SEED} {sweep}")))
+    found = [fault for label, damage in damages for fault in trial.faults(label, damage)]
+    assert not found, f"{len(found)} faults in {len(damages)} damaged archives:\n" + "\n".join(found)
