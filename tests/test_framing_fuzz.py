@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from ckptkit.core.plan import Region
-from ckptkit.errors import CheckpointError
+from ckptkit.errors import CheckpointError, FormatError
 from ckptkit.formats.dcp import DcpIO
 from ckptkit.io.sources import Files, read_region
 
@@ -423,6 +423,50 @@ def test_dcp_read_names_the_key_of_a_chunk_whose_tensor_overruns_its_storage(tri
     # is read, knows the file alone; the refusal names the chunk too.
     assert_refused(trial, pickle_edit(b"QK\x00", b"QK\x02"), key,
                    r"the tensor on storage 'data/0': offset 2 and float32 \[4, 8\] with strides \[8, 1\] need 136")
+
+
+def with_archive(trial: Trial, key: str, archive: bytes) -> None:
+    """The trial's checkpoint with ``key``'s chunk archive replaced by ``archive``, of any length: the chunks
+    after it move, and ``.metadata`` (torch's own, pickled as DCP pickles it) says where. For a case that
+    :meth:`Trial.judge` does not read."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(trial.root)).read_metadata()
+    out = bytearray()
+    for index, info in sorted(md.storage_data.items(), key=lambda item: item[1].offset):
+        chunk = archive if index.fqn == key else trial.source.data[info.offset:info.offset + info.length]
+        md.storage_data[index] = dataclasses.replace(info, offset=len(out), length=len(chunk))
+        out += chunk
+    (trial.root / "__0_0.distcp").write_bytes(out)
+    (trial.root / ".metadata").write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.parametrize("parameter", [False, True], ids=["tensor", "Parameter"])
+@pytest.mark.parametrize("attribute, value", [
+    ("data", lambda t: t.reshape(8, 4).t()),  # torch sets the loaded tensor's data to this view
+    ("real", lambda t: t.flip(0)),            # torch copies this view in
+    ("shape", lambda t: (8, 4)),              # torch cannot set it, and refuses the chunk
+    ("_has_been_cloned", lambda t: True),     # a plain attribute (FSDP1's): torch keeps it, the tensor is the same
+])
+def test_dcp_read_refuses_a_tensor_state_that_sets_the_tensor_s_own_attribute(trial, attribute, value, parameter):
+    # torch.save pickles a tensor (or Parameter) that carries Python attributes with _rebuild_from_type_v2
+    # (_rebuild_parameter_with_state), and torch.load setattr()s each on the tensor it rebuilt.
+    t = trial.source.state[LATER].clone()
+    t = torch.nn.Parameter(t) if parameter else t
+    t.__dict__[attribute] = value(t.detach())
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    with_archive(trial, LATER, buf.getvalue())
+    theirs, ours = torch_reads(buf.getvalue(), trial.source.state[LATER]), ckptkit_reads(trial.root)
+    if attribute == "_has_been_cloned":
+        assert not isinstance(ours, Exception) and ours[LATER] == theirs.numpy().tobytes()  # type: ignore[union-attr]
+        return
+    assert isinstance(ours, FormatError)
+    assert re.match(rf"^{trial.root / '__0_0.distcp'}: '{LATER}' chunk \[0, 0\]: .*sets the tensor's own attribute "
+                    rf"'{attribute}'", str(ours)), ours
+    assert isinstance(theirs, Exception) or not torch.equal(theirs, trial.source.state[LATER])
 
 
 # ------------------------------------------------------------------------------------------ sweeps

@@ -150,10 +150,34 @@ def _flags(t: TensorRef, requires_grad: Any, metadata: Any = None) -> TensorRef:
     return t
 
 
-def _parameter(data: Any, requires_grad: Any) -> TensorRef:
+def _parameter(data: Any, requires_grad: Any, state: Any = None) -> TensorRef:
     if not isinstance(data, TensorRef):
         raise FormatError(f"a Parameter is rebuilt from {type(data).__name__}, not from a tensor")
-    return _flags(data, requires_grad)
+    return _plain_state(_flags(data, requires_grad), state)
+
+
+# torch.Tensor's own attributes (its data descriptors, torch 2.13; a Parameter has no others).
+_TENSOR_ATTRIBUTES = frozenset({
+    "H", "T", "__class__", "__cuda_array_interface__", "__dict__", "__weakref__", "_backward_hooks", "_base",
+    "_cdata", "_grad", "_grad_fn", "_has_symbolic_sizes_strides", "_post_accumulate_grad_hooks", "_python_dispatch",
+    "_version", "data", "device", "dtype", "grad", "grad_dtype", "grad_fn", "imag", "is_cpu", "is_cuda", "is_ipu",
+    "is_leaf", "is_maia", "is_meta", "is_mkldnn", "is_mps", "is_mtia", "is_nested", "is_quantized", "is_sparse",
+    "is_sparse_csr", "is_vulkan", "is_xla", "is_xpu", "itemsize", "layout", "mH", "mT", "name", "nbytes", "ndim",
+    "output_nr", "real", "requires_grad", "retains_grad", "shape", "volatile"})
+
+
+def _plain_state(t: TensorRef, state: Any) -> TensorRef:
+    """The state a pickled tensor carries, held to what torch's ``_set_obj_state`` sets without changing the
+    tensor: a dict of Python attributes, or a ``(dict, slots)`` pair, or nothing. ckptkit drops them; torch
+    setattr()s each, and one of the tensor's own (``data``, ``real``) would change what torch loads, or fail."""
+    parts = state if isinstance(state, tuple) else (state, None)
+    if len(parts) != 2 or any(part and not isinstance(part, dict) for part in parts):
+        raise FormatError(f"{t.span.file}: a tensor carries state {state!r:.60}, which torch cannot set on it")
+    for name in (name for part in parts if part for name in part):
+        if not isinstance(name, str) or name in _TENSOR_ATTRIBUTES:
+            raise FormatError(f"{t.span.file}: a tensor's pickled state sets the tensor's own attribute {name!r:.40}; "
+                              "torch would set it on the tensor it loads, changing it or failing")
+    return t
 
 
 def _storage_of(storage: Any) -> _Storage:
@@ -193,11 +217,12 @@ TENSOR = Tag("torch.Tensor")
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
     # A plain tensor carrying Python attributes (FSDP1 marks the tensors of its state dicts, e.g.
-    # "_has_been_cloned"): the attributes go, the tensor stays. Tensor subclasses are refused.
+    # "_has_been_cloned"): the attributes go, the tensor stays (unless one is the tensor's own). Tensor
+    # subclasses are refused.
     if new_type is not TENSOR or func not in (_rebuild_v2, _rebuild_v3):
         raise FormatError(f"a tensor subclass {new_type!r} rebuilt by {getattr(func, '__name__', func)!r}; "
                           "ckptkit reads plain tensors (and, in LOCAL checkpoints, ShardedTensor)")
-    return func(*args)
+    return _plain_state(func(*args), state)
 
 
 WRAPPER_SUBCLASS = Tag("torch._utils._rebuild_wrapper_subclass")
@@ -261,7 +286,7 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter"): lambda data, requires_grad=False, hooks=None: _parameter(
         data, requires_grad),
     ("torch._utils", "_rebuild_parameter_with_state"): lambda data, requires_grad, hooks, state: _parameter(
-        data, requires_grad),
+        data, requires_grad, state),
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("torch", "Tensor"): TENSOR,
     ("collections", "OrderedDict"): collections.OrderedDict,
