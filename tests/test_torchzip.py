@@ -165,6 +165,30 @@ def test_read_archive_refuses_a_zip_without_data_pkl(tmp_path):
         read_archive(str(tmp_path / "z.pt"))
 
 
+def test_read_archive_refuses_a_tensor_whose_state_sets_its_data(tmp_path):
+    # torch.save pickles a tensor's Python attributes as the state of _rebuild_from_type_v2, and torch.load
+    # setattr()s them: a "data" attribute that is another view of the storage is what torch.load gives back.
+    w = torch.arange(12.0).reshape(3, 4)
+    w.__dict__["data"] = w.reshape(4, 3).t()
+    torch.save({"w": w}, tmp_path / "m.pt")
+    assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=True)["w"], w.reshape(4, 3).t())
+    with pytest.raises(FormatError, match=rf"^{tmp_path / 'm.pt'}: a tensor's pickled state sets the tensor's own "
+                                          r"attribute 'data'; torch would set it on the tensor it loads"):
+        read_archive(str(tmp_path / "m.pt"))
+
+
+def test_tensor_attributes_are_torch_s_own():
+    # The attributes ckptkit refuses in a tensor's pickled state: all that torch.Tensor (and Parameter)
+    # defines as data descriptors, so that a torch that adds one fails here first.
+    import inspect
+
+    from ckptkit.codecs.torchzip_read import _TENSOR_ATTRIBUTES
+
+    for cls in (torch.Tensor, torch.nn.Parameter):
+        own = {name for c in cls.__mro__ for name, v in vars(c).items() if inspect.isdatadescriptor(v)}
+        assert own <= _TENSOR_ATTRIBUTES, own - _TENSOR_ATTRIBUTES
+
+
 # ------------------------------------------------------------------------------------------ writing
 
 

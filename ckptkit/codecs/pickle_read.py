@@ -305,9 +305,11 @@ class SafeUnpickler(pickle.Unpickler):
                 raise
             raise UnsafeCheckpointError(f"{self._where}: {e}") from None
         except FormatError as e:
-            if str(e).startswith(self._where.split(": ")[0]):
+            if str(e).startswith(self._where):
                 raise
-            raise FormatError(f"{self._where}: {e}") from None
+            # A check inside the pickle names the file alone; ``where`` may name more (a DCP chunk's key).
+            text = str(e).removeprefix(f"{self._where.split(': ')[0]}: ")
+            raise FormatError(f"{self._where}: {text}") from None
         except Exception as e:  # a truncated or corrupt pickle raises a zoo of types
             raise FormatError(f"{self._where}: cannot read pickle ({type(e).__name__}: {e})") from e
 

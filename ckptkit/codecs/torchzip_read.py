@@ -150,10 +150,34 @@ def _flags(t: TensorRef, requires_grad: Any, metadata: Any = None) -> TensorRef:
     return t
 
 
-def _parameter(data: Any, requires_grad: Any) -> TensorRef:
+def _parameter(data: Any, requires_grad: Any, state: Any = None) -> TensorRef:
     if not isinstance(data, TensorRef):
         raise FormatError(f"a Parameter is rebuilt from {type(data).__name__}, not from a tensor")
-    return _flags(data, requires_grad)
+    return _plain_state(_flags(data, requires_grad), state)
+
+
+# torch.Tensor's own attributes (its data descriptors, torch 2.13; a Parameter has no others).
+_TENSOR_ATTRIBUTES = frozenset({
+    "H", "T", "__class__", "__cuda_array_interface__", "__dict__", "__weakref__", "_backward_hooks", "_base",
+    "_cdata", "_grad", "_grad_fn", "_has_symbolic_sizes_strides", "_post_accumulate_grad_hooks", "_python_dispatch",
+    "_version", "data", "device", "dtype", "grad", "grad_dtype", "grad_fn", "imag", "is_cpu", "is_cuda", "is_ipu",
+    "is_leaf", "is_maia", "is_meta", "is_mkldnn", "is_mps", "is_mtia", "is_nested", "is_quantized", "is_sparse",
+    "is_sparse_csr", "is_vulkan", "is_xla", "is_xpu", "itemsize", "layout", "mH", "mT", "name", "nbytes", "ndim",
+    "output_nr", "real", "requires_grad", "retains_grad", "shape", "volatile"})
+
+
+def _plain_state(t: TensorRef, state: Any) -> TensorRef:
+    """The state a pickled tensor carries, held to what torch's ``_set_obj_state`` sets without changing the
+    tensor: a dict of Python attributes, or a ``(dict, slots)`` pair, or nothing. ckptkit drops them; torch
+    setattr()s each, and one of the tensor's own (``data``, ``real``) would change what torch loads, or fail."""
+    parts = state if isinstance(state, tuple) else (state, None)
+    if len(parts) != 2 or any(part and not isinstance(part, dict) for part in parts):
+        raise FormatError(f"{t.span.file}: a tensor carries state {state!r:.60}, which torch cannot set on it")
+    for name in (name for part in parts if part for name in part):
+        if not isinstance(name, str) or name in _TENSOR_ATTRIBUTES:
+            raise FormatError(f"{t.span.file}: a tensor's pickled state sets the tensor's own attribute {name!r:.40}; "
+                              "torch would set it on the tensor it loads, changing it or failing")
+    return t
 
 
 def _storage_of(storage: Any) -> _Storage:
@@ -193,11 +217,12 @@ TENSOR = Tag("torch.Tensor")
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
     # A plain tensor carrying Python attributes (FSDP1 marks the tensors of its state dicts, e.g.
-    # "_has_been_cloned"): the attributes go, the tensor stays. Tensor subclasses are refused.
+    # "_has_been_cloned"): the attributes go, the tensor stays (unless one is the tensor's own). Tensor
+    # subclasses are refused.
     if new_type is not TENSOR or func not in (_rebuild_v2, _rebuild_v3):
         raise FormatError(f"a tensor subclass {new_type!r} rebuilt by {getattr(func, '__name__', func)!r}; "
                           "ckptkit reads plain tensors (and, in LOCAL checkpoints, ShardedTensor)")
-    return func(*args)
+    return _plain_state(func(*args), state)
 
 
 WRAPPER_SUBCLASS = Tag("torch._utils._rebuild_wrapper_subclass")
@@ -261,7 +286,7 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter"): lambda data, requires_grad=False, hooks=None: _parameter(
         data, requires_grad),
     ("torch._utils", "_rebuild_parameter_with_state"): lambda data, requires_grad, hooks, state: _parameter(
-        data, requires_grad),
+        data, requires_grad, state),
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("torch", "Tensor"): TENSOR,
     ("collections", "OrderedDict"): collections.OrderedDict,
@@ -279,6 +304,26 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     **{("torch", d.name): d for d in dtypes.DTYPES},
     **{("torch", d.storage_class): _storage_class(d) for d in dtypes.DTYPES if d.storage_class},
 }
+
+# What torch.load(weights_only=True) unpickles, as DCP's reader loads every chunk (torch's
+# _weights_only_unpickler, 2.13): OBJECT_GLOBALS less three it refuses, and fewer opcodes than Python's.
+_WEIGHTS_ONLY_GLOBALS = {k: v for k, v in OBJECT_GLOBALS.items()
+                         if k not in {("builtins", "frozenset"), ("builtins", "slice"), ("torch", "UntypedStorage")}}
+_WEIGHTS_ONLY_OPCODES = frozenset({
+    "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "MARK",
+    "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE", "NEWFALSE", "NEWTRUE", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT",
+    "EMPTY_SET", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE", "SHORT_BINSTRING", "BINPERSID",
+    "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT"})
+
+
+def _weights_only_opcodes(data: bytes, where: str) -> None:
+    """Refuse a pickle (that Python's unpickler read) using an opcode torch's weights-only unpickler lacks."""
+    import pickletools
+
+    for op, _, pos in pickletools.genops(data):
+        if op.name not in _WEIGHTS_ONLY_OPCODES:
+            raise FormatError(f"{where}: the pickle uses opcode {op.name} (byte {pos}), which torch.load refuses "
+                              "with weights_only=True, as DCP loads a chunk")
 
 
 _EOCD = struct.Struct("<4sHHHHIIH")                 # end of central directory, 22 bytes
@@ -331,12 +376,15 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
     window.seek(max(0, eocd - _EOCD64_LOCATOR.size))
     locator = window.read(_EOCD64_LOCATOR.size) if eocd >= _EOCD64_LOCATOR.size else b""
     if locator[:4] == b"PK\x06\x07":  # torch's writer (miniz) always adds the zip64 records, and its reader uses them
-        _, _, where64, _ = _EOCD64_LOCATOR.unpack(locator)
+        _, _, where64, disks = _EOCD64_LOCATOR.unpack(locator)
         window.seek(where64)
         record = window.read(_EOCD64.size)
         if len(record) != _EOCD64.size or record[:4] != b"PK\x06\x06" or where64 + _EOCD64.size > eocd:
             raise bad("a damaged zip64 end record")
-        _, _, _, _, disk, cd_disk, on_disk, count, cd_size, cd_offset = _EOCD64.unpack(record)
+        _, size64, _, _, disk, cd_disk, on_disk, count, cd_size, cd_offset = _EOCD64.unpack(record)
+        if disks != 1 or size64 < _EOCD64.size - 12:  # miniz refuses either; its size leaves out 12 bytes
+            raise bad(f"a zip64 end record of {size64} bytes, on {disks} disks; torch's reader takes one disk and "
+                      f"at least {_EOCD64.size - 12} bytes")
         end_of_cd = where64
     elif _U16 in (disk, cd_disk, on_disk, count) or _U32 in (cd_size, cd_offset):
         raise bad("zip64 values without a zip64 end record")
@@ -348,11 +396,12 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
     cd = window.read(cd_size)
     out: dict[str, Span] = {}
     prefix = None
+    folded: set[bytes] = set()
     pos = 0
     for _ in range(count):
         if pos + _CENTRAL.size > len(cd):
             raise bad("the central directory is shorter than its entries")
-        (sig, _, _, flags, method, _, _, _, comp, size, name_len, extra_len, comment_len, entry_disk, _, _,
+        (sig, _, _, flags, method, _, _, _, comp, size, name_len, extra_len, comment_len, entry_disk, _, attributes,
          offset) = _CENTRAL.unpack_from(cd, pos)
         window.holes.append((cd_offset + pos + 16, cd_offset + pos + 20, False))  # the CRC-32: torch never checks it
         raw = cd[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len]
@@ -364,6 +413,8 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
             name = raw.decode("utf-8")  # torch hands record names to Python as UTF-8 text
         except UnicodeDecodeError:
             raise bad(f"record name {raw!r:.60} is not UTF-8") from None
+        if name.endswith("/") or attributes & 0x10:  # miniz's test; it then reads none of the bytes, nor says so
+            raise bad(f"record {name} is a directory to torch's zip reader, which reads none of its bytes")
         wide = [v for v in (size, comp, offset) if v == _U32]
         if wide:
             values = iter(_zip64_values(extra, len(wide)))
@@ -384,7 +435,13 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
         prefix = prefix if prefix is not None else first + slash
         if not slash or not name.startswith(prefix):
             raise bad(f"record {name} is not in the directory {prefix or name!r} every record shares")
-        out.setdefault(name[len(prefix):], Span(path, start + data, size))  # torch finds the first of a name
+        if name[len(prefix):].partition("\0")[0] == "constants.pkl":  # torch lists the names as C strings
+            raise bad(f"record {name}: torch.load takes an archive with a constants.pkl for TorchScript, and "
+                      "loads it with torch.jit.load (or, with weights_only=True, refuses it)")
+        if raw.lower() in folded:  # miniz finds a name by binary search, ignoring (ASCII) case: any of them
+            raise bad(f"two records named {name} (in any case); torch's zip reader may read either")
+        folded.add(raw.lower())
+        out[name[len(prefix):]] = Span(path, start + data, size)
         if flags & 0x8:
             window.descriptors.append(data + size)
     _check_small_records(out, window, start, bad)
@@ -397,8 +454,11 @@ def _check_small_records(records: dict[str, Span], window: _Window, start: int, 
         span = records.get(name)
         if span is None:
             return None
+        if span.length > 256:  # torch parses or decodes all of it: a check of a part would not be torch's
+            raise bad(f"record {name} holds {span.length} bytes; ckptkit reads up to 256 (torch.save "
+                      "writes a few)")
         window.seek(span.offset - start)
-        return window.read(min(span.length, 256))
+        return window.read(span.length)
 
     version = read(".data/version") if ".data/version" in records else read("version")
     number = re.match(rb"\s*[-+]?\d+", version or b"")
@@ -443,9 +503,10 @@ def read_archive(path: str, start: int = 0, length: int | None = None, *, where:
     return value
 
 
-def _parse(window: _Window, path: str, where: str,
-           extra_globals: dict | None) -> tuple[Any, bytes, dict[str, Span], list[_Storage]]:
-    """The archive's value, its ``data.pkl``, its records, and the storages the pickle named."""
+def _parse(window: _Window, path: str, where: str, extra_globals: dict | None, *,
+           weights_only: bool = False) -> tuple[Any, bytes, dict[str, Span], list[_Storage]]:
+    """The archive's value, its ``data.pkl``, its records, and the storages the pickle named. ``weights_only``:
+    held to what ``torch.load(weights_only=True)`` unpickles."""
     start = window._start
     records = _records(window, path, where)
     if "data.pkl" not in records:
@@ -472,8 +533,10 @@ def _parse(window: _Window, path: str, where: str,
         storages.append(_Storage(span, tag.dtype, f"data/{key}"))
         return storages[-1]
 
-    allowed = {**OBJECT_GLOBALS, **(extra_globals or {})}
+    allowed = _WEIGHTS_ONLY_GLOBALS if weights_only else {**OBJECT_GLOBALS, **(extra_globals or {})}
     value = SafeUnpickler(data, allowed, where=where, persistent_load=persistent_load).load_checked()
+    if weights_only:
+        _weights_only_opcodes(data, where)
     return value, data, records, storages
 
 
@@ -595,9 +658,10 @@ class ArchiveCache:
         return None
 
     def read(self, path: str, start: int, length: int, *, pread: Callable[[int, int], bytes], where: str) -> Any:
-        """:func:`read_archive` of the archive at ``start`` (``tree=False``), remembering its framing."""
+        """:func:`read_archive` of the archive at ``start`` (``tree=False``), remembering its framing; its pickle
+        held to what ``torch.load(weights_only=True)`` reads, as DCP loads a chunk."""
         window = _Window(pread, start, length)
-        value, _, _, storages = _parse(window, path, where or path, None)
+        value, _, _, storages = _parse(window, path, where or path, None, weights_only=True)
         _, _, framings = self._by_length.get(length, (0, 0, []))
         if isinstance(value, TensorRef) and len(storages) == 1 and len(framings) < self._KEEP:
             lo, hi = storages[0].span.offset - start, storages[0].span.offset - start + storages[0].span.length
@@ -613,15 +677,20 @@ class ArchiveCache:
 def _holes(window: _Window, head: bytes, tail: bytes, lo: int, hi: int) -> list[tuple[int, int, bool]]:
     """The window's holes outside the tensor data ``[lo, hi)``, and the CRC-32 of every data descriptor that
     follows its record with the descriptor's signature (torch reads sizes and CRCs from the central directory
-    only), unless the checks read those bytes for something else."""
+    only), unless the checks read those bytes for something else: a window's hole is read once, by the check
+    that found it; a record that overlaps it (a pickle that is also the serialization id, a version on a
+    CRC-32) reads it again, and then it must not differ between archives."""
     length = hi + len(tail)
 
     def at(a: int, b: int) -> bytes:
         return head[a:b] if b <= lo else tail[a - hi:b - hi] if a >= hi else b""
 
-    holes = list(window.holes)
+    def readers(a: int, b: int) -> int:
+        return sum(start < b and end > a for start, end in window.reads)
+
+    holes = [h for h in window.holes if readers(h[0], h[1]) == 1]
     for d in window.descriptors:
-        if d + 8 <= length and at(d, d + 4) == b"PK\x07\x08" and all(b <= d + 4 or a >= d + 8 for a, b in window.reads):
+        if d + 8 <= length and at(d, d + 4) == b"PK\x07\x08" and not readers(d + 4, d + 8):
             holes.append((d + 4, d + 8, False))
     return [h for h in holes if h[1] <= lo or h[0] >= hi]
 
