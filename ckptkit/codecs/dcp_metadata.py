@@ -71,28 +71,28 @@ class MetadataPickle:
 
     def dumps(self, tensors: Sequence[TensorRecord], objects: Sequence[ObjectRecord],
               planner_data: dict[str, tuple]) -> bytes:
-        const, key_ = self._const, self._const  # keys and their paths' parts repeat as field names do
+        const = self._const  # (keys and the parts of their paths repeat as the field names do)
         out = bytearray(b"\x80\x02")
         out += self._new(_DCP, "Metadata") + b"}(" + const("state_dict_metadata") + b"}("
         for t in tensors:
-            out += key_(t.key)
+            out += const(t.key)
             self._tensor(out, t)
         for o in objects:
-            out += key_(o.key) + self._new(_DCP, "BytesStorageMetadata")  # no state, so no BUILD
+            out += const(o.key) + self._new(_DCP, "BytesStorageMetadata")  # no state, so no BUILD
         out += b"u" + const("planner_data") + b"}("
         for key, path in planner_data.items():
-            out += key_(key) + b"("
+            out += const(key) + b"("
             for part in path:
-                out += _int(part) if type(part) is int else key_(part)
+                out += _int(part) if type(part) is int else const(part)
             out += b"t"
         out += b"u" + const("storage_data") + b"}("
         entry = self._entry
         for t in tensors:
-            fqn = key_(t.key)
+            fqn = const(t.key)
             for index, c in enumerate(t.chunks):
                 out += entry(fqn, c, index)
         for o in objects:
-            out += self._new(_DCP, "MetadataIndex") + b"}(" + const("fqn") + key_(o.key)
+            out += self._new(_DCP, "MetadataIndex") + b"}(" + const("fqn") + const(o.key)
             out += const("offset") + b"N" + const("index") + b"Nub"
             out += self._storage(o.file, o.offset, o.length)
         out += b"u" + const("storage_meta") + b"N" + const("version") + const("1.0.0") + b"ub."
@@ -114,34 +114,34 @@ class MetadataPickle:
     def _chunk(self, c: ChunkRecord) -> bytes:
         """A ``ChunkStorageMetadata``."""
         frame = self._chunk_frame
-        if frame is None:
-            out = self._new(_DCP, "ChunkStorageMetadata") + b"}(" + self._const("offsets") + self._size(c.offsets)
-            out += self._const("sizes") + self._size(c.sizes) + b"ub"
-            size = self._global("torch", "Size")
-            self._chunk_frame = (self._new(_DCP, "ChunkStorageMetadata") + b"}(" + self._const("offsets") + size,
-                                 b"\x85R" + self._const("sizes") + size, b"\x85Rub")
-            return out
-        ints = self._ints
+        if frame is None:  # the first chunk defines the names its frame uses; the next ones refer to them
+            frame, self._chunk_frame = self._chunk_pieces(), self._chunk_pieces()
         a, b, z = frame
+        ints = self._ints
         return a + (ints.get(c.offsets) or self._int_tuple(c.offsets)) + b + (
             ints.get(c.sizes) or self._int_tuple(c.sizes)) + z
+
+    def _chunk_pieces(self) -> tuple[bytes, bytes, bytes]:
+        # (Evaluated in the order written, as the pieces stand in the pickle: a name's definition comes first.)
+        const, global_ = self._const, self._global
+        return (self._new(_DCP, "ChunkStorageMetadata") + b"}(" + const("offsets") + global_("torch", "Size"),
+                b"\x85R" + const("sizes") + global_("torch", "Size"), b"\x85Rub")
 
     def _entry(self, key: bytes, c: ChunkRecord, index: int) -> bytes:
         """A chunk's ``MetadataIndex: _StorageInfo`` item of ``storage_data``; ``key``: its key's opcodes."""
         frame = self._entry_frame
-        if frame is None:
-            const = self._const
-            out = self._new(_DCP, "MetadataIndex") + b"}(" + const("fqn") + key + const("offset")
-            out += self._size(c.offsets) + const("index") + _int(index) + b"ub"
-            out += self._storage(c.file, c.offset, c.length)
-            self._entry_frame = (self._new(_DCP, "MetadataIndex") + b"}(" + const("fqn"),
-                                 const("offset") + self._global("torch", "Size"), b"\x85R" + const("index"),
-                                 b"ub" + self._new(_FS, "_StorageInfo") + b"}(" + const("relative_path"),
-                                 const("offset"), const("length"))
-            return out
+        if frame is None:  # as in _chunk
+            frame, self._entry_frame = self._entry_pieces(), self._entry_pieces()
         a, b, i, s, o, n = frame
         return (a + key + b + (self._ints.get(c.offsets) or self._int_tuple(c.offsets)) + i + _int(index) + s
                 + (self._files.get(c.file) or self._file(c.file)) + o + _int(c.offset) + n + _int(c.length) + b"ub")
+
+    def _entry_pieces(self) -> tuple[bytes, bytes, bytes, bytes, bytes, bytes]:
+        const = self._const
+        return (self._new(_DCP, "MetadataIndex") + b"}(" + const("fqn"),
+                const("offset") + self._global("torch", "Size"), b"\x85R" + const("index"),
+                b"ub" + self._new(_FS, "_StorageInfo") + b"}(" + const("relative_path"),
+                const("offset"), const("length"))
 
     def _storage(self, file: str, offset: int, length: int) -> bytes:
         const = self._const
