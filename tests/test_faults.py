@@ -363,14 +363,27 @@ def test_bad_dcp_metadata_is_a_one_line_error_naming_file_and_key(tmp_path, dcp_
     assert "ckptkit: error: " in proc.stderr and ("'model." in proc.stderr or "distcp" in proc.stderr)
 
 
-def test_dcp_metadata_index_with_an_unhashable_offset_is_refused_as_torch_refuses_it(tmp_path, dcp_ckpt):
-    # torch hashes each MetadataIndex as its dict key while unpickling; ckptkit's stand-ins hash by identity,
-    # and the reader checks the offset itself.
-    _dcp_edit(dcp_ckpt, lambda md: object.__setattr__(next(iter(md.storage_data)), "offset", [0, 0]))
+def _unhashable_index(md, where: str) -> None:
+    """A MetadataIndex whose offset is a list, as a key of ``storage_data`` or of ``planner_data``."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    if where == "storage_data":
+        index = next(iter(md.storage_data))
+    else:  # a dict torch unpickles as it does storage_data, which ckptkit only looks keys up in
+        index = MetadataIndex("model.extra", (0,))
+        md.planner_data[index] = ("model", "extra")
+    object.__setattr__(index, "offset", [0, 0])  # after it went into its dict: the pickle holds it so
+
+
+@pytest.mark.parametrize("where", ["storage_data", "planner_data"])
+def test_dcp_metadata_index_with_an_unhashable_offset_is_refused_as_torch_refuses_it(tmp_path, dcp_ckpt, where):
+    # torch hashes each MetadataIndex (a frozen dataclass) by its fqn and offset wherever it is a dict key, as
+    # it unpickles; so must ckptkit's stand-ins, whatever dict holds them.
+    _dcp_edit(dcp_ckpt, lambda md: _unhashable_index(md, where))
     with pytest.raises(TypeError, match="unhashable type: 'list'"):
         torch.load(dcp_ckpt / ".metadata", weights_only=False)
     proc = script("convert", dcp_ckpt, tmp_path / "out.pt", "--to", "full")
-    assert_one_line_error(proc, "malformed DCP metadata at the storage index (TypeError: unhashable type: 'list')")
+    assert_one_line_error(proc, ".metadata: cannot read pickle (TypeError: unhashable type: 'list')")
     assert not (tmp_path / "out.pt").exists()
 
 

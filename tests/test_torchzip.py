@@ -165,6 +165,20 @@ def test_read_archive_refuses_a_zip_without_data_pkl(tmp_path):
         read_archive(str(tmp_path / "z.pt"))
 
 
+def test_read_archive_reads_an_archive_repacked_with_directory_entries(tmp_path):
+    # zip -r, and zipfile's mkdir, write an entry per directory ("m/", "m/data/"): miniz takes them for
+    # directories, but torch looks up no name ending in "/", and loads the archive as the one torch.save wrote.
+    tree = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3, dtype=torch.bfloat16)}
+    torch.save(tree, tmp_path / "m.pt")
+    with zipfile.ZipFile(tmp_path / "m.pt") as src, zipfile.ZipFile(tmp_path / "r.pt", "w") as out:
+        for folder in ("m", "m/data", "m/.data"):
+            out.mkdir(folder)
+        for info in src.infolist():
+            out.writestr(info.filename, src.read(info))
+    assert_same_tree(torch.load(tmp_path / "r.pt", weights_only=True), tree)
+    assert_same_tree(read_as_torch(tmp_path / "r.pt"), tree)
+
+
 def test_read_archive_refuses_a_tensor_whose_state_sets_its_data(tmp_path):
     # torch.save pickles a tensor's Python attributes as the state of _rebuild_from_type_v2, and torch.load
     # setattr()s them: a "data" attribute that is another view of the storage is what torch.load gives back.

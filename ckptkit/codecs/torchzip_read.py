@@ -413,7 +413,10 @@ def _records(window: _Window, path: str, where: str) -> dict[str, Span]:
             name = raw.decode("utf-8")  # torch hands record names to Python as UTF-8 text
         except UnicodeDecodeError:
             raise bad(f"record name {raw!r:.60} is not UTF-8") from None
-        if name.endswith("/") or attributes & 0x10:  # miniz's test; it then reads none of the bytes, nor says so
+        # miniz takes a record for a directory by its DOS attributes or a name ending in "/", and then reads none
+        # of its bytes, nor says so. torch looks up no name ending in "/" but a storage's (see _parse): entries
+        # that zip -r writes for the folders are never read.
+        if attributes & 0x10 and not name.endswith("/"):
             raise bad(f"record {name} is a directory to torch's zip reader, which reads none of its bytes")
         wide = [v for v in (size, comp, offset) if v == _U32]
         if wide:
@@ -525,6 +528,9 @@ def _parse(window: _Window, path: str, where: str, extra_globals: dict | None, *
         span = records.get(f"data/{key}")
         if span is None:
             raise FormatError(f"{where}: data.pkl names storage {key!r} but the archive has no record data/{key}")
+        if f"data/{key}".endswith("/"):
+            raise FormatError(f"{where}: not a torch.save archive torch can read (record data/{key} is a directory "
+                              "to torch's zip reader, which reads none of its bytes)")
         itemsize = tag.dtype.itemsize if tag.dtype else 1
         if not _count(numel) or numel * itemsize != span.length:
             # torch refuses such a record ("record size ... does not match expected size"), mmap or not aside.

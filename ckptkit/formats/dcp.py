@@ -169,10 +169,7 @@ class DcpIO(FormatIO):
         storage: dict[tuple[str, tuple | None], Any] = {}
         for idx, info in (getattr(md, "storage_data", None) or {}).items():
             offset = getattr(idx, "offset", None)
-            if offset is not None and type(offset) is not tuple:
-                hash(offset)  # torch hashes each MetadataIndex as it unpickles it, and fails on a list
-                offset = tuple(offset)
-            storage[(idx.fqn, offset)] = info  # (a TypeError here too if the key is unhashable, as in torch)
+            storage[(idx.fqn, offset if offset is None or type(offset) is tuple else tuple(offset))] = info
         paths = getattr(md, "planner_data", None) or {}
         files.expect(_chunk_edges(root, md, storage))
         tensors: list[TensorEntry] = []
