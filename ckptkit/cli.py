@@ -13,6 +13,7 @@ the environment: ``CKPTKIT_<COMMAND>_<OPTION>`` (click's ``auto_envvar_prefix``)
 
 from __future__ import annotations
 
+import _thread
 import inspect as _pyinspect
 import json
 import os
@@ -47,6 +48,20 @@ class _Interrupted(BaseException):
 
 def _terminate(signum: int, frame: object) -> None:
     raise _Terminated()
+
+
+def _unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+    """A Ctrl-C or SIGTERM whose exception was raised inside a callback (a weakref's, a ``__del__``, as a
+    thread pool's clean-up runs them), where Python can only print it and go on: the run would carry on as if
+    never stopped. Another thread sends the signal again to this one (the main thread, where Python raises a
+    signal's exception), so that its handler raises in the program itself, cutting short a wait; sent from
+    here, the handler would run at once, inside this hook, and be ignored again. Should it land in a callback
+    again, this runs again."""
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, (KeyboardInterrupt, _Terminated)):
+        signum = signal.SIGINT if issubclass(unraisable.exc_type, KeyboardInterrupt) else signal.SIGTERM
+        _thread.start_new_thread(signal.pthread_kill, (_thread.get_ident(), signum))  # (Thread.start() would wait)
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -475,6 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     """The ``ckptkit`` console script: every failure is one line on stderr and an exit code (see above)."""
     handle(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt from here on (see _startup)
     handle(signal.SIGTERM, _terminate)
+    sys.unraisablehook = _unraisable
     try:
         try:
             returned = cli.main(args=argv, prog_name="ckptkit", standalone_mode=False)
