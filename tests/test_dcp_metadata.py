@@ -70,11 +70,9 @@ def test_metadata_pickle_is_what_torch_reads_as_its_own_metadata(seed, tensors, 
     tensor_records, objects, planner = records(seed, tensors, ranks)
     written = MetadataPickle().dumps(tensor_records, objects, planner)
     assert pickle.loads(written) == torch_metadata(tensor_records, objects, planner)
-    # Only what repeats is memoized (classes, field names, keys and their paths' parts): no store per chunk.
+    # Only what repeats is memoized (classes, field names, keys): no store per chunk.
     stores = sum(op.name in ("BINPUT", "LONG_BINPUT") for op, _, _ in pickletools.genops(written))
-    keys = {t.key for t in tensor_records} | {o.key for o in objects}
-    parts = {p for path in planner.values() for p in path if isinstance(p, str)}
-    assert stores <= len(keys | parts) + 30
+    assert stores <= len({t.key for t in tensor_records} | {o.key for o in objects}) + 30
 
 
 def test_metadata_pickle_of_a_checkpoint_with_no_tensors():

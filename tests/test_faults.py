@@ -363,6 +363,25 @@ def test_bad_dcp_metadata_is_a_one_line_error_naming_file_and_key(tmp_path, dcp_
     assert "ckptkit: error: " in proc.stderr and ("'model." in proc.stderr or "distcp" in proc.stderr)
 
 
+@pytest.mark.parametrize("copy", [0, 1])  # the key as .metadata names its entry, or in its planner path
+def test_a_damaged_key_in_a_metadata_ckptkit_wrote_is_refused(tmp_path, copy):
+    # ckptkit writes a key once where it repeats (memoized) and its path in full, as torch's pickle has them:
+    # a byte damaged in either copy renames one of them, and the reader's check that a key is its path joined
+    # refuses the checkpoint rather than exporting a renamed tensor.
+    src = tmp_path / "model.pt"
+    torch.save({"model.layers.0.mlp.weight": torch.ones(4, 2), "model.norm.weight": torch.ones(2)}, src)
+    dcp = tmp_path / "dcp"
+    convert(src, dcp, to="sharded", world_size=2)
+    meta = dcp / ".metadata"
+    data = bytearray(meta.read_bytes())
+    at = [i for i in range(len(data)) if data.startswith(b"layers.0.mlp", i)][copy]
+    data[at + len("layers.0.m")] ^= 0x40  # mlp -> m,p
+    meta.write_bytes(data)
+    proc = script("export-hf", dcp, tmp_path / "hf")
+    assert_one_line_error(proc, "is stored under the path")
+    assert not (tmp_path / "hf").exists()
+
+
 def _unhashable_index(md, where: str) -> None:
     """A MetadataIndex whose offset is a list, as a key of ``storage_data`` or of ``planner_data``."""
     from torch.distributed.checkpoint.metadata import MetadataIndex

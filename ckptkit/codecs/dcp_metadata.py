@@ -9,7 +9,9 @@ when unpickled, from plain tuples.
 It memoizes only what repeats: the classes and field names, and each key (named by its entry, by
 ``planner_data`` and by each of its chunks' indexes). Python's pickler memoizes every object, so that a chunk
 costs five memo stores where none is ever read back; leaving them out halves the opcodes a chunk takes, and
-the unpickler builds the same objects either way (the oracle in the tests is torch's unpickler).
+the unpickler builds the same objects either way (the oracle in the tests is torch's unpickler). A key's path
+in ``planner_data`` is written out in full, as torch's own pickle has it, so that a byte damaged in either
+copy of a key fails the reader's check that a key is its path joined.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class MetadataPickle:
 
     def dumps(self, tensors: Sequence[TensorRecord], objects: Sequence[ObjectRecord],
               planner_data: dict[str, tuple]) -> bytes:
-        const = self._const  # (keys and the parts of their paths repeat as the field names do)
+        const = self._const  # (keys repeat as the field names do)
         out = bytearray(b"\x80\x02")
         out += self._new(_DCP, "Metadata") + b"}(" + const("state_dict_metadata") + b"}("
         for t in tensors:
@@ -82,8 +84,8 @@ class MetadataPickle:
         out += b"u" + const("planner_data") + b"}("
         for key, path in planner_data.items():
             out += const(key) + b"("
-            for part in path:
-                out += _int(part) if type(part) is int else const(part)
+            for part in path:  # written out, not memoized (see the module's docstring)
+                out += _int(part) if type(part) is int else _unicode(part)
             out += b"t"
         out += b"u" + const("storage_data") + b"}("
         entry = self._entry
@@ -170,7 +172,7 @@ class MetadataPickle:
         return self._memo.get((module, name)) or self._remember((module, name), f"c{module}\n{name}\n".encode())
 
     def _const(self, s: str) -> bytes:
-        """A string that repeats: a field name, a key, a part of a key's path."""
+        """A string that repeats: a field name, a key."""
         return self._memo.get(s) or self._remember(s, _unicode(s))
 
     def _remember(self, what: object, written: bytes) -> bytes:

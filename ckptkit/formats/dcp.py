@@ -182,6 +182,9 @@ class DcpIO(FormatIO):
             info = storage.get((key, offset))
             if info is None:
                 raise IncompleteCheckpointError(f"{meta_path}: no storage entry for {key!r} at offset {offset}")
+            if type(info).__name__ != "_StorageInfo":  # torch's reader needs its fields, defaults included
+                raise FormatError(f"{meta_path}: the storage entry of {key!r} at offset {offset} is a "
+                                  f"{type(info).__name__}, not a _StorageInfo")
             if getattr(info, "transform_descriptors", None):
                 raise FormatError(f"{meta_path}: {key!r} is stored with transforms {list(info.transform_descriptors)}; "
                                   "ckptkit reads untransformed (uncompressed) DCP entries only")
