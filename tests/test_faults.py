@@ -382,6 +382,30 @@ def test_a_damaged_key_in_a_metadata_ckptkit_wrote_is_refused(tmp_path, copy):
     assert not (tmp_path / "hf").exists()
 
 
+def test_convert_to_hf_refuses_a_damaged_entry_it_leaves_out(tmp_path):
+    # An HF output holds the model only, but convert reads (and refuses) everything, as torch's loader would
+    # read the whole checkpoint: a damaged non-tensor entry is not waved through because it is not written.
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ckptkit.formats.dcp import DcpIO
+
+    src = tmp_path / "full.pt"
+    torch.save({"model": {"w": torch.ones(4, 2)}, "name": "run-1"}, src)
+    dcp = tmp_path / "dcp"
+    convert(src, dcp, to="sharded", world_size=1)
+    blob = next(o.blob for o in DcpIO().read(dcp).objects if o.key == "name")
+    data = bytearray(Path(blob.file).read_bytes())
+    pkl = data.index(b"data.pkl", blob.offset) + len(b"data.pkl")  # the local header's name, then the pickle
+    data[pkl + data[pkl:].index(b"\x80\x02") + 1] = 0xFF  # protocol 255
+    Path(blob.file).write_bytes(data)
+    with pytest.raises(CheckpointException, match="unsupported pickle protocol: 255"):
+        dcp_to_torch_save(dcp, tmp_path / "torch.pt")
+    proc = script("convert", dcp, tmp_path / "hf", "--to", "hf")
+    assert_one_line_error(proc, "object 'name': cannot read pickle")
+    assert not (tmp_path / "hf").exists()
+
+
 def _unhashable_index(md, where: str) -> None:
     """A MetadataIndex whose offset is a list, as a key of ``storage_data`` or of ``planner_data``."""
     from torch.distributed.checkpoint.metadata import MetadataIndex

@@ -258,7 +258,10 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
     notes: tuple[str, ...] = ()
     changes = Changes()
     if fmt is Format.HF or mapping:
-        # A model file holds the model: the same part, under the same names, as export-hf writes.
+        # A model file holds the model: the same part, under the same names, as export-hf writes. The entries it
+        # leaves out are decoded all the same (write() decodes only those it writes): convert reads everything,
+        # and refuses a checkpoint torch cannot load.
+        check_blobs(manifest)
         sel = select_model(manifest)
         tensors, notes = sel.tensors, sel.notes
         if mapping:
