@@ -130,3 +130,30 @@ def test_sharded_tensor_globals_allow_no_other_tensor_subclass(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match=rf"^{path}: the pickle asks for test_sharded_tensor\.SubTensor, "
                                                     r"which is not on ckptkit's allow-list"):
         read_archive(path, extra_globals=sharded_tensor_globals(path))
+
+
+@pytest.mark.parametrize("state, torch_reads", [
+    (b"N}(X\x0b\x00\x00\x00shard_sizesK\x01u\x86", True),   # (None, {slot: value}): what torch pickles
+    (b"}(X\x0b\x00\x00\x00shard_sizesK\x01u", False),     # a dict: there is no __dict__ to set it in
+    (b"N}(X\x05\x00\x00\x00otherK\x01u\x86", False),       # a name that is not a slot
+])
+def test_shard_metadata_state_is_held_to_what_torch_can_set(state, torch_reads):
+    # ShardMetadata has __slots__ and no __dict__: torch's unpickler sets only a (None, slots) state on it.
+    import pickle
+
+    from ckptkit.codecs.pickle_read import SafeUnpickler
+    from ckptkit.errors import FormatError
+
+    data = b"\x80\x02ctorch.distributed._shard.metadata\nShardMetadata\n)\x81" + state + b"b."
+    try:
+        pickle.loads(data)
+    except AttributeError:
+        assert not torch_reads
+    else:
+        assert torch_reads
+    read = lambda: SafeUnpickler(data, sharded_tensor_globals("rank0.pt"), where="rank0.pt").load_checked()  # noqa: E731
+    if torch_reads:
+        assert read().shard_sizes == 1
+    else:
+        with pytest.raises(FormatError, match=r"^rank0\.pt: ShardMetadata has state .* unpickler cannot set it"):
+            read()

@@ -24,8 +24,8 @@ from ..core.gc_pause import gc_paused
 from ..errors import FormatError, UnsafeCheckpointError
 
 __all__ = ["MEMORY_FORMATS", "Call", "EnumStandIn", "Record", "Ref", "SafeUnpickler", "allow_plain_records",
-           "allow_records", "check_opcodes", "check_tree", "keep_call", "make_record", "record_class", "ref",
-           "safe_getattr", "strided_layout"]
+           "allow_records", "allow_slotted_records", "check_opcodes", "check_tree", "keep_call", "make_record",
+           "record_class", "ref", "safe_getattr", "strided_layout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,15 +90,31 @@ so that one torch cannot hash (a list for a ``torch.Size``) fails wherever torch
 ``.metadata`` through wherever the reader does not look.)"""
 
 
+def _slot_state(slots: frozenset[str]) -> Callable[[Any, Any], None]:
+    def set_state(self: Any, state: Any) -> None:
+        # A torch class with __slots__ and no __dict__: the unpickler's BUILD sets a (None, {slot: value}) state,
+        # and fails on any other (there is no __dict__ to update) or on a name that is not one of its slots.
+        if not (isinstance(state, tuple) and len(state) == 2 and state[0] is None and isinstance(state[1], dict)
+                and set(state[1]) <= slots):
+            raise FormatError(f"{type(self).__name__} has state {state!r:.80}, not (None, {{slot: value}}) over its "
+                              f"slots {sorted(slots)}: torch's unpickler cannot set it")
+        self.__dict__.update(state[1])
+    return set_state
+
+
 @functools.cache
-def record_class(module: str, name: str, *, plain: bool = False) -> type[Record]:
-    """The stand-in class for ``module.name``; ``plain``: built by the unpickler's own BUILD (see :class:`Record`),
-    else with a ``__setstate__`` that keeps a state of any other form as ``.state``."""
+def record_class(module: str, name: str, *, plain: bool = False,
+                 slots: frozenset[str] | None = None) -> type[Record]:
+    """The stand-in class for ``module.name``; ``plain``: built by the unpickler's own BUILD (see :class:`Record`);
+    ``slots``: the class has these ``__slots__`` and no ``__dict__`` (see :func:`allow_slotted_records`); else
+    with a ``__setstate__`` that keeps a state of any other form as ``.state``."""
     attrs: dict[str, Any] = {"_pickle_name": ref(module, name)}
     hash_ = HASHABLE.get((module, name))
     if hash_ is not None:
         attrs["__hash__"] = hash_
-    if not plain:
+    if slots is not None:
+        attrs["__setstate__"] = _slot_state(slots)
+    elif not plain:
         attrs["__setstate__"] = _set_state
     return type(name, (Record,), attrs)
 
@@ -331,6 +347,12 @@ def allow_plain_records(module: str, *names: str) -> dict[tuple[str, str], type[
     sets their state, refusing one that is not a dict (or a ``(dict, slots)`` pair) as it does for torch, and
     without a Python call per object (a 1M-chunk ``.metadata`` has 3M of them)."""
     return {(module, n): record_class(module, n, plain=True) for n in names}
+
+
+def allow_slotted_records(module: str, slots: Mapping[str, tuple[str, ...]]) -> dict[tuple[str, str], type[Record]]:
+    """:func:`allow_records` for classes with ``__slots__`` and no ``__dict__`` (class name to its slots): their
+    state must be what torch's unpickler can set on them."""
+    return {(module, n): record_class(module, n, slots=frozenset(names)) for n, names in slots.items()}
 
 
 def make_record(module: str, name: str, state: Any) -> Record:

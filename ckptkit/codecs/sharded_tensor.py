@@ -32,6 +32,7 @@ from .pickle_read import (
     EnumStandIn,
     Record,
     allow_records,
+    allow_slotted_records,
     keep_call,
     make_record,
     record_class,
@@ -92,8 +93,8 @@ def sharded_tensor_globals(where: str) -> dict[tuple[str, str], Any]:
         (_API, "ShardedTensor"): _SHARDED,
         # Protocol 2 cannot name a nested class, so torch pickles getattr(ShardedTensor, "ProcessGroupState").
         ("builtins", "getattr"): safe_getattr({(id(_SHARDED), _PG_STATE_NAME): pg_state}),
-        **allow_records(_SHARD, "Shard"),
-        **allow_records(_SHARD_META, "ShardMetadata"),
+        **allow_slotted_records(_SHARD, {"Shard": ("tensor", "metadata")}),
+        **allow_slotted_records(_SHARD_META, {"ShardMetadata": ("shard_offsets", "shard_sizes", "placement")}),
         **allow_records(_REMOTE, "_remote_device"),
         **allow_records(_ST_META, "ShardedTensorMetadata", "TensorProperties"),
         **allow_records(_SPEC, "ChunkShardingSpec"),
