@@ -24,6 +24,7 @@ from pathlib import Path
 import click
 
 from ._startup import handle
+from ._version import __version__
 from .errors import CheckpointError
 
 __all__ = ["main"]
@@ -148,7 +149,7 @@ class _Group(click.Group):
                     "(CKPTKIT_MAX_MEMORY=4GiB, CKPTKIT_QUIET=1). Shell completion: "
                     "eval \"$(_CKPTKIT_COMPLETE=bash_source ckptkit)\" (zsh_source, fish_source for other shells).")
 @click.option("--debug", is_flag=True, help="Show tracebacks (also accepted after the command).")
-@click.version_option(package_name="ckptkit", prog_name="ckptkit")
+@click.version_option(__version__, prog_name="ckptkit")
 def cli(debug: bool) -> None:
     """Convert, re-shard, export and verify PyTorch FSDP checkpoints, streaming tensor by tensor."""
 
