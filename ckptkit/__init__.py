@@ -5,6 +5,7 @@ LOCAL (FSDP1 ``LOCAL_STATE_DICT``) and HF safetensors. None of this imports torc
 """
 
 from . import _startup  # noqa: F401  (first: the console script's Ctrl-C handling while the rest imports)
+from ._version import __version__  # noqa: F401  (the one place the version is kept)
 
 # Imported eagerly: a function bound here after its module (``convert`` in ``ckptkit.convert``) stays the
 # package attribute, whereas a lazily fetched one is replaced by the module on the module's first import.
