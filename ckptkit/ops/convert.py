@@ -249,6 +249,39 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
     ``workers`` processes write the output files, each its share (one machine); or, with ``distributed``,
     every rank of the default process group calls this alike (torchrun, a save hook) and each writes its
     share, rank 0 publishing. Either way the output is the one a single process writes.
+
+    Args:
+        src: The checkpoint to read: a file, a directory or a URL.
+        dst: Where to write; must not exist unless ``overwrite``.
+        to: The output form: ``full``, ``sharded``, ``hf`` or ``local``.
+        world_size: Ranks of a ``sharded`` or ``local`` output.
+        max_shard_size: Largest output file of a FULL or HF output (``"5GB"``, ``"1GiB"`` or bytes); None: one
+            file.
+        overwrite: Replace an existing ``dst``, atomically on a local filesystem.
+        max_memory: Bytes of tensor data held in memory at once (dtype casts).
+        fsync: Make the output durable across power loss before it is published.
+        progress: Show a progress bar.
+        local: How to read or write a LOCAL checkpoint.
+        preset: A named key mapping (``torchtitan-llama``, ``meta-llama``, ``qwen2``, ``mistral``).
+        renames: ``'REGEX=REPLACEMENT'`` renames, applied in order.
+        key_map: Old key to new key (None leaves the key out), as a dict or a JSON file.
+        strict_map: Refuse keys that neither ``key_map`` nor ``renames`` maps.
+        hf_assets: An HF model directory whose ``config.json`` gives a preset its head counts.
+        dry_run: Plan and report, write nothing.
+        storage_options: Keyword arguments of the filesystem of a URL.
+        workers: Processes of this machine that write the output files.
+        distributed: Every rank of the default process group calls this, and each writes its share.
+
+    Returns:
+        What was written (or, with ``dry_run``, would be): files and sizes, keys renamed and left out, notes.
+
+    Raises:
+        FormatError: A file of ``src`` is not what its format promises, or ``src`` is no checkpoint ckptkit
+            knows.
+        IncompleteCheckpointError: A rank file, chunk or shard of ``src`` is missing, or chunks overlap.
+        UnsafeCheckpointError: A pickle in ``src`` names a global outside the allow-list.
+        UsageError: The request is inconsistent: ``dst`` exists without ``overwrite``, lies inside ``src``,
+            or an option value is unknown.
     """
     fmt = io_for(to).format
     local = local or LocalOptions()
@@ -290,6 +323,31 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: boo
     write (verl, DeepSpeed) becomes SHARDED (DCP). ``dry_run`` plans and reports without writing. URLs and
     ``storage_options`` are as for :func:`convert`. ``workers`` and ``distributed`` split the writing over
     processes, as for :func:`convert`.
+
+    Args:
+        src: The sharded checkpoint to read (DCP, LOCAL, verl or DeepSpeed): a directory or a URL.
+        dst: Where to write; must not exist unless ``overwrite``.
+        world_size: Ranks of the output.
+        overwrite: Replace an existing ``dst``, atomically on a local filesystem.
+        max_memory: Bytes of tensor data held in memory at once.
+        fsync: Make the output durable across power loss before it is published.
+        progress: Show a progress bar.
+        local: How to read or write a LOCAL checkpoint.
+        dry_run: Plan and report, write nothing.
+        storage_options: Keyword arguments of the filesystem of a URL.
+        workers: Processes of this machine that write the output files.
+        distributed: Every rank of the default process group calls this, and each writes its share.
+
+    Returns:
+        What was written (or, with ``dry_run``, would be): files and sizes, notes.
+
+    Raises:
+        FormatError: A file of ``src`` is not what its format promises, or ``src`` is no checkpoint ckptkit
+            knows.
+        IncompleteCheckpointError: A rank file, chunk or shard of ``src`` is missing, or chunks overlap.
+        UnsafeCheckpointError: A pickle in ``src`` names a global outside the allow-list.
+        UsageError: The request is inconsistent: ``dst`` exists without ``overwrite``, lies inside ``src``,
+            or ``src`` is not a sharded checkpoint (use :func:`convert`).
     """
     src, dst = as_path(src, storage_options), as_path(dst, storage_options)
     reader = detect(src, local)

@@ -134,6 +134,44 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
 
     ``src``, ``dst`` and ``hf_assets`` may be URLs; ``storage_options`` go to their filesystem (see
     :func:`ckptkit.convert`).
+
+    Args:
+        src: The checkpoint to read: a file, a directory or a URL.
+        dst: The HF folder to write; must not exist unless ``overwrite``.
+        model_key: Where the model sits, as a dotted path; ``auto`` finds it.
+        dtype: ``keep``, or the cast of floating tensors: ``bf16``, ``fp16``, ``fp32`` (or their long names).
+        max_shard_size: Largest safetensors file (``"5GB"``, ``"1GiB"`` or bytes); None: one file.
+        strip_prefixes: Further leading key prefixes to strip.
+        strip_wrappers: Strip ``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.`` and
+            ``_checkpoint_wrapped_module.``.
+        hf_assets: An HF model directory whose config, generation config and tokenizer files are copied.
+        preset: A named key mapping towards HF names (``torchtitan-llama``, ``meta-llama``, ...).
+        renames: ``'REGEX=REPLACEMENT'`` renames, applied in order.
+        key_map: Old key to new key (None leaves the key out), as a dict or a JSON file.
+        strict_map: Refuse keys that neither ``key_map`` nor ``renames`` maps.
+        keep_fp32: Regular expressions of HF names kept in float32 under a cast.
+        overwrite: Replace an existing ``dst``, atomically on a local filesystem.
+        max_memory: Bytes of tensor data held in memory at once (casts, the tied-weight check).
+        fsync: Make the output durable across power loss before it is published.
+        progress: Show a progress bar.
+        distributed: Every rank of the default process group calls this, and each writes its share.
+        local: How to read a LOCAL checkpoint.
+        dry_run: Plan and report, write nothing.
+        storage_options: Keyword arguments of the filesystem of a URL.
+        workers: Processes of this machine that write the output files.
+
+    Returns:
+        What was written (or, with ``dry_run``, would be): files and sizes, keys renamed, left out and cast,
+        assets copied, notes.
+
+    Raises:
+        FormatError: A file of ``src`` is not what its format promises, or ``src`` is no checkpoint ckptkit
+            knows.
+        IncompleteCheckpointError: A rank file, chunk or shard of ``src`` is missing, or chunks overlap.
+        UnsafeCheckpointError: A pickle in ``src`` names a global outside the allow-list.
+        UsageError: The request is inconsistent: ``dst`` exists without ``overwrite``, lies inside ``src``,
+            ``keep_fp32`` comes without a cast, the checkpoint holds training state
+            alone, or an option value is unknown.
     """
     cast = parse_cast(dtype)
     keep_patterns = _patterns(keep_fp32, "--keep-fp32")

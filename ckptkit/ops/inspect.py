@@ -32,8 +32,24 @@ _VALUE_WIDTH = 100
 
 def inspect(path: Path | str, *, local: LocalOptions | None = None, storage_options: dict | None = None) -> Manifest:
     """The manifest of the checkpoint at ``path``: format, tensors with their chunks, other entries.
+
     ``local`` says how to read a LOCAL checkpoint (see :func:`ckptkit.convert`). A URL's checkpoint is read
-    by its headers alone, with range requests; ``storage_options`` go to its filesystem."""
+    by its headers alone, with range requests; ``storage_options`` go to its filesystem.
+
+    Args:
+        path: The checkpoint: a file, a directory or a URL.
+        local: How to read a LOCAL checkpoint.
+        storage_options: Keyword arguments of the filesystem of a URL.
+
+    Returns:
+        The checkpoint's :class:`ckptkit.Manifest`: every tensor as byte spans in its files, and the other
+        entries. No tensor byte has been read.
+
+    Raises:
+        FormatError: ``path`` is no checkpoint ckptkit knows, or a file is not what its format promises.
+        IncompleteCheckpointError: A rank file, chunk or shard is missing, or chunks overlap.
+        UnsafeCheckpointError: A pickle names a global outside the allow-list.
+    """
     path = as_path(path, storage_options)
     return detect(path, local).read(path)
 

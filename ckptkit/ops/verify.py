@@ -95,10 +95,12 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Whether nothing differs."""
         return not self.differences
 
     @property
     def numeric(self) -> bool:
+        """Whether values were compared within tolerances rather than bit for bit."""
         return self.atol is not None or self.rtol is not None
 
     def to_json(self) -> dict[str, Any]:
@@ -270,6 +272,29 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     recorded; a run directory means the step ``latest`` names); without one, every chunk and entry of ``a``
     is read through, which finds what is missing or unreadable. A damaged ``ckptkit.json`` raises.
     Either side may be a URL; ``storage_options`` go to its filesystem.
+
+    Args:
+        a: A checkpoint: a file, a directory or a URL.
+        b: The checkpoint to compare ``a`` with; None checks ``a`` against its own ``ckptkit.json``.
+        model_only: Compare only the model part of each, named as :func:`ckptkit.export_hf` names it.
+        atol: Absolute tolerance of a comparison by value; None with ``rtol`` None: bit for bit.
+        rtol: Relative tolerance of a comparison by value.
+        strip_prefixes: Leading key prefixes stripped from both sides' keys.
+        renames: ``'REGEX=REPLACEMENT'`` renames of both sides' keys, applied in order.
+        max_memory: Bytes of tensor data held in memory at once.
+        progress: Show a progress bar.
+        local: How to read a LOCAL side.
+        storage_options: Keyword arguments of the filesystem of a URL.
+
+    Returns:
+        The comparison: ``ok`` when nothing differs, else each difference with where and by how much.
+
+    Raises:
+        FormatError: A file is not what its format promises, or ``a``'s ``ckptkit.json`` is damaged.
+        IncompleteCheckpointError: A rank file, chunk or shard is missing.
+        UnsafeCheckpointError: A pickle names a global outside the allow-list.
+        UsageError: Options of a comparison (``model_only``, ``atol``, ``rtol``, ``strip_prefixes``,
+            ``renames``) are given without ``b``.
     """
     pa = as_path(a, storage_options)
     if b is None:

@@ -17,6 +17,12 @@ __all__ = ["ExportHFCallback"]
 
 
 class ExportHFCallback(TrainerCallback):
+    """Add ``checkpoint-<step>/<subdir>/`` to every Trainer checkpoint: HF safetensors, config and tokenizer.
+
+    Args:
+        subdir: The name of the folder inside each ``checkpoint-<step>/``.
+    """
+
     def __init__(self, subdir: str = "hf") -> None:
         self.subdir = subdir
 

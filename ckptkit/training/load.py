@@ -30,6 +30,8 @@ __all__ = ["LoadResult", "load"]
 
 @dataclass(frozen=True)
 class LoadResult:
+    """What :func:`ckptkit.load` returns."""
+
     path: Path
     """The checkpoint directory that was loaded (``latest`` resolved)."""
     step: int | None
@@ -81,6 +83,26 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     Raises :class:`ckptkit.CheckpointError` listing the keys when, under ``strict``, the model needs keys the
     checkpoint lacks or the checkpoint holds model keys the model does not have, or the optimizer state
     present does not fit the optimizer.
+
+    Args:
+        path: A checkpoint directory or file, or a run directory whose ``latest`` names the step.
+        model: The model to load into: a plain module, DDP, FSDP1 or FSDP2, at any world size.
+        optimizer: Its optimizer, loaded when the checkpoint holds optimizer state.
+        scheduler: An object with ``load_state_dict()``, loaded from a ``scheduler`` entry.
+        strict: Refuse model keys that do not match, and optimizer state that does not fit.
+        load_optimizer: Load the optimizer state; False leaves ``optimizer`` as it is.
+        load_scheduler: Load the scheduler state.
+        verify_checksums: Check every tensor against the checksums ``ckptkit.json`` recorded.
+
+    Returns:
+        The directory loaded, the saved step and ``extra_state``, and whether optimizer state was loaded.
+
+    Raises:
+        CheckpointError: Under ``strict``, the keys do not match or the optimizer state does not fit.
+        FormatError: ``latest`` is not a small file naming a step directory inside the run directory, or a
+            file of the checkpoint is not what its format promises.
+        ChecksumError: A tensor's bytes differ from the checksum recorded when it was saved.
+        UsageError: ``path`` is a URL.
     """
     ckpt = _resolve(local_path(path, "ckptkit.load"))
     manifest = detect(ckpt).read(ckpt)  # once: for DCP this reads every chunk's header

@@ -74,7 +74,11 @@ def _cpu_copy(tree: Any) -> Any:
 
 @dataclass
 class SaveHandle:
-    """What ``save`` returns. ``wait()`` (on every rank) finishes the files, publishes and rotates."""
+    """What ``save`` returns. ``wait()`` (on every rank) finishes the files, publishes and rotates.
+
+    Attributes:
+        path: The checkpoint directory the save publishes.
+    """
 
     path: Path
     _publish: Callable[[], None] = field(repr=False)
@@ -153,6 +157,27 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     checkpoint directory itself. ``async_save=True`` returns once the state is copied to CPU memory; call
     ``handle.wait()`` on every rank before the next save. (FSDP1's sharded state cannot be staged by torch's
     async stager; that one case writes before returning.)
+
+    Args:
+        path: The run directory (with ``step``) or the checkpoint directory; local or a shared filesystem.
+        model: The model: a plain module, DDP, FSDP1 or FSDP2.
+        optimizer: Its optimizer, saved keyed by parameter name.
+        scheduler: An object with ``state_dict()``, saved beside the model.
+        extra_state: Any picklable value, returned by :func:`ckptkit.load` as ``extra_state``.
+        form: ``sharded`` (DCP), ``full``, ``hf`` or ``local``.
+        step: The training step: the checkpoint goes to ``path/step-NNNNNNNN``.
+        keep_last: Keep this many most recent saves.
+        max_total_gb: Keep the most recent saves whose sizes sum to at most this many GB.
+        async_save: Return once the state is copied to CPU memory; the write goes on in the background.
+        hf_assets: An HF model directory whose config and tokenizer files a ``hf`` save copies.
+
+    Returns:
+        A handle whose ``wait()``, called on every rank, finishes the write, publishes and rotates.
+
+    Raises:
+        UsageError: ``form`` is unknown, ``path`` is a URL, or ``path`` exists and is not a checkpoint
+            ckptkit saved.
+        CheckpointError: Publishing failed on rank 0; raised on every rank.
     """
     if form not in _FORMS:
         raise UsageError(f"form must be one of {', '.join(_FORMS)}, got {form!r}")
