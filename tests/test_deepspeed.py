@@ -139,7 +139,7 @@ def test_deepspeed_one_file_or_a_root_without_latest_points_to_the_directory(tmp
 
 
 def test_deepspeed_zero3_model_files_without_optimizer_files_are_refused(tmp_path):
-    """Issue 8 item 5: ZeRO-3 model files hold 0-element placeholders; they are never a model by themselves."""
+    """ZeRO-3 model files hold 0-element placeholders; they are never a model by themselves."""
     write_checkpoint(tmp_path / "ckpt", Config(3, 2))
     for f in (tmp_path / "ckpt" / TAG).glob("*_optim_states.pt"):
         f.unlink()

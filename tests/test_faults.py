@@ -1,4 +1,4 @@
-"""Faults and the defects of issue 7, each its own regression test: kills at any point of a conversion and of
+"""Faults, each its own test: kills at any point of a conversion and of
 ``ckptkit.save``, Ctrl-C and SIGTERM, a full disk, a read-only output, a concurrent destination, outputs that
 would land in their input, and checkpoints whose bytes no longer match the checksums saved with them."""
 
@@ -76,8 +76,8 @@ def flip(path: Path, offset: int) -> None:
 
 
 def test_save_rotation_keeps_the_save_just_made_when_resuming_from_an_earlier_step(tmp_path):
-    # Defect 1: keep_last kept the highest step numbers, so a save at step 100 after one at step 300 was
-    # deleted at once and latest named a directory that no longer existed.
+    # keep_last keeps the most recent saves by save number, not the highest steps: a save at step 100 after
+    # one at step 300 stays, and latest names a directory that exists.
     ckptkit.save(tmp_path, plain_model(3.0), form="full", step=300)
     ckptkit.save(tmp_path, plain_model(1.0), form="full", step=100, keep_last=1)
     assert [s.step for s in publish.complete_steps(tmp_path)] == [100]
@@ -114,7 +114,7 @@ ckptkit.save({root!r}, plain_model(2.0), form="full", step=5)
 
 @pytest.mark.parametrize("mode", [pytest.param("renameat2", marks=SKIP_NO_RENAMEAT2), "fallback"])
 def test_resaving_the_latest_step_killed_midway_keeps_a_loadable_checkpoint(tmp_path, capfd, mode):
-    # Defect 2: re-saving the step latest names deleted the old directory before renaming the new one in.
+    # Re-saving the step latest names swaps the new directory in before the old one is removed.
     ckptkit.save(tmp_path, plain_model(1.0), form="full", step=5)
     proc = python(_RESAVE_KILLED.format(mode=mode, root=str(tmp_path)))
     assert proc.returncode == -signal.SIGKILL, proc.stderr
@@ -137,7 +137,7 @@ def _tensor_span(ckpt: Path, key: str):
 
 @pytest.mark.parametrize("form", ["full", "sharded", "hf"])
 def test_load_checks_checksums_and_names_the_file_and_key(tmp_path, form):
-    # Defect 3: after one flipped data byte, ckptkit.load loaded the wrong weight without a word.
+    # One flipped data byte makes ckptkit.load raise rather than load a wrong weight without a word.
     model = plain_model(1.5)
     ckptkit.save(tmp_path / "run", model, form=form, step=1)
     key = "model.model.norm.weight" if form != "hf" else "model.norm.weight"
@@ -229,7 +229,7 @@ def _central_directory_entry(data: bytes, name: bytes) -> int:
 
 
 def test_storage_record_longer_than_its_storage_is_refused_as_torch_does(tmp_path):
-    # Defect 4: a record longer than its tensor's storage was accepted and read shifted.
+    # A record longer than its tensor's storage is refused, as torch refuses it, never read shifted.
     torch.save({"w": torch.arange(4.0), "x": torch.ones(3)}, tmp_path / "a.pt")
     data = bytearray((tmp_path / "a.pt").read_bytes())
     entry = _central_directory_entry(bytes(data), b"a/data/0")
@@ -245,7 +245,7 @@ def test_storage_record_longer_than_its_storage_is_refused_as_torch_does(tmp_pat
 
 @pytest.mark.parametrize("command", ["convert", "reshard"])
 def test_dcp_to_dcp_refuses_a_damaged_serialized_entry(tmp_path, dcp_ckpt, command):
-    # Defect 5: DCP -> DCP copied corrupt non-tensor blobs verbatim; torch could not load the output.
+    # DCP -> DCP decodes each non-tensor blob before copying it: a corrupt one is refused, not copied verbatim.
     blob = next(o.blob for o in ckptkit.inspect(dcp_ckpt).objects if o.key == "name")
     with open(blob.file, "r+b") as f:
         f.seek(blob.offset)
@@ -286,7 +286,7 @@ def measured(*cmd, limit: int = 1 << 30, timeout: float = 60) -> tuple[int, int,
 
 
 def test_ten_byte_metadata_is_refused_at_once_in_little_memory(tmp_path):
-    # Defect 6: these ten bytes made inspect allocate about 4 GiB for 15-20 s (the C unpickler's memo).
+    # Unguarded, these ten bytes make the C unpickler's memo allocate about 4 GiB for 15-20 s.
     (tmp_path / "dcp").mkdir()
     (tmp_path / "dcp" / ".metadata").write_bytes(b"\x80\x02Nr\x00\x00\x00\x10.")
     code, rss, err = measured(CONSOLE_SCRIPT, "inspect", tmp_path / "dcp", timeout=30)
@@ -337,7 +337,7 @@ def _first_tensor(md):
      "m.pt: the tensor on storage 'data/0' has offset -2"),
 ])
 def test_bad_headers_are_one_line_errors_naming_the_file(tmp_path, make, message):
-    # Defect 7: these were tracebacks.
+    # Each is one line, never a traceback.
     make(tmp_path)
     src = next(p for p in tmp_path.iterdir())
     assert_one_line_error(script("convert", src, tmp_path / "out", "--to", "sharded"), message)
@@ -431,7 +431,7 @@ def test_dcp_metadata_index_with_an_unhashable_offset_is_refused_as_torch_refuse
 
 
 def test_ctrl_c_while_the_console_script_starts_is_one_line():
-    # Defect 7: Ctrl-C during start-up printed a traceback. (The signal arrives while the package imports.)
+    # Ctrl-C during start-up is one line, not a traceback. (The signal arrives while the package imports.)
     proc = python("""
         import os, signal
         sys.argv[0] = "/usr/bin/ckptkit"
@@ -512,7 +512,7 @@ def _killed_conversion(src: Path, dst: Path, when: str, how: str = "SIGKILL") ->
 
 @pytest.mark.parametrize("when", [pytest.param("after the swap", marks=SKIP_NO_RENAMEAT2), "between renames"])
 def test_overwrite_killed_midway_never_leaves_dst_missing_after_the_next_run(tmp_path, full_ckpt, zoo, when, capfd):
-    # Defect 8: --overwrite killed between its two renames left DST missing, the old output under a hidden name.
+    # --overwrite killed between its two renames must not leave DST missing, the old output under a hidden name.
     dst = tmp_path / "out"
     torch.save(zoo, tmp_path / "old.pt")
     convert(tmp_path / "old.pt", dst, to="sharded")
@@ -536,7 +536,7 @@ def ckptkit_full(path: Path, tmp_path: Path):
 
 
 def test_leftovers_of_a_killed_conversion_are_removed_by_the_next_run(tmp_path, full_ckpt, capfd):
-    # Defect 9: leftovers after kill -9 piled up forever.
+    # Leftovers of a kill -9 do not pile up: the next run removes them.
     proc = _killed_conversion(full_ckpt, tmp_path / "out", "while writing")
     assert proc.returncode == -signal.SIGKILL
     (left,) = leftovers(tmp_path)
@@ -548,14 +548,14 @@ def test_leftovers_of_a_killed_conversion_are_removed_by_the_next_run(tmp_path, 
 @pytest.mark.parametrize("how, code, line", [("SIGINT", 130, "ckptkit: interrupted\n"),
                                              ("SIGTERM", 143, "ckptkit: terminated\n")])
 def test_signals_mid_conversion_clean_up_and_exit_with_one_line(tmp_path, full_ckpt, how, code, line):
-    # Defect 10: SIGINT printed a traceback; SIGTERM left the staging directory behind.
+    # SIGINT and SIGTERM print one line and leave no staging directory behind.
     proc = _killed_conversion(full_ckpt, tmp_path / "out", "while writing", how)
     assert (proc.returncode, proc.stderr) == (code, line)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
 def test_closed_pipe_exits_quietly(tmp_path):
-    # Defect 10: `ckptkit verify ... | head` ended in a BrokenPipeError traceback.
+    # `ckptkit verify ... | head` ends quietly, with no BrokenPipeError traceback.
     torch.save({f"t{i}": torch.zeros(1) for i in range(3000)}, tmp_path / "many.pt")
     for args in (["inspect"], ["verify", tmp_path / "many.pt"]):
         proc = subprocess.run(f"{CONSOLE_SCRIPT} {' '.join(map(str, args))} {tmp_path / 'many.pt'} | head -c 10; "
@@ -565,7 +565,7 @@ def test_closed_pipe_exits_quietly(tmp_path):
 
 
 def test_concurrent_runs_to_one_destination_one_wins(tmp_path, full_ckpt, hf_ckpt):
-    # Defect 11: both exited 0 and the later silently replaced the earlier output.
+    # One run wins; the other exits 2 rather than silently replacing the winner's output.
     dst = tmp_path / "out"
     runs = [subprocess.Popen([CONSOLE_SCRIPT, "convert", str(src), str(dst), "--to", "sharded", "-q"],
                              stderr=subprocess.PIPE, text=True) for src in (full_ckpt, hf_ckpt)]
@@ -582,7 +582,7 @@ def test_concurrent_runs_to_one_destination_one_wins(tmp_path, full_ckpt, hf_ckp
     ("model.pt", "full"),            # the very file SRC is read from
 ])
 def test_destination_inside_or_changing_the_source_is_refused(tmp_path, training_state, dst, to):
-    # Defect 12: both conversions exited 0 and `inspect fulldir` then read the new file instead of the old.
+    # Each would change what `fulldir` means (inspect would then read the new file instead of the old).
     fulldir = tmp_path / "fulldir"
     fulldir.mkdir()
     torch.save(training_state, fulldir / "model.pt")
@@ -593,7 +593,7 @@ def test_destination_inside_or_changing_the_source_is_refused(tmp_path, training
 
 
 def test_load_refuses_latest_naming_another_run(tmp_path):
-    # Defect 13: latest could name ../other-run/step-5 and was followed without a word.
+    # latest naming ../other-run/step-5 is refused, never followed.
     ckptkit.save(tmp_path / "other-run", plain_model(), form="full", step=5)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "latest").write_text("../other-run/step-00000005\n")
@@ -604,7 +604,7 @@ def test_load_refuses_latest_naming_another_run(tmp_path):
 @pytest.mark.parametrize("command", [["inspect"], ["convert", "{tmp}/out", "--to", "hf"], ["verify"],
                                      ["reshard", "{tmp}/out", "--world-size", "2"], ["export-hf", "{tmp}/out"]])
 def test_missing_source_is_one_line(tmp_path, command):
-    # Defect 14: a missing SRC printed click's four-line usage error.
+    # A missing SRC is one line, not click's four-line usage error.
     args = [command[0], tmp_path / "nothing", *(a.format(tmp=tmp_path) for a in command[1:])]
     assert_one_line_error(script(*args), f"ckptkit: error: {tmp_path / 'nothing'}: no such file or directory")
 

@@ -109,7 +109,7 @@ def test_commit_single_file(tmp_path, rename_mode, replace):
 
 @pytest.mark.parametrize("kind", ["dir", "file"])
 def test_commit_without_replace_refuses_a_destination_that_appeared_meanwhile(tmp_path, rename_mode, kind):
-    # Defect 11: two runs to one DST without --overwrite both exited 0, the later one replacing the earlier.
+    # Of two runs to one DST without --overwrite, the later is refused rather than replacing the earlier.
     dst = tmp_path / "out"
     staging = publish.stage(dst, replace=False)
     make_output(staging, "second")
@@ -171,7 +171,7 @@ fd = os.open({str(path)!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print(
 
 
 def test_recover_restores_a_destination_whose_swap_was_cut_short(tmp_path):
-    # Defect 8: a fallback swap killed between its two renames leaves DST missing and the old copy hidden.
+    # A fallback swap killed between its two renames leaves DST missing and the old copy hidden, until recovery.
     old = leftover(tmp_path, "out", kind="old", content="previous output")
     staged = leftover(tmp_path, "out", content="unfinished")
     publish.recover(tmp_path)
@@ -249,7 +249,7 @@ def test_complete_steps_order_saves_not_step_numbers(tmp_path):
 
 
 def test_rotate_keeps_the_most_recent_saves_and_never_the_one_just_published(tmp_path):
-    # Defect 1: rotation kept the highest step numbers and so removed a save resumed from an earlier step.
+    # Rotation keeps the most recent saves, not the highest steps, so a save resumed from an earlier step stays.
     make_step(tmp_path, 300, save=1)
     newest = make_step(tmp_path, 100, save=2)
     assert publish.rotate(tmp_path, keep=newest, keep_last=1) == [tmp_path / "step-00000300"]
@@ -259,7 +259,7 @@ def test_rotate_keeps_the_most_recent_saves_and_never_the_one_just_published(tmp
 
 
 def test_rotate_never_follows_a_symbolic_link(tmp_path):
-    # Defect 13: rotation followed a symlinked step directory out of the run directory and deleted in it.
+    # Rotation never follows a symlinked step directory out of the run directory to delete in it.
     outside = tmp_path / "elsewhere"
     make_step(outside, 1, save=1, content="keep me")
     run = tmp_path / "run"
@@ -305,7 +305,7 @@ def test_point_latest_and_resolve(tmp_path):
      IncompleteCheckpointError, r"names step-00000003, which is not a complete checkpoint"),
 ])
 def test_resolve_checks_latest_as_untrusted(tmp_path, make, error, message):
-    # Defect 13: latest could name ../other-run/step-5 or an absolute path and was followed without a word.
+    # latest naming ../other-run/step-5 or an absolute path is refused, never followed.
     make_step(tmp_path / "other-run", 5, save=1)
     (tmp_path / "other-run" / "latest").write_text("step-00000005\n")
     run = tmp_path / "run"
