@@ -14,10 +14,17 @@ from dataclasses import dataclass, field
 
 from .plan import FilePlan, Part, Region, row_blocks
 
-__all__ = ["MIN_PIECE", "Slice", "cut", "split_work"]
+__all__ = ["MIN_PIECE", "Slice", "choose_writers", "cut", "split_work"]
 
 MIN_PIECE = 32 << 20
 """Bytes below which a file is not cut: each piece costs its writer an open and a few system calls."""
+_COPY_RATE = 2e9
+"""Bytes a second that one writer moves from a warm page cache (kernel-side copies; ``cp`` runs at 2-3.5 GB/s)."""
+_PER_REGION = 20e-6
+"""Seconds a writer spends on each tensor region besides its bytes (planning its reads, a system call or two)."""
+_WRITER_SECONDS = 0.25
+"""Estimated seconds of writing that each writer must have for one more to pay: a worker process costs a
+start of about that (an interpreter, and ckptkit's modules imported), and the shares packed for it."""
 _PIECES_PER_WRITER = 4
 """A large file is cut into pieces of about a quarter of a writer's share, so that pieces of uneven size
 (a cut falls between tensors) still balance out."""
@@ -107,3 +114,32 @@ def split_work(files: tuple[FilePlan, ...], n: int, *, cut_files: bool = True,
         shares[which].append(i)
         heapq.heappush(loads, (nbytes + pieces[i][1].nbytes, which))
     return tuple(tuple(pieces[i][1] for i in sorted(share)) for share in shares)
+
+
+def choose_writers(files: tuple[FilePlan, ...], cores: int, *, cut_files: bool = True) -> tuple[int, str]:
+    """How many writers pay for ``files`` on a machine of ``cores`` usable cores, and why, in words.
+
+    The work is estimated from the plan alone: its bytes at a kernel copy's speed, plus a fixed cost per tensor
+    region (a DCP of many small chunks costs more than its bytes). Each writer beyond the first must take over
+    at least :data:`_WRITER_SECONDS` of it; there are never more writers than cores, nor than pieces to write
+    (whole files without ``cut_files``, else pieces of at least :data:`MIN_PIECE` bytes).
+
+    Args:
+        files: the plan's files.
+        cores: the cores this process may run on.
+        cut_files: whether a file may be written by several writers.
+
+    Returns:
+        The number of writers (1 or more) and the reason, for the report.
+    """
+    nbytes = sum(f.nbytes for f in files)
+    regions = sum(isinstance(p, Region) for f in files for p in f.parts)
+    seconds = nbytes / _COPY_RATE + regions * _PER_REGION
+    pieces = -(-nbytes // MIN_PIECE) if cut_files else sum(f.nbytes > 0 for f in files)
+    n = max(1, min(cores, int(seconds / _WRITER_SECONDS), pieces))
+    work = f"{nbytes / 1e9:.2f} GB in {len(files)} files, {regions} tensor regions: about {seconds:.1f} s of writing"
+    if n > 1:
+        return n, f"{work} for {cores} cores"
+    if cores < 2:
+        return 1, f"one core ({work})"
+    return 1, f"{work}: too little for a second process to pay for its start"

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .. import errors
 from ..core.plan import WritePlan
-from ..core.split import Slice, split_work
+from ..core.split import Slice, choose_writers, split_work
 from ..errors import CheckpointError, FormatError, UsageError
 from .execute import DEFAULT_MAX_MEMORY, GROUP_TIMEOUT, _names, _publish, allocate, execute, write_cap, write_slices
 from .moves import Moves, pack
@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # multiprocessing is imported where workers start: a run with
     import multiprocessing
     from multiprocessing.connection import Connection
 
-__all__ = ["execute_parallel", "torchrun_group"]
+__all__ = ["cores", "execute_parallel", "torchrun_group", "writers"]
 
 _PR_SET_PDEATHSIG = 1
 """prctl(2): the signal this process gets when its parent dies."""
@@ -185,6 +185,44 @@ def _write_in_workers(shares: tuple[tuple[Slice, ...], ...], where: Path, names:
             p.join()
         for receive in running:
             receive.close()
+
+
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity: ``taskset``, a container's or Slurm's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def writers(workers: int | str, plan: WritePlan, dst: Path | str, sources: tuple[Path, ...] = ()) -> tuple[int, str]:
+    """How many processes :func:`execute_parallel` should write ``plan`` with, and why, in words.
+
+    Args:
+        workers: a count, or ``"auto"``: as many as pay on this machine for this plan
+            (:func:`ckptkit.core.split.choose_writers` over :func:`cores`); one for an object store.
+        plan: what will be written.
+        dst: where.
+        sources: the files read (URLs among them keep each file whole, as one writer streams it).
+
+    Returns:
+        The count and the reason, for the report (none for one process asked for).
+
+    Raises:
+        UsageError: ``workers`` is neither ``"auto"`` nor a count of at least 1.
+    """
+    if workers != "auto":
+        try:
+            n = int(workers)
+        except ValueError:
+            n = 0
+        if n < 1 or str(n) != str(workers).strip():
+            raise UsageError(f"--workers: expected auto or a number of processes of at least 1, got {workers!r}")
+        return n, f"--workers {n}" if n > 1 else ""
+    if is_url(dst):
+        return 1, "auto: an object store is written by one process"
+    n, why = choose_writers(plan.files, cores(), cut_files=not any(map(is_url, sources)))
+    return n, f"auto: {why}"
 
 
 def execute_parallel(plan: WritePlan, dst: Path, *, workers: int, overwrite: bool = False,
