@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from .plan import FilePlan, Part, Region, row_blocks
 
-__all__ = ["MIN_PIECE", "Slice", "choose_writers", "cut", "split_work"]
+__all__ = ["MIN_PIECE", "Slice", "Work", "choose_writers", "cut", "split_work"]
 
 MIN_PIECE = 32 << 20
 """Bytes below which a file is not cut: each piece costs its writer an open and a few system calls."""
@@ -78,7 +78,7 @@ def cut(fp: FilePlan, size: int) -> list[Slice]:
 
 
 def split_work(files: tuple[FilePlan, ...], n: int, *, cut_files: bool = True,
-               min_piece: int = MIN_PIECE) -> tuple[tuple[Slice, ...], ...]:
+               min_piece: int | None = None) -> tuple[tuple[Slice, ...], ...]:
     """``files`` in ``n`` shares of about equal bytes, for ``n`` processes to write one share each.
 
     With ``cut_files``, a file larger than a writer's share (and than ``min_piece``) is cut (:func:`cut`)
@@ -90,7 +90,7 @@ def split_work(files: tuple[FilePlan, ...], n: int, *, cut_files: bool = True,
         files: the plan's files.
         n: how many writers.
         cut_files: whether a file may be written by several writers (each its own byte ranges).
-        min_piece: the fewest bytes a cut piece is made of.
+        min_piece: the fewest bytes a cut piece is made of (default :data:`MIN_PIECE`).
 
     Returns:
         ``n`` tuples of slices (some empty where there is less to write than writers), which together cover
@@ -101,6 +101,7 @@ def split_work(files: tuple[FilePlan, ...], n: int, *, cut_files: bool = True,
     """
     if n < 1:
         raise ValueError(f"cannot split files over {n} processes")
+    min_piece = MIN_PIECE if min_piece is None else min_piece
     share = -(-sum(f.nbytes for f in files) // n)
     piece = max(min_piece, -(-share // _PIECES_PER_WRITER), 1)
     pieces: list[tuple[int, Slice]] = []
@@ -116,30 +117,46 @@ def split_work(files: tuple[FilePlan, ...], n: int, *, cut_files: bool = True,
     return tuple(tuple(pieces[i][1] for i in sorted(share)) for share in shares)
 
 
-def choose_writers(files: tuple[FilePlan, ...], cores: int, *, cut_files: bool = True) -> tuple[int, str]:
-    """How many writers pay for ``files`` on a machine of ``cores`` usable cores, and why, in words.
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What a plan asks of its writers, in the numbers that :func:`choose_writers` weighs."""
+
+    nbytes: int
+    regions: int
+    """Tensor regions: each costs a writer some planning and a system call or two besides its bytes."""
+    files: int
+    pieces: int
+    """The most writers the plan can be shared between: its files, or with files cut, pieces of
+    :data:`MIN_PIECE` bytes."""
+
+    @classmethod
+    def of(cls, files: tuple[FilePlan, ...], *, cut_files: bool = True) -> Work:
+        nbytes = sum(f.nbytes for f in files)
+        regions = sum(isinstance(p, Region) for f in files for p in f.parts)
+        pieces = -(-nbytes // MIN_PIECE) if cut_files else sum(f.nbytes > 0 for f in files)
+        return cls(nbytes, regions, len(files), pieces)
+
+
+def choose_writers(work: Work, cores: int) -> tuple[int, str]:
+    """How many writers pay for ``work`` on a machine of ``cores`` usable cores, and why, in words.
 
     The work is estimated from the plan alone: its bytes at a kernel copy's speed, plus a fixed cost per tensor
     region (a DCP of many small chunks costs more than its bytes). Each writer beyond the first must take over
-    at least :data:`_WRITER_SECONDS` of it; there are never more writers than cores, nor than pieces to write
-    (whole files without ``cut_files``, else pieces of at least :data:`MIN_PIECE` bytes).
+    at least :data:`_WRITER_SECONDS` of it; there are never more writers than cores, nor than pieces to write.
 
     Args:
-        files: the plan's files.
+        work: the plan's numbers (:meth:`Work.of`).
         cores: the cores this process may run on.
-        cut_files: whether a file may be written by several writers.
 
     Returns:
         The number of writers (1 or more) and the reason, for the report.
     """
-    nbytes = sum(f.nbytes for f in files)
-    regions = sum(isinstance(p, Region) for f in files for p in f.parts)
-    seconds = nbytes / _COPY_RATE + regions * _PER_REGION
-    pieces = -(-nbytes // MIN_PIECE) if cut_files else sum(f.nbytes > 0 for f in files)
-    n = max(1, min(cores, int(seconds / _WRITER_SECONDS), pieces))
-    work = f"{nbytes / 1e9:.2f} GB in {len(files)} files, {regions} tensor regions: about {seconds:.1f} s of writing"
+    seconds = work.nbytes / _COPY_RATE + work.regions * _PER_REGION
+    n = max(1, min(cores, int(seconds / _WRITER_SECONDS), work.pieces))
+    what = (f"{work.nbytes / 1e9:.2f} GB in {work.files} files, {work.regions} tensor regions: about {seconds:.1f} s "
+            "of writing")
     if n > 1:
-        return n, f"{work} for {cores} cores"
+        return n, f"{what} for {cores} cores"
     if cores < 2:
-        return 1, f"one core ({work})"
-    return 1, f"{work}: too little for a second process to pay for its start"
+        return 1, f"one core ({what})"
+    return 1, f"{what}: too little for a second process to pay for its start"

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .. import errors
 from ..core.plan import WritePlan
-from ..core.split import Slice, choose_writers, split_work
+from ..core.split import Slice, Work, choose_writers, split_work
 from ..errors import CheckpointError, FormatError, UsageError
 from .execute import DEFAULT_MAX_MEMORY, GROUP_TIMEOUT, _names, _publish, allocate, execute, write_cap, write_slices
 from .moves import Moves, pack
@@ -221,7 +221,7 @@ def writers(workers: int | str, plan: WritePlan, dst: Path | str, sources: tuple
         return n, f"--workers {n}" if n > 1 else ""
     if is_url(dst):
         return 1, "auto: an object store is written by one process"
-    n, why = choose_writers(plan.files, cores(), cut_files=not any(map(is_url, sources)))
+    n, why = choose_writers(Work.of(plan.files, cut_files=not any(map(is_url, sources))), cores())
     return n, f"auto: {why}"
 
 
