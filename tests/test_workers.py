@@ -123,11 +123,13 @@ def test_export_hf_distributed_cuts_one_file_between_ranks_byte_identical(tmp_pa
 
 
 @pytest.mark.parametrize("nbytes, regions, cores, n", [
-    (4 * 10**9, 100, 16, 8),  # 2 s of copying: a quarter second each for 8 writers
-    (2 * 10**9, 200, 2, 2),  # capped by the cores
+    (8 * 10**9, 100, 16, 16),  # 4 s of copying: every core writes, 0.65 s in all
+    (2 * 10**9, 588, 16, 5),  # 1 s (a dense 2 GB model): five writers of a fifth of a second each
+    (2 * 10**9, 588, 2, 1),  # the same on two cores: 0.9 s against 1 s is within the margin
+    (6 * 10**9, 200, 2, 2),  # capped by the cores
     (10**8, 50, 16, 1),  # 0.05 s: a second process would cost more than it saves
-    (10**8, 40_000, 16, 3),  # few bytes, but 0.8 s of per-region work (a DCP of many small chunks)
-    (4 * 10**9, 100, 1, 1),  # one core
+    (13 * 10**8, 20_000, 16, 1),  # a MoE of many small chunks: their planning stays with the packer
+    (8 * 10**9, 100, 1, 1),  # one core
 ])
 def test_choose_writers_weighs_bytes_regions_and_cores(nbytes, regions, cores, n):
     got, why = choose_writers(Work(nbytes, regions, files=2, pieces=1000), cores)

@@ -20,11 +20,19 @@ MIN_PIECE = 32 << 20
 """Bytes below which a file is not cut: each piece costs its writer an open and a few system calls."""
 _COPY_RATE = 2e9
 """Bytes a second that one writer moves from a warm page cache (kernel-side copies; ``cp`` runs at 2-3.5 GB/s)."""
-_PER_REGION = 20e-6
-"""Seconds a writer spends on each tensor region besides its bytes (planning its reads, a system call or two)."""
-_WRITER_SECONDS = 0.25
-"""Estimated seconds of writing that each writer must have for one more to pay: a worker process costs a
-start of about that (an interpreter, and ckptkit's modules imported), and the shares packed for it."""
+_PER_REGION = 5e-6
+"""Seconds of a tensor region's cost that another writer takes over: its reads and writes. Its planning stays
+with the process that packs it (:mod:`ckptkit.io.moves`), so a plan of many small chunks gains less from
+more writers than its bytes suggest."""
+_START = 0.4
+"""Seconds that writing with workers costs before a byte moves: starting an interpreter that imports ckptkit
+(in parallel, one per worker) and packing the shares (in this process)."""
+_WRITER_SECONDS = 0.2
+"""The least estimated writing each writer should get: below it, more of them only share the same memory
+bandwidth."""
+_MARGIN = 0.85
+"""More than one writer only where the estimate says they finish in this fraction of one writer's time: the
+estimate is rough, and a shared machine's other work takes cores from them."""
 _PIECES_PER_WRITER = 4
 """A large file is cut into pieces of about a quarter of a writer's share, so that pieces of uneven size
 (a cut falls between tensors) still balance out."""
@@ -140,9 +148,10 @@ class Work:
 def choose_writers(work: Work, cores: int) -> tuple[int, str]:
     """How many writers pay for ``work`` on a machine of ``cores`` usable cores, and why, in words.
 
-    The work is estimated from the plan alone: its bytes at a kernel copy's speed, plus a fixed cost per tensor
-    region (a DCP of many small chunks costs more than its bytes). Each writer beyond the first must take over
-    at least :data:`_WRITER_SECONDS` of it; there are never more writers than cores, nor than pieces to write.
+    The work is estimated from the plan alone: its bytes at a kernel copy's speed, plus a little per tensor
+    region. ``n`` writers take it in ``seconds / n`` after a start of :data:`_START`; the fastest ``n`` is
+    chosen, each writer with at least :data:`_WRITER_SECONDS` of it, never more than ``cores`` nor than the
+    pieces to write, and more than one only where they finish within :data:`_MARGIN` of one writer's time.
 
     Args:
         work: the plan's numbers (:meth:`Work.of`).
@@ -152,11 +161,12 @@ def choose_writers(work: Work, cores: int) -> tuple[int, str]:
         The number of writers (1 or more) and the reason, for the report.
     """
     seconds = work.nbytes / _COPY_RATE + work.regions * _PER_REGION
-    n = max(1, min(cores, int(seconds / _WRITER_SECONDS), work.pieces))
+    most = max(1, min(cores, work.pieces, int(seconds / _WRITER_SECONDS)))
+    n = min(range(1, most + 1), key=lambda k: seconds / k + _START * (k > 1))
     what = (f"{work.nbytes / 1e9:.2f} GB in {work.files} files, {work.regions} tensor regions: about {seconds:.1f} s "
             "of writing")
-    if n > 1:
-        return n, f"{what} for {cores} cores"
+    if n > 1 and seconds / n + _START <= _MARGIN * seconds:
+        return n, f"{what}, about {seconds / n + _START:.1f} s with {n} of {cores} cores"
     if cores < 2:
         return 1, f"one core ({what})"
     return 1, f"{what}: too little for a second process to pay for its start"
