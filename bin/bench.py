@@ -203,6 +203,7 @@ def _time_rows(rows: list[Row], repeat: int, root: Path) -> None:
     for _ in range(repeat):
         for row in rows:
             out = root / "out"
+            os.sync()  # the previous run's dirty pages written back now, not during this one
             row.runs.append(_run(row.cmd(out), root / "stderr.log"))
             if row.keep is not None and not row.keep.exists():
                 out.rename(row.keep)
@@ -227,7 +228,8 @@ def _chunks(path: Path) -> int:
 @click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1), help="moe: layers.")
 @click.option("--world-size", default=3, show_default=True, type=click.IntRange(min=1),
               help="Ranks reshard writes; at 8 or more the export from that output is timed and checked too.")
-@click.option("--workers", default=None, help="Also time ckptkit with these --workers values, e.g. 1,2.")
+@click.option("--workers", default="1,auto", show_default=True,
+              help="Time ckptkit with each of these --workers values (a count or auto), e.g. 1,2,auto.")
 @click.option("--repeat", default=3, show_default=True, type=click.IntRange(min=1), help="Runs per contender (median).")
 @click.option("--skip-torch", is_flag=True, help="Leave out the torch path (it needs ~1.1x the size in RAM).")
 @click.option("--fsync", "with_fsync", is_flag=True, help="Also time export-hf --fsync.")
@@ -243,6 +245,8 @@ def _chunks(path: Path) -> int:
 def main(shape: str, size: str, layers: int, world_size: int, workers: str | None, repeat: int, skip_torch: bool,
          with_fsync: bool, workdir: Path | None, chunks: int | None, metadata_tensors: int | None,
          storage: str) -> None:
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="ckptkit-bench-", dir=workdir))
     try:
         if metadata_tensors:
@@ -352,8 +356,16 @@ def _same_as_torch(src: Path, hf: Path, root: Path) -> bool:
     return same
 
 
+def _cores() -> int:
+    """The cores this benchmark's commands may run on (its CPU affinity, as ``taskset`` sets it)."""
+    from ckptkit.io.parallel import cores
+
+    return cores()
+
+
 def _table(rows: list[Row], total: int, repeat: int, what: str) -> None:
-    click.echo(f"checkpoint: {what}; median of {repeat} runs, warm cache; x cp: against the cp -r of the same input")
+    click.echo(f"checkpoint: {what}; {_cores()} cores; median of {repeat} runs, warm cache; x cp: against the cp -r "
+               "of the same input")
     click.echo(f"{'what':<44} {'wall s':>7} {'GB/s':>6} {'peak RSS MB':>12} {'x cp':>6}")
     cp: dict[Path, float] = {}
     for row in rows:
@@ -398,7 +410,7 @@ def bench_chunks(chunks: int, repeat: int, root: Path) -> None:
             shutil.rmtree(out)
     meta_mb = (src / ".metadata").stat().st_size / 1e6
     click.echo(f"DCP of {len(tensors)} tensors x {ranks} ranks = {n} chunks of 16 bytes (.metadata {meta_mb:.1f} MB); "
-               f"median of {repeat} runs, in-process")
+               f"{_cores()} cores; median of {repeat} runs, in-process")
     click.echo(f"{'step':<46} {'s':>8} {'us/chunk':>9} {'s per 1M chunks':>16}")
 
     def line(name: str, times: list[float]) -> None:
@@ -440,7 +452,8 @@ def bench_metadata(tensors: int, repeat: int, root: Path) -> None:
         SafeUnpickler(data, METADATA_GLOBALS, where="bench").load_checked()
         load.append(time.perf_counter() - t)
     mb = len(data) / 1e6
-    click.echo(f".metadata of {tensors} tensors x 4 ranks ({chunks} chunks), {mb:.1f} MB; median of {repeat} runs")
+    click.echo(f".metadata of {tensors} tensors x 4 ranks ({chunks} chunks), {mb:.1f} MB; {_cores()} cores; "
+               f"median of {repeat} runs")
     for name, times in (("opcode walk (the guard)", walk), ("allow-list unpickle, guard included", load)):
         m = statistics.median(times)
         click.echo(f"{name:<38} {m * 1e3:8.1f} ms {m * 1e3 / mb:7.1f} ms/MB {m * 1e6 / chunks:7.2f} us/chunk")
@@ -494,8 +507,8 @@ def bench_storage(src: Path, total: int, repeat: int, root: Path) -> None:
         }
         subprocess.run(["cat", *map(str, src.iterdir())], stdout=subprocess.DEVNULL, check=True)  # warm the cache
         walls = {}
-        click.echo(f"checkpoint: {total / 1e9:.2f} GB bf16, LLaMA-shaped, 4-rank DCP; S3 is moto on loopback; "
-                   f"median of {repeat} runs")
+        click.echo(f"checkpoint: {total / 1e9:.2f} GB bf16, LLaMA-shaped, 4-rank DCP; {_cores()} cores; "
+                   f"S3 is moto on loopback; median of {repeat} runs")
         click.echo(f"{'what':<40} {'wall s':>7} {'GB/s':>6} {'peak RSS MB':>12} {'x local':>8} {'x s3fs':>7}")
         for name, (cmd, local, same_bytes) in contenders.items():
             runs = []

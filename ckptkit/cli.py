@@ -169,10 +169,26 @@ _memory = _option("--max-memory", default="1GiB", show_default=True, metavar="SI
                   help="Budget for tensor bytes held in memory (dtype casts, verify): 1GiB, 500MB, 1000000.")
 _fsync = _option("--fsync", is_flag=True, section=COMMON, envvar="CKPTKIT_FSYNC",
                  help="fsync every written file before the final rename (durable across power loss; slower).")
-_workers = _option("--workers", default=1, show_default=True, type=click.IntRange(min=1), metavar="N",
+def _worker_count(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
+    value = str(value).strip().lower()
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise click.BadParameter(f"expected auto or a number of processes of at least 1, got {value!r}")
+    return n
+
+
+_workers = _option("--workers", default="auto", show_default=True, callback=_worker_count, metavar="N|auto",
                    section=PARALLEL, envvar="CKPTKIT_WORKERS",
-                   help="Processes on this machine that write the output files, each its share (about equal bytes), "
-                        "--max-memory shared out among them; this process publishes. Several machines: run the "
+                   help="Processes on this machine that write the output, each its share (about equal bytes; a "
+                        "large file is cut into byte ranges), --max-memory shared out among them; this process "
+                        "writes one share and publishes. auto: as many as pay for the plan's bytes and tensors on "
+                        "the cores this process may use (1 for a small job); the report says how many and why. "
+                        "Several machines: run the "
                         "command under torchrun (torchrun --nnodes M --nproc-per-node K ... -m ckptkit COMMAND ...): "
                         "each rank writes its share, rank 0 publishes; DST must be on a filesystem they all share.")
 _dry_run = _option("--dry-run", is_flag=True, section=COMMON,

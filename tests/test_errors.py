@@ -254,11 +254,11 @@ def _truncate_source_midway(monkeypatch, victim: Path):
 def _disk_full_on_second_file(monkeypatch, victim: Path):
     original, calls = executor._Writer.write_file, []
 
-    def write_file(self, out, parts):
+    def write_file(self, out, parts, *at):
         calls.append(1)
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return original(self, out, parts)
+        return original(self, out, parts, *at)
 
     monkeypatch.setattr(executor._Writer, "write_file", write_file)
 

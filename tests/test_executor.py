@@ -25,7 +25,7 @@ from ckptkit.core.dtypes import by_name
 from ckptkit.core.manifest import Chunk, Span, TensorEntry
 from ckptkit.core.plan import Bytes, FilePlan, Region, WritePlan
 from ckptkit.errors import FormatError
-from ckptkit.io import execute as executor
+from ckptkit.io import execute as executor, moves
 from ckptkit.io.execute import execute, write_files
 from ckptkit.ops.convert import convert
 
@@ -48,7 +48,7 @@ _real_copy_file_range = getattr(os, "copy_file_range", None)
 ])
 def test_convert_bit_exact_whatever_copy_file_range_does(tmp_path, monkeypatch, full_ckpt, training_state,
                                                          kernel_copy):
-    monkeypatch.setattr(executor, "_KERNEL_COPY", 1)  # every copy kernel-side, however small
+    monkeypatch.setattr(moves, "KERNEL_COPY", 1)  # every copy kernel-side, however small
     monkeypatch.setattr(os, "copy_file_range", kernel_copy)
     convert(full_ckpt, tmp_path / "dcp", to="sharded", world_size=3)
     convert(tmp_path / "dcp", tmp_path / "back.pt", to="full")
@@ -138,7 +138,7 @@ def test_write_files_makes_each_file_exactly_its_plan_s_size(tmp_path, parts):
 def test_copy_file_range_pieces_are_resumed_in_order(tmp_path, monkeypatch):
     # Large copies go in pieces of _COPY_PIECE bytes; 5-byte pieces stand in for 1 GiB ones.
     monkeypatch.setattr(executor, "_COPY_PIECE", 5)
-    monkeypatch.setattr(executor, "_KERNEL_COPY", 1)
+    monkeypatch.setattr(moves, "KERNEL_COPY", 1)
     w = random_bits((7, 3), torch.float32, torch.Generator().manual_seed(2))
     entry = source(tmp_path, {"w": w})["w"]
     (tmp_path / "out").mkdir()
@@ -186,7 +186,7 @@ def test_write_files_buffer_smaller_than_a_tensor_writes_in_blocks(tmp_path, wri
 
 
 def test_write_files_large_copies_go_kernel_side(tmp_path, monkeypatch):
-    monkeypatch.setattr(executor, "_KERNEL_COPY", 40)
+    monkeypatch.setattr(moves, "KERNEL_COPY", 40)
     monkeypatch.setattr(executor, "_pwrite_all", lambda *a: pytest.fail("a large copy went through the buffer"))
     w = random_bits((4, 3), torch.float32, torch.Generator().manual_seed(5))
     entry = source(tmp_path, {"w": w})["w"]

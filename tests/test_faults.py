@@ -496,11 +496,11 @@ elif when == "after the swap":
     publish._swap_in = swap
 else:  # while writing the second file
     real_write, calls = execute._Writer.write_file, []
-    def write_file(self, out, parts):
+    def write_file(self, out, parts, *at):
         calls.append(1)
         if len(calls) == 2:
             os.kill(os.getpid(), getattr(signal, how))
-        return real_write(self, out, parts)
+        return real_write(self, out, parts, *at)
     execute._Writer.write_file = write_file
 cli.main(["convert", {src!r}, {dst!r}, "--to", "sharded", "--world-size", "3", "--overwrite", "-q"])
 """

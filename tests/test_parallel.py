@@ -3,6 +3,7 @@ written byte for byte as one process writes them, and complete or absent when an
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -13,7 +14,10 @@ import pytest
 
 import ckptkit
 from _checks import leftovers, load_dcp, load_full, load_hf
-from ckptkit.core.plan import Bytes, FilePlan, split_files
+from ckptkit.core.dtypes import by_name
+from ckptkit.core.manifest import Chunk, Span, TensorEntry
+from ckptkit.core.plan import Bytes, FilePlan, Region
+from ckptkit.core.split import split_work
 from ckptkit.errors import UsageError
 from ckptkit.harness.launch import run_ranks
 
@@ -49,9 +53,24 @@ def truncated_copy(dcp: Path, where: Path) -> Path:
     ((10, 0, 0), 2, [[0], [1, 2]]),  # empty files count as nothing, and go where there is least
     ((3, 9, 3, 3), 2, [[1], [0, 2, 3]]),  # the largest alone in share 0; a share keeps the plan's order
 ])
-def test_split_files_balances_bytes_and_keeps_plan_order(sizes, n, shares):
+def test_split_work_balances_bytes_and_keeps_plan_order(sizes, n, shares):
     files = tuple(FilePlan(f"f{i}", (Bytes(b"x" * size),)) for i, size in enumerate(sizes))
-    assert [[int(f.relpath[1:]) for f in share] for share in split_files(files, n)] == shares
+    got = split_work(files, n, min_piece=1)
+    assert [[int(s.relpath[1:]) for s in share] for share in got] == shares
+    assert all(s.start == 0 for share in got for s in share)  # framing bytes are never cut
+
+
+def test_split_work_cuts_a_large_file_into_byte_ranges_that_cover_it_once():
+    # One file: eight 10-byte framing parts and a 4 x 10 uint8 tensor (40 bytes), over 3 writers.
+    entry = TensorEntry("w", ("w",), by_name("uint8"), (4, 10), (Chunk((0, 0), (4, 10), Span("/src", 0, 40)),))
+    fp = FilePlan("one.bin", (*(Bytes(b"h" * 10),) * 4, Region.whole(entry), *(Bytes(b"t" * 10),) * 4))
+    shares = split_work((fp,), 3, min_piece=1)
+    ranges = sorted((s.start, s.start + s.nbytes) for share in shares for s in share)
+    assert ranges[0][0] == 0 and ranges[-1][1] == fp.nbytes == 120
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # no gap, no overlap
+    assert all(share for share in shares) and max(sum(s.nbytes for s in share) for share in shares) <= 50
+    regions = [p for share in shares for s in share for p in s.parts if isinstance(p, Region)]
+    assert sum(r.sizes[0] for r in regions) == 4 and len(regions) > 1  # the tensor cut into whole rows
 
 
 def test_reshard_with_workers_writes_what_one_process_writes(tmp_path, dcp_ckpt, training_state):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import heapq
 import itertools
 import math
 from collections.abc import Iterable
@@ -22,7 +21,7 @@ from .dtypes import DType
 from .manifest import Chunk, Span, TensorEntry
 
 __all__ = ["Copy", "FilePlan", "Bytes", "Part", "Region", "Strided", "WritePlan", "gather_copies", "plan_copies",
-           "plan_strided", "row_blocks", "row_runs", "split_files"]
+           "plan_strided", "row_blocks", "row_runs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,20 +318,3 @@ def row_blocks(region: Region, budget: int) -> list[Region]:
                           region.cast))
     return out
 
-
-def split_files(files: tuple[FilePlan, ...], n: int) -> tuple[tuple[FilePlan, ...], ...]:
-    """``files`` in ``n`` shares of about equal bytes, for ``n`` processes to write one share each.
-
-    The largest file goes first, to the share with the fewest bytes so far (the lowest-numbered on a tie);
-    within a share, files keep their order in ``files``. The same files give the same shares in every
-    process, which is what lets ranks that plan on their own agree on who writes what.
-    """
-    if n < 1:
-        raise ValueError(f"cannot split files over {n} processes")
-    loads = [(0, i) for i in range(n)]
-    shares: list[list[int]] = [[] for _ in range(n)]
-    for index in sorted(range(len(files)), key=lambda i: -files[i].nbytes):
-        nbytes, share = heapq.heappop(loads)
-        shares[share].append(index)
-        heapq.heappush(loads, (nbytes + files[index].nbytes, share))
-    return tuple(tuple(files[i] for i in sorted(share)) for share in shares)

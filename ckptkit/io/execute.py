@@ -9,8 +9,10 @@ training job's group in a save hook); every rank plans the whole job. The calls 
 0. the job (reading, planning, writing) runs inside :func:`all_ranks` (the ops' ``distributed=True``);
 1. an ``all_gather`` in which every rank says whether it got as far as writing: one that failed before
    casts its error instead, so that no rank waits for it, and every rank raises;
-2. rank 0 checks DST and makes the staging directory; a ``broadcast`` tells its path (or rank 0's error);
-3. each rank writes its share (:func:`ckptkit.core.plan.split_files`); an ``all_gather`` collects the outcomes;
+2. rank 0 checks DST, makes the staging directory and every output file at its planned size; a ``broadcast``
+   tells the directory's path (or rank 0's error);
+3. each rank writes its share (:func:`ckptkit.core.split.split_work`: whole files, and byte ranges of large
+   ones, into the files rank 0 made at their sizes); an ``all_gather`` collects the outcomes;
 4. rank 0 publishes once every file has its planned size, or aborts if any rank failed; a ``broadcast``
    tells every rank how it went.
 
@@ -20,10 +22,11 @@ training job's group in a save hook); every rank plans the whole job. The calls 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -31,22 +34,23 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 from .. import errors
 from ..core.dtypes import DType
-from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_strided, row_blocks, split_files
+from ..core.plan import FilePlan, Part, Region, WritePlan, row_blocks
+from ..core.split import Slice, split_work
 from ..errors import CheckpointError, FormatError, UsageError
+from .moves import Literal, Moves, Read, Unit, units
 from .publish import Staging, check_destination, stage
 from .remote import RemotePath, is_url
 from .sources import Files, read_into, read_region
 from .transfer import StreamWriter, execute_remote
 
-__all__ = ["DEFAULT_MAX_MEMORY", "GROUP_TIMEOUT", "all_ranks", "execute", "execute_distributed", "gloo_group",
-           "write_files"]
+__all__ = ["DEFAULT_MAX_MEMORY", "GROUP_TIMEOUT", "all_ranks", "allocate", "execute", "execute_distributed",
+           "gloo_group", "write_cap", "write_files", "write_slices"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 DEFAULT_MAX_MEMORY = 1 << 30
 _COPY_PIECE = 1 << 30  # copy_file_range moves at most this much per call; larger counts are split
-_KERNEL_COPY = 1 << 20  # bytes from which a copy moves kernel-side rather than through the write buffer
 _GATHER_BLOCK = 8 << 20  # the write buffer's size
 
 
@@ -58,45 +62,55 @@ def _cast(data: bytearray, src: DType, dst: DType) -> memoryview:
     return t.to(dst_dtype).view(torch.uint8).numpy().data
 
 
+def write_cap(max_memory: int) -> int:
+    """The write buffer's size under ``max_memory``: two buffers (one filling, one being written) beside a
+    cast block."""
+    return max(1, min(max_memory // 4, _GATHER_BLOCK))
+
+
 class _Writer:
-    """Writes a file's parts in order. Copies of at least :data:`_KERNEL_COPY` bytes move kernel-side; smaller
-    ones (a DCP of many small chunks: framing, a chunk, framing...; the rows of column chunks) are read into
-    one buffer with the framing between them and written with one ``pwrite`` per buffer: a kernel copy of a
-    small range costs several times the bytes' own cost, and a write per piece as much again."""
+    """Runs a file's units (:mod:`.moves`) in order. Copies of at least :data:`.moves.KERNEL_COPY` bytes move
+    kernel-side; smaller ones (a DCP of many small chunks: framing, a chunk, framing...; the rows of column
+    chunks) are read into one buffer with the framing between them and written with one ``pwrite`` per
+    buffer: a kernel copy of a small range costs several times the bytes' own cost, and a write per piece as
+    much again."""
 
     def __init__(self, files: Files, max_memory: int, progress: Callable[[int], None]) -> None:
         self.files, self.max_memory, self.progress = files, max_memory, progress
         self.kernel_copy = hasattr(os, "copy_file_range")
-        # Two buffers (one filling, one being written) beside a cast block.
-        self.cap = max(1, min(max_memory // 4, _GATHER_BLOCK))
+        self.cap = write_cap(max_memory)
         self.buf, self.spare = memoryview(bytearray(0)), memoryview(bytearray(0))
         self.out, self.start, self.fill = -1, 0, 0  # the buffer holds bytes [start, start + fill) of out
         self.writing: Future[None] | None = None  # the spare buffer's write, in the writer thread
 
-    def write_file(self, out: int, parts: tuple[Part, ...]) -> None:
-        pos = self.fill = 0  # (what a failed file left buffered is not written to this one)
-        told = 0  # bytes reported to progress: once a buffer's worth, not per part (a DCP has three per chunk)
+    def write_file(self, out: int, parts: tuple[Part, ...], start: int = 0) -> None:
+        """Write ``parts`` laid end to end from byte ``start`` of ``out``."""
+        self.run(out, units(parts, start, self.cap))
+
+    def run(self, out: int, todo: Iterable[Unit]) -> None:
+        """Run ``todo`` on ``out``; every write is done when this returns."""
+        self.fill = 0  # (what a failed file left buffered is not written to this one)
+        done = told = 0  # bytes reported to progress: once a buffer's worth, not per unit (a DCP has three per chunk)
         with ThreadPoolExecutor(1, thread_name_prefix="ckptkit-write") as self.pool:
             try:
-                for part in parts:
-                    if isinstance(part, Bytes):
-                        n = len(part.data)
-                        self._buffered(out, pos, n)[:] = part.data
+                for u in todo:
+                    if isinstance(u, Literal):
+                        n = len(u.data)
+                        self._buffered(out, u.dst, n)[:] = u.data
+                    elif isinstance(u, Read):
+                        n = u.nbytes
+                        self._copy(out, u)
                     else:
-                        n = part.nbytes
-                        if part.cast is None or part.cast == part.entry.dtype:
-                            self._copy(out, part, pos, n)
-                        else:
-                            self._cast_copy(out, part, part.cast, pos)
-                    pos += n
-                    if pos - told >= _GATHER_BLOCK:
-                        self.progress(pos - told)
-                        told = pos
+                        n = u.region.nbytes
+                        self._cast_copy(out, u.region, cast(DType, u.region.cast), u.dst)
+                    done += n
+                    if done - told >= _GATHER_BLOCK:
+                        self.progress(done - told)
+                        told = done
                 self.flush()
             finally:  # out is closed after this: no write of it may still be under way
                 self._written()
-        os.ftruncate(out, pos)
-        self.progress(pos - told)
+        self.progress(done - told)
 
     def _buffered(self, out: int, pos: int, n: int) -> memoryview:
         """Room for bytes ``[pos, pos + n)`` of ``out`` in the buffer, written out by :meth:`flush`; bytes
@@ -128,21 +142,13 @@ class _Writer:
         if len(self.spare) > self.cap:
             self.spare = memoryview(bytearray(0))
 
-    def _copy(self, out: int, region: Region, pos: int, nbytes: int) -> None:
-        pieces = plan_strided(region)
-        if (self.kernel_copy and pieces and pieces[0].src.length >= _KERNEL_COPY
-                and all(s.rows == 1 and s.src.length >= _KERNEL_COPY for s in pieces)):
-            for s in pieces:
-                fd = self.files.fd(s.src.file, s.src.offset + s.src.length, start=s.src.offset,
-                                   key=region.entry.key)
-                self._copy_range(fd, out, s.src.offset, pos + s.dst, s.src.length)
+    def _copy(self, out: int, read: Read) -> None:
+        if not read.kernel:
+            read_into(self._buffered(out, read.dst, read.nbytes), read.pieces, self.files, read.key)
             return
-        if nbytes <= self.cap:
-            read_into(self._buffered(out, pos, nbytes), pieces, self.files, region.entry.key)
-            return
-        for block in row_blocks(region, self.cap):
-            read_into(self._buffered(out, pos, block.nbytes), plan_strided(block), self.files, region.entry.key)
-            pos += block.nbytes
+        for s in read.pieces:
+            fd = self.files.fd(s.src.file, s.src.offset + s.src.length, start=s.src.offset, key=read.key)
+            self._copy_range(fd, out, s.src.offset, read.dst + s.dst, s.src.length)
 
     def _copy_range(self, src: int, out: int, src_off: int, dst_off: int, n: int) -> None:
         while n > 0 and self.kernel_copy:
@@ -188,25 +194,67 @@ def write_files(files: tuple[FilePlan, ...], stage: Path, *, max_memory: int = D
     """Write ``files`` under the existing directory ``stage``. An error while writing names the file by
     ``names`` (relpath to the path the user will see: the destination, not the staging directory).
     ``streamed``: some sources are URLs, whose bytes come by ranged requests (:mod:`.transfer`)."""
+    allocate(files, stage, names)
+    write_slices(tuple(Slice(fp.relpath, 0, fp.parts) for fp in files), stage, max_memory=max_memory, fsync=fsync,
+                 progress=progress, names=names, streamed=streamed)
+
+
+def allocate(files: tuple[FilePlan, ...], stage: Path, names: dict[str, Path] | None = None) -> None:
+    """Make every file of ``files`` under ``stage`` at its planned size (empty, sparse where the filesystem
+    can), so that writers fill byte ranges of it in any order and any number of processes.
+
+    Raises:
+        OSError: a file cannot be made; the message names it by ``names``.
+    """
+    for fp in files:
+        path = stage / fp.relpath
+        with _naming(fp.relpath, path, names):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(out, fp.nbytes)
+            finally:
+                os.close(out)
+
+
+def write_slices(slices: Iterable[Slice | Moves], stage: Path, *, max_memory: int = DEFAULT_MAX_MEMORY,
+                 fsync: bool = False, progress: Callable[[int], None] = lambda n: None,
+                 names: dict[str, Path] | None = None, streamed: bool = False) -> None:
+    """Write ``slices`` (byte ranges of files :func:`allocate` made under ``stage``), each at its offsets; what
+    other processes write to the same files meanwhile is theirs. Arguments as for :func:`write_files`.
+
+    Raises:
+        OSError: a write failed; the message names the file by ``names``.
+        CheckpointError: a source is short or unreadable.
+    """
     with Files() as sources:
         writer = StreamWriter(sources, max_memory, progress, _cast) if streamed else _Writer(sources, max_memory,
                                                                                            progress)
-        for fp in files:
-            path = stage / fp.relpath
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for piece in slices:
+            path = stage / piece.relpath
+            with _naming(piece.relpath, path, names):
+                out = os.open(path, os.O_WRONLY)
                 try:
-                    writer.write_file(out, fp.parts)
+                    if isinstance(piece, Moves):
+                        cast(_Writer, writer).run(out, piece.units())
+                    else:
+                        writer.write_file(out, piece.parts, piece.start)
                     if fsync:
                         os.fsync(out)
                 finally:
                     os.close(out)
-            except OSError as e:
-                if e.errno is None:
-                    raise
-                name = (names or {}).get(fp.relpath, path)
-                raise OSError(e.errno, f"{e.strerror} (writing {name})") from e
+
+
+@contextlib.contextmanager
+def _naming(relpath: str, path: Path, names: dict[str, Path] | None) -> Iterator[None]:
+    """An OSError inside names the file as the user knows it (DST's, not the staging directory's)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno is None:
+            raise
+        name = (names or {}).get(relpath, path)
+        raise OSError(e.errno, f"{e.strerror} (writing {name})") from e
 
 
 def _names(plan: WritePlan, dst: Path) -> dict[str, Path]:
@@ -353,8 +401,8 @@ def _write_share(plan: WritePlan, staging: Staging, dst: Path, rank: int, world:
         if not staging.path.is_dir():
             raise UsageError(f"{staging.path}, rank 0's staging directory beside DST, is not visible from rank "
                              f"{rank}: DST must be on a filesystem every rank shares")
-        write_files(split_files(plan.files, world)[rank], staging.path, max_memory=max_memory, fsync=fsync,
-                    names=_names(plan, dst), streamed=streamed)
+        write_slices(split_work(plan.files, world, cut_files=not streamed)[rank], staging.path,
+                     max_memory=max_memory, fsync=fsync, names=_names(plan, dst), streamed=streamed)
     except Exception as e:
         return e
     return None
@@ -383,7 +431,10 @@ def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, 
         try:
             check_destination(dst, overwrite=overwrite, sources=sources)
             staging = stage(dst, replace=overwrite)
+            allocate(plan.files, staging.path, _names(plan, dst))
         except Exception as e:  # told to every rank below, so none waits forever
+            if staging is not None:
+                staging.abort()
             error = e
     shared: list[Any] = [_failure(error) if error else str(staging.path) if staging else None]
     try:

@@ -1,16 +1,21 @@
-"""Parallel writing: a plan's files split over processes, on one machine or over the ranks of a process group.
+"""Parallel writing: a plan's bytes split over processes, on one machine or over the ranks of a process group.
 
-Planning is pure, so every process given the same inputs holds the same plan. Each process writes the files
-of its share (:func:`ckptkit.core.plan.split_files`: about equal bytes) into one staging directory
-(:mod:`ckptkit.io.publish`), and one process publishes it once every share is written and every file has
-its planned size. The output is the one a single process writes, byte for byte, and it is complete or
-absent: a failure in any process removes the staging directory and fails the whole run.
+Planning is pure, so every process given the same inputs holds the same plan. The plan is cut into shares of
+about equal bytes (:func:`ckptkit.core.split.split_work`): small files whole, a large file in byte ranges, so
+that one large output file (an ``export-hf`` of one safetensors file) is written by several processes at once.
+One process makes every output file at its planned size in one staging directory (:mod:`ckptkit.io.publish`);
+each process writes its ranges at their offsets; one process publishes once every share is written and every
+file has its planned size. The output is the one a single process writes, byte for byte, and it is complete
+or absent: a failure in any process removes the staging directory and fails the whole run.
 
 Two ways to get the processes:
 
-- :func:`execute_parallel` (``--workers N``): the calling process checks DST, stages, starts N worker
+- :func:`execute_parallel` (``--workers N``): the calling process checks DST, stages, starts N - 1 worker
   processes (spawned: a fresh interpreter is safe whatever threads or OpenMP pools the caller started, after
-  a cast in torch, say; forking is not), shows their progress, waits, and publishes.
+  a cast in torch, say; forking is not), writes the first share itself, shows their progress, waits, and
+  publishes. The planning stays in
+  the calling process: a worker gets its share as packed byte moves (:mod:`ckptkit.io.moves`), reads no
+  ``.metadata`` or header, plans nothing, and imports no torch unless its share casts a dtype.
 - every rank of the default process group: :func:`ckptkit.io.execute.execute_distributed`, which
   :func:`torchrun_group` sets up for the CLI under ``torchrun ... -m ckptkit`` (a training job's group
   serves a save hook).
@@ -28,9 +33,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import errors
-from ..core.plan import FilePlan, WritePlan, split_files
+from ..core.plan import WritePlan
+from ..core.split import Slice, Work, choose_writers, split_work
 from ..errors import CheckpointError, FormatError, UsageError
-from .execute import DEFAULT_MAX_MEMORY, GROUP_TIMEOUT, _names, _publish, execute, write_files
+from .execute import DEFAULT_MAX_MEMORY, GROUP_TIMEOUT, _names, _publish, allocate, execute, write_cap, write_slices
+from .moves import Moves, pack
 from .publish import check_destination, stage
 from .remote import is_url, keep_filesystems, known_filesystems
 
@@ -38,7 +45,7 @@ if TYPE_CHECKING:  # multiprocessing is imported where workers start: a run with
     import multiprocessing
     from multiprocessing.connection import Connection
 
-__all__ = ["execute_parallel", "torchrun_group"]
+__all__ = ["cores", "execute_parallel", "torchrun_group", "writers"]
 
 _PR_SET_PDEATHSIG = 1
 """prctl(2): the signal this process gets when its parent dies."""
@@ -54,7 +61,7 @@ _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 # Workers on one machine
 
 
-def _worker(files: tuple[FilePlan, ...], where: Path, max_memory: int, fsync: bool, streamed: bool,
+def _worker(share: tuple[Moves, ...] | tuple[Slice, ...], where: Path, max_memory: int, fsync: bool, streamed: bool,
             filesystems: dict[str, Any], names: dict[str, Path], done: Any, index: int, outcome: Connection,
             parent: int) -> None:
     # Ctrl-C reaches the whole process group, and Slurm's SIGTERM every process of the job: the parent answers
@@ -69,8 +76,8 @@ def _worker(files: tuple[FilePlan, ...], where: Path, max_memory: int, fsync: bo
         done[index] += n  # this worker's slot alone: no lock
 
     try:
-        write_files(files, where, max_memory=max_memory, fsync=fsync, progress=progress, names=names,
-                    streamed=streamed)
+        write_slices(share, where, max_memory=max_memory, fsync=fsync, progress=progress, names=names,
+                     streamed=streamed)
     except Exception as e:
         outcome.send(_portable(e))
     else:
@@ -115,9 +122,14 @@ def _portable(e: Exception) -> Exception:
     return FormatError(f"{type(e).__name__}: {e}")
 
 
-def _write_in_workers(shares: tuple[tuple[FilePlan, ...], ...], where: Path, names: dict[str, Path], *,
+def _write_in_workers(shares: tuple[tuple[Slice, ...], ...], where: Path, names: dict[str, Path], *,
                       max_memory: int, fsync: bool, streamed: bool, progress: Callable[[int], None]) -> None:
-    """Write each share in a worker process of its own; raise the first failure after stopping the others."""
+    """Write the first share in this process and each other share in a worker process of its own; raise the
+    first failure after stopping the workers.
+
+    A share of local sources travels packed (:func:`.moves.pack`), each packed just before its worker starts,
+    so that the workers started first import while later shares are packed; this process then writes its own
+    share, which costs neither a start nor a pack."""
     import multiprocessing
     from multiprocessing.connection import wait
 
@@ -127,22 +139,31 @@ def _write_in_workers(shares: tuple[tuple[FilePlan, ...], ...], where: Path, nam
     running: dict[Connection, multiprocessing.process.BaseProcess] = {}
     workers = []
     reported = 0
+
+    def report(own: int = 0) -> None:
+        nonlocal reported
+        done[0] += own
+        total = sum(done)
+        progress(total - reported)
+        reported = total
+
     try:
-        for i, share in enumerate(shares):
+        for i, share in enumerate(shares[1:], 1):
             receive, send = ctx.Pipe(duplex=False)
-            own = {fp.relpath: names[fp.relpath] for fp in share}
-            p = ctx.Process(target=_worker, args=(share, where, max_memory, fsync, streamed, filesystems, own, done,
+            own = {s.relpath: names[s.relpath] for s in share}
+            job = share if streamed else tuple(pack(s, write_cap(max_memory)) for s in share)
+            p = ctx.Process(target=_worker, args=(job, where, max_memory, fsync, streamed, filesystems, own, done,
                                                   i, send, os.getpid()),
                             name=f"ckptkit-worker-{i}", daemon=True)
             workers.append(p)
             _start(p)
             send.close()  # the worker holds the only writing end now: its death reads as EOF
             running[receive] = p
+        write_slices(shares[0], where, max_memory=max_memory, fsync=fsync, progress=report, names=names,
+                     streamed=streamed)
         while running:
             ready = wait(list(running), timeout=_POLL)
-            total = sum(done)
-            progress(total - reported)
-            reported = total
+            report()
             for conn in cast("list[Connection]", ready):
                 finished = running.pop(conn)
                 try:
@@ -166,18 +187,58 @@ def _write_in_workers(shares: tuple[tuple[FilePlan, ...], ...], where: Path, nam
             receive.close()
 
 
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity: ``taskset``, a container's or Slurm's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def writers(workers: int | str, plan: WritePlan, dst: Path | str, sources: tuple[Path, ...] = ()) -> tuple[int, str]:
+    """How many processes :func:`execute_parallel` should write ``plan`` with, and why, in words.
+
+    Args:
+        workers: a count, or ``"auto"``: as many as pay on this machine for this plan
+            (:func:`ckptkit.core.split.choose_writers` over :func:`cores`); one for an object store.
+        plan: what will be written.
+        dst: where.
+        sources: the files read (URLs among them keep each file whole, as one writer streams it).
+
+    Returns:
+        The count and the reason, for the report (none for one process asked for).
+
+    Raises:
+        UsageError: ``workers`` is neither ``"auto"`` nor a count of at least 1.
+    """
+    if workers != "auto":
+        try:
+            n = int(workers)
+        except ValueError:
+            n = 0
+        if n < 1 or str(n) != str(workers).strip():
+            raise UsageError(f"--workers: expected auto or a number of processes of at least 1, got {workers!r}")
+        return n, f"--workers {n}" if n > 1 else ""
+    if is_url(dst):
+        return 1, "auto: an object store is written by one process"
+    n, why = choose_writers(Work.of(plan.files, cut_files=not any(map(is_url, sources))), cores())
+    return n, f"auto: {why}"
+
+
 def execute_parallel(plan: WritePlan, dst: Path, *, workers: int, overwrite: bool = False,
                      sources: tuple[Path, ...] = (), max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False,
                      progress: Callable[[int], None] = lambda n: None) -> Path:
     """:func:`ckptkit.io.execute.execute` with the files split over ``workers`` processes on this machine.
 
-    One worker (or a plan of one file) writes in this process. ``max_memory`` is the budget of them all: each
-    worker casts in blocks of its equal part. Workers are spawned, so a script that calls this must do so
+    This process writes one share and ``workers - 1`` worker processes the others; one worker (or a plan too
+    small to share) writes in this process alone. ``max_memory`` is the budget of them all: each casts in
+    blocks of its equal part. Workers are spawned, so a script that calls this must do so
     under ``if __name__ == "__main__":``, as for any spawning multiprocessing (the CLI does).
     """
     if workers < 1:
         raise UsageError(f"--workers must be at least 1, got {workers}")
-    shares = tuple(s for s in split_files(plan.files, workers) if s)
+    streamed = any(map(is_url, sources))
+    shares = tuple(s for s in split_work(plan.files, workers, cut_files=not streamed) if s)
     if len(shares) < 2:
         return execute(plan, dst, overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync,
                        progress=progress)
@@ -185,9 +246,11 @@ def execute_parallel(plan: WritePlan, dst: Path, *, workers: int, overwrite: boo
         raise UsageError(f"{dst}: --workers write to a local or shared filesystem; an object store is written by "
                          "one process (leave out --workers)")
     dst = check_destination(dst, overwrite=overwrite, sources=sources)
+    names = _names(plan, dst)
     with stage(dst, replace=overwrite) as staging:
-        _write_in_workers(shares, staging.path, _names(plan, dst), max_memory=max(1, max_memory // len(shares)),
-                          fsync=fsync, streamed=any(map(is_url, sources)), progress=progress)
+        allocate(plan.files, staging.path, names)
+        _write_in_workers(shares, staging.path, names, max_memory=max(1, max_memory // len(shares)), fsync=fsync,
+                          streamed=streamed, progress=progress)
         _publish(plan, staging, overwrite=overwrite, fsync=fsync)
     return dst
 

@@ -159,13 +159,13 @@ class StreamWriter:
         self.files, self.progress, self.cast_bytes = files, progress, cast_bytes
         self.budget = max(PIECE, max_memory // 2)
 
-    def write_file(self, out: int, parts: tuple[Part, ...]) -> None:
-        pos = 0
+    def write_file(self, out: int, parts: tuple[Part, ...], start: int = 0) -> None:
+        """Write ``parts`` laid end to end from byte ``start`` of ``out`` (made at its full size beforehand)."""
+        pos = start
         for piece in file_pieces(parts, self.files, self.budget, self.cast_bytes):
             os.pwrite(out, piece, pos)
             pos += len(piece)
             self.progress(len(piece))
-        os.ftruncate(out, pos)
 
 
 class _Cancelled(Exception):

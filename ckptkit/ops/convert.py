@@ -14,7 +14,7 @@ from ..errors import UsageError
 from ..formats import LocalOptions, Target, detect, io_for, is_empty_container
 from ..formats.dcp import check_blobs
 from ..io.execute import DEFAULT_MAX_MEMORY, all_ranks, execute_distributed
-from ..io.parallel import execute_parallel
+from ..io.parallel import execute_parallel, writers
 from ..io.progress import human_size, progress_bar
 from ..io.publish import check_destination
 from ..io.remote import as_path
@@ -54,6 +54,10 @@ class Report:
     """Keys whose rows a key mapping reordered (a preset's rotary q/k order)."""
     dry_run: bool = False
     """Nothing was written: the report says what would be."""
+    workers: int = 1
+    """The processes that wrote (``--workers``)."""
+    workers_why: str = ""
+    """Why that many: ``--workers N``, or what ``--workers auto`` chose it from."""
 
     def lines(self) -> list[str]:
         ws = f" for {self.world_size} ranks" if self.world_size else ""
@@ -79,6 +83,8 @@ class Report:
         for dtype, keys in by_dtype.items():
             out += [f"  written as {dtype}: all {len(keys)} tensors"] if len(keys) == self.tensors else \
                 _listing(f"written as {dtype}", keys)
+        if self.workers_why:
+            out.append(f"  workers: {self.workers} ({self.workers_why})")
         out += [f"  note: {n}" for n in self.notes]
         return out
 
@@ -150,14 +156,14 @@ def sources_of(manifest: Manifest, src: Path | str | None = None) -> tuple[Path,
 def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, overwrite: bool,
           max_memory: int, fsync: bool, progress: bool, extra_files: tuple[FilePlan, ...] = (),
           notes: tuple[str, ...] = (), distributed: bool = False, src: Path | str | None = None,
-          dry_run: bool = False, changes: Changes = Changes(), workers: int = 1) -> Report:
+          dry_run: bool = False, changes: Changes = Changes(), workers: int | str = 1) -> Report:
     """Write ``manifest`` as ``fmt`` to ``dst``. ``src`` is the input as the user named it: ``dst`` may not be,
     hold or lie inside it (nor any file read from it). With ``dry_run``, only plan it (and check the
     destination) and report what would be written. ``changes`` are the renames, drops and casts made on the
     way, for the report. ``workers`` processes of this machine, or with ``distributed`` every rank of the
     default process group, write the output files (:mod:`ckptkit.io.parallel`)."""
     start = time.perf_counter()
-    if distributed and workers > 1:
+    if distributed and workers not in (1, "1", "auto"):
         raise UsageError(f"--workers {workers} splits the files over processes of one machine; under torchrun the "
                          "ranks split them: start more ranks (--nproc-per-node) instead")
     notes += _left_out(manifest, fmt)
@@ -169,18 +175,19 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, o
     io = io_for(fmt)
     plan = io.plan(manifest, io.options(target, manifest))
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file, commit=plan.commit)
+    n, why = (1, "") if distributed else writers(workers, plan, dst, sources)
     if distributed and not dry_run:
         execute_distributed(plan, as_path(dst), overwrite=overwrite, sources=sources, max_memory=max_memory,
                             fsync=fsync)
     elif not dry_run:  # a dry run is planned and its destination checked: nothing to write
         with progress_bar(plan.total_bytes, f"{fmt.value}", progress) as update:
-            execute_parallel(plan, as_path(dst), workers=workers, overwrite=overwrite, sources=sources,
+            execute_parallel(plan, as_path(dst), workers=n, overwrite=overwrite, sources=sources,
                              max_memory=max_memory, fsync=fsync, progress=update)
     ws = target.world_size if fmt in (Format.SHARDED, Format.LOCAL) else None
     return Report(manifest.root, manifest.format, str(dst), fmt, len(manifest.tensors), len(manifest.objects),
                   plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes,
                   tuple((f.relpath, f.nbytes) for f in plan.files), changes.renamed, changes.dropped, changes.cast,
-                  changes.permuted, dry_run)
+                  changes.permuted, dry_run, n, why)
 
 
 def _left_out(manifest: Manifest, fmt: Format) -> tuple[str, ...]:
@@ -220,7 +227,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
             local: LocalOptions | None = None, preset: str | None = None,
             renames: Renames = (), key_map: KeyMapSource = None,
             strict_map: bool = False, hf_assets: Path | str | None = None, dry_run: bool = False,
-            storage_options: dict | None = None, workers: int = 1, distributed: bool = False) -> Report:
+            storage_options: dict | None = None, workers: int | str = 1, distributed: bool = False) -> Report:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``, streaming tensor by tensor.
 
     FULL output is one ``torch.save`` file when ``dst`` ends in .pt/.pth/.bin/.ckpt and no shard size is
@@ -246,9 +253,10 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
     ``src`` and ``dst`` may be URLs (``s3://``, ``gs://``, ``az://``; ``hf://`` to read); ``storage_options``
     go to their filesystem (``{"endpoint_url": ..., "profile": ...}`` for s3fs).
 
-    ``workers`` processes write the output files, each its share (one machine); or, with ``distributed``,
+    ``workers`` processes write the output files, each its share (one machine; ``"auto"``: as many as pay for
+    this plan on this machine's cores, see :func:`ckptkit.io.parallel.writers`); or, with ``distributed``,
     every rank of the default process group calls this alike (torchrun, a save hook) and each writes its
-    share, rank 0 publishing. Either way the output is the one a single process writes.
+    share, rank 0 publishing. Either way the output is the one a single process writes, byte for byte.
 
     Args:
         src: The checkpoint to read: a file, a directory or a URL.
@@ -269,7 +277,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
         hf_assets: An HF model directory whose ``config.json`` gives a preset its head counts.
         dry_run: Plan and report, write nothing.
         storage_options: Keyword arguments of the filesystem of a URL.
-        workers: Processes of this machine that write the output files.
+        workers: Processes of this machine that write the output files, or ``"auto"``.
         distributed: Every rank of the default process group calls this, and each writes its share.
 
     Returns:
@@ -315,7 +323,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
 def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: bool = False,
             max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
             local: LocalOptions | None = None, dry_run: bool = False, storage_options: dict | None = None,
-            workers: int = 1, distributed: bool = False) -> Report:
+            workers: int | str = 1, distributed: bool = False) -> Report:
     """Re-lay-out a sharded checkpoint for ``world_size`` ranks, in its own format; no GPU or process group.
 
     ``local`` is as for :func:`convert`; the output keeps the source's rank file names and layout, and a

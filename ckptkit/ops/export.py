@@ -106,7 +106,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
               strict_map: bool = False, keep_fp32: Iterable[str] = (), overwrite: bool = False,
               max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
               distributed: bool = False, local: LocalOptions | None = None, dry_run: bool = False,
-              storage_options: dict | None = None, workers: int = 1) -> Report:
+              storage_options: dict | None = None, workers: int | str = 1) -> Report:
     """Write the model tensors of ``src`` as HF safetensors at ``dst`` (with the index file when sharded).
 
     ``dtype`` is ``keep`` or one of ``bf16``/``fp16``/``fp32`` (or ``bfloat16``/``float16``/``float32``); a cast
