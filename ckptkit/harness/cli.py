@@ -1,6 +1,7 @@
 """``ckptkit harness``: run a matrix of save -> convert -> load cells on real ranks and print the table.
 
-Exit codes: 0 every cell passed or was skipped, 1 a cell failed, 2 bad usage (no cell matches, say).
+Exit codes: 0 every cell passed, was skipped or drifts as torch alone does (``torch``: listed in the summary
+and the JSON), 1 a cell failed, 2 bad usage (no cell matches, say).
 """
 
 from __future__ import annotations
@@ -22,6 +23,20 @@ def _render(results) -> str:
     widths = [max(len(row[c]) for row in rows) for c in range(4)]
     # widths stops short of the last column, the reason, which is appended unpadded.
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=False)) + "  " + row[4] for row in rows)
+
+
+def _torch_lines(results) -> list[str]:
+    """The ``torch`` cells, each with the cell's drift, its control's and the torch version."""
+    lines = []
+    for r in results:
+        if r.control is not None and r.status.value == "torch":
+            c = r.control
+            lines.append(f"  {r.cell.name}: cell {c.cell_drift:.1e}, torch-only control {c.drift:.1e} "
+                         f"(its own uninterrupted run {c.own_drift:.1e}; torch {c.torch_version})")
+    if not lines:
+        return []
+    return ["torch: these cells drift, and so does torch resuming the target configuration from its own "
+            "checkpoint with no ckptkit:", *lines]
 
 
 @click.command()
@@ -65,9 +80,12 @@ def harness(matrix_name: str, device: str, pattern: str | None, list_only: bool,
     if as_json:
         click.echo(json.dumps({"matrix": matrix_name, "device": device, "seconds": round(seconds, 1),
                                "counts": {s.value: n for s, n in counts.items()},
+                               "torch": [r.cell.name for r in results if r.status is Status.TORCH],
                                "cells": [r.to_json() for r in results]}, indent=2))
     else:
         click.echo(_render(results))
-        click.echo(f"{counts[Status.PASS]} passed, {counts[Status.FAIL]} failed, {counts[Status.SKIP]} skipped "
-                   f"in {seconds:.0f} s ({device})")
+        for line in _torch_lines(results):
+            click.echo(line)
+        click.echo(f"{counts[Status.PASS]} passed, {counts[Status.FAIL]} failed, {counts[Status.TORCH]} torch, "
+                   f"{counts[Status.SKIP]} skipped in {seconds:.0f} s ({device})")
     sys.exit(1 if counts[Status.FAIL] else 0)

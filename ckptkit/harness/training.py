@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .configs import WRAP_MIN_NUM_PARAMS, AutoWrap, ParamDtype, TrainConfig, Wrapper
 from .model import Block, TinyConfig, TinyTransformer, batch, next_token_loss
 
-__all__ = ["GLOBAL_BATCH", "LR", "MODEL", "SEED", "build", "train"]
+__all__ = ["GLOBAL_BATCH", "LR", "MODEL", "SEED", "build", "perturb_resumed", "train"]
 
 MODEL = TinyConfig()
 SEED = 0
@@ -68,6 +68,14 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, *, start: int, ste
         dist.all_reduce(total)  # equal slices: the mean of the ranks' means is the global mean
         losses.append(total.item() / world)
     return losses
+
+
+def perturb_resumed(config: TrainConfig, optimizer: torch.optim.Optimizer) -> None:
+    """Double the learning rate of a resumed run under a ``perturb_resume`` configuration (test only: see
+    :attr:`TrainConfig.perturb_resume`); nothing otherwise. Call after the loaded state has been captured."""
+    if config.perturb_resume:
+        for group in optimizer.param_groups:
+            group["lr"] *= 2
 
 
 def _mesh(config: TrainConfig, device: torch.device):
