@@ -257,6 +257,15 @@ def test_cli_lists_cells():
     assert result.output == "fsdp2@2:sharded -> plain@1:hf  [export_hf]\n"
 
 
+def test_cli_only_picks_exact_names_from_either_matrix():
+    quick, full_only = QUICK[0].name, "fsdp2(2d)@4:full -> plain@1:full"
+    result = _cli("--only", full_only, "--only", quick, "--list")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [f"{full_only}  [convert]", f"{quick}  [reshard]"]
+    unknown = _cli("--only", "a -> b", "--list")
+    assert unknown.exit_code == 2 and "no quick or full cell is named 'a -> b'" in unknown.output
+
+
 def test_cli_no_matching_cell_is_a_usage_error():
     result = _cli("--cells", "nothing like this")
     assert result.exit_code == 2

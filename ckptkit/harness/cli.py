@@ -47,21 +47,30 @@ def _torch_lines(results) -> list[str]:
                    "a cell needs more ranks than there are GPUs.")
 @click.option("--cells", "pattern", default=None, metavar="PATTERN",
               help="Only cells whose name matches this shell-style pattern anywhere, e.g. 'fsdp1(hybrid*'.")
+@click.option("--only", "only", multiple=True, metavar="NAME",
+              help="Only the cell of either matrix with exactly this name (repeatable); --matrix and --cells are "
+                   "then ignored. bin/gpu-check re-runs failed cells with it.")
+@click.option("--controls/--no-controls", default=True, show_default=True,
+              help="Run a torch-only control for every cell whose losses drift: status torch (exit 0) where torch "
+                   "alone drifts as much, else FAIL. Without, a drifting cell is FAIL.")
 @click.option("--list", "list_only", is_flag=True, help="Print the selected cells and exit without running them.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep checkpoints, references and outcomes here (default: a temporary directory, removed).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable results on stdout (progress goes to stderr).")
-def harness(matrix_name: str, device: str, pattern: str | None, list_only: bool, workdir: Path | None,
-            as_json: bool) -> None:
+def harness(matrix_name: str, device: str, pattern: str | None, only: tuple[str, ...], controls: bool,
+            list_only: bool, workdir: Path | None, as_json: bool) -> None:
     """Prove on real FSDP / DDP ranks that ckptkit's conversions load back bit for bit and training goes on.
 
     Each cell trains a small transformer under a source configuration, saves, has ckptkit convert or
     re-shard the checkpoint for the target, loads it on fresh ranks, compares every parameter and optimizer
     tensor with the state before saving, and compares the losses of the next steps with the uninterrupted run.
     """
-    from .matrix import MATRICES, select
+    from .matrix import MATRICES, named, select
 
-    cells = select(MATRICES[matrix_name](), pattern)
+    try:
+        cells = named(only) if only else select(MATRICES[matrix_name](), pattern)
+    except KeyError as e:
+        raise click.UsageError(e.args[0]) from e
     if not cells:
         raise click.UsageError(f"no {matrix_name} cell matches --cells {pattern!r}; --list shows the names")
     if list_only:
@@ -74,7 +83,8 @@ def harness(matrix_name: str, device: str, pattern: str | None, list_only: bool,
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     start = time.perf_counter()
-    results = run_cells(cells, device=device, workdir=workdir, say=lambda line: click.echo(line, err=True))
+    results = run_cells(cells, device=device, workdir=workdir, say=lambda line: click.echo(line, err=True),
+                        controls=controls)
     seconds = time.perf_counter() - start
     counts = {s: sum(r.status is s for r in results) for s in Status}
     if as_json:

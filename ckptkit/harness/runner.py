@@ -266,15 +266,17 @@ def _skip_reason(cell: Cell, pinning_refused: str | None, device: str = "cpu") -
 
 
 def run_cells(cells: tuple[Cell, ...], *, device: str = "cpu", workdir: Path | None = None,
-              say: Callable[[str], None] = lambda line: None) -> list[CellResult]:
+              say: Callable[[str], None] = lambda line: None, controls: bool = True) -> list[CellResult]:
     """Run ``cells`` and judge each; results in the order of ``cells``. ``say`` receives progress lines.
 
     ``workdir`` keeps every checkpoint, reference and outcome (default: a temporary directory, removed).
+    ``controls=False`` leaves out the torch-only controls: a cell whose losses drift is ``FAIL``, undecided
+    between ckptkit and torch (``bin/gpu-check`` runs the controls as a step of their own).
     """
     check_device(device)
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ckptkit-harness-"))
     try:
-        return _run(cells, device, root, say)
+        return _run(cells, device, root, say, controls)
     finally:
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -284,7 +286,8 @@ def _fail(cell: Cell, what: str, error: BaseException) -> CellResult:
     return CellResult(cell, Status.FAIL, f"{what}: {_message(error)}", str(error))
 
 
-def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], None]) -> list[CellResult]:
+def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], None],
+         controls: bool) -> list[CellResult]:
     results: dict[int, CellResult] = {}
     pinning_refused = _pinning_refused()
     runnable = []
@@ -344,7 +347,7 @@ def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], 
         if verdict.drift is not None:
             drifting[i] = (verdict, source_outcome)
 
-    if drifting:
+    if drifting and controls:
         configs = list(dict.fromkeys(cells[i].target for i in drifting))
         say(f"[4/4] {len(configs)} torch-only controls for {len(drifting)} drifting cells: train, save with torch, "
             "resume")
