@@ -31,6 +31,7 @@ from ckptkit.harness.configs import (
     plain,
 )
 from ckptkit.harness.control import CONTROL_SHARE, Control
+from ckptkit.harness.launch import run_ranks
 from ckptkit.harness.matrix import QUICK, full, select
 
 # --------------------------------------------------------------------------------------------------------
@@ -337,6 +338,23 @@ def _rank_failing_on_bad_jobs(rank: int, world: int, jobs, device: str) -> None:
         if job.directory.endswith("bad"):
             raise ValueError("this job fails on purpose")
         runner._record_outcome(job, {"losses": [float(len(job.directory))]})
+
+
+def _segfault(rank: int, world: int) -> None:
+    if rank == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # a read at address 0: SIGSEGV, as a native crash in a collective gives
+    torch.distributed.barrier()
+
+
+def test_run_ranks_reports_where_a_rank_died_of_a_signal():
+    with pytest.raises(RuntimeError) as raised:
+        run_ranks(_segfault, 2, deadline=120)
+    message = str(raised.value)
+    assert message.startswith("rank 1 of 2 died: process 1 terminated with signal SIGSEGV"), message
+    assert "rank 1 (faulthandler):\nFatal Python error: Segmentation fault" in message
+    assert re.search(r'line \d+ in _segfault', message), message
 
 
 def test_run_jobs_pins_a_failure_on_its_job_and_runs_the_rest(tmp_path):
