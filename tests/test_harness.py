@@ -390,7 +390,8 @@ def test_skip_reason_fsdp2_on_more_ranks_than_gpus_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     reason = runner._skip_reason(Cell(fsdp1(2, form=Format.FULL), fsdp2(3)), None, "cuda")
     assert reason == ("FSDP2 on 3 ranks needs a GPU per rank (NCCL); this machine has 1, and FSDP2 ranks sharing "
-                      "GPUs over gloo die with SIGSEGV")
+                      "GPUs over gloo die with SIGSEGV (CKPTKIT_HARNESS_STAGE_FSDP2=1 tries them with CPU-staged "
+                      "collectives)")
     assert runner._skip_reason(Cell(fsdp1(2), fsdp1(3)), None, "cuda") is None  # FSDP1 ranks share GPUs fine
     assert runner._skip_reason(Cell(fsdp2(1), fsdp2(1)), None, "cuda") is None
     assert runner._skip_reason(Cell(fsdp2(2), fsdp2(3)), None, "cpu") is None
@@ -471,3 +472,28 @@ def test_run_cells_fails_a_corrupted_conversion_whose_control_resumes_exactly(co
     control = result.control
     assert control is not None and not control.blames_torch
     assert control.drift <= FP32_RTOL < control.cell_drift and control.own_drift == 0.0
+
+
+def _staged_losses(rank: int, world: int) -> list[list[float]]:
+    """Three steps of FSDP2 at ``world`` ranks with torch's collectives, then with the CPU-staged ones."""
+    from ckptkit.harness import training
+    from ckptkit.harness.staged import stage_collectives
+
+    losses = []
+    for staged in (False, True):
+        model, optimizer = training.build(fsdp2(world), torch.device("cpu"))
+        if staged:
+            stage_collectives(model)
+        losses.append(training.train(model, optimizer, start=0, steps=3, device=torch.device("cpu")))
+    return losses
+
+
+def test_cpu_staged_fsdp2_collectives_train_bit_for_bit_as_torchs():
+    default, staged = run_ranks(_staged_losses, 2)[0]
+    assert staged == default
+
+
+def test_skip_reason_lets_fsdp2_share_gpus_when_staging_is_asked_for(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CKPTKIT_HARNESS_STAGE_FSDP2", "1")
+    assert runner._skip_reason(Cell(fsdp1(2, form=Format.FULL), fsdp2(3)), None, "cuda") is None

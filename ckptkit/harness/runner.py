@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -257,11 +258,12 @@ def _skip_reason(cell: Cell, pinning_refused: str | None, device: str = "cpu") -
                 f"{pinning_refused}")
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     shared = [c for c in (cell.source, cell.target) if c.wrapper is Wrapper.FSDP2 and c.world_size > gpus]
-    if device == "cuda" and shared:
+    if device == "cuda" and shared and os.environ.get("CKPTKIT_HARNESS_STAGE_FSDP2") != "1":
         # Seen on one H100 with torch 2.11 (bin/gpu-check, 2026-11-22): FSDP1 and DDP ranks sharing a GPU over
         # gloo pass; FSDP2's die in its collectives. NCCL, one GPU a rank, is what FSDP2 runs on.
         return (f"FSDP2 on {shared[0].world_size} ranks needs a GPU per rank (NCCL); this machine has {gpus}, and "
-                "FSDP2 ranks sharing GPUs over gloo die with SIGSEGV")
+                "FSDP2 ranks sharing GPUs over gloo die with SIGSEGV (CKPTKIT_HARNESS_STAGE_FSDP2=1 tries them with "
+                "CPU-staged collectives)")
     return None
 
 

@@ -118,6 +118,11 @@ def _fsdp2(model: TinyTransformer, config: TrainConfig, device: torch.device) ->
     for layer in model.model.layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)  # in place: it returns model, its class swapped for an FSDP subclass
+    if device.type == "cuda" and config.world_size > torch.cuda.device_count():
+        from .staged import stage_collectives, staging_enabled  # imported only here: it needs FSDP2's comm API
+
+        if staging_enabled():
+            stage_collectives(model)  # ranks share GPUs over gloo: pending a GPU run, see staged.py
     return model
 
 
