@@ -350,15 +350,23 @@ def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], 
             drifting[i] = (verdict, source_outcome)
 
     if drifting and controls:
-        configs = list(dict.fromkeys(cells[i].target for i in drifting))
-        say(f"[4/4] {len(configs)} torch-only controls for {len(drifting)} drifting cells: train, save with torch, "
-            "resume")
-        runs = _run_controls(configs, device, root, say)
-        for i, (verdict, source_outcome) in drifting.items():
-            run = runs[cells[i].target]
-            control = run if isinstance(run, BaseException) else _control(cells[i], verdict, source_outcome, *run)
-            results[i] = _with_control(verdict, control)
+        results.update(_controlled(cells, drifting, device, root, say))
     return [results[i] for i in range(len(cells))]
+
+
+def _controlled(cells: tuple[Cell, ...], drifting: dict[int, tuple[_Verdict, dict]], device: str, root: Path,
+                say: Callable[[str], None]) -> dict[int, CellResult]:
+    """Phase 4: the drifting cells' results once each target configuration's torch-only control has run."""
+    configs = list(dict.fromkeys(cells[i].target for i in drifting))
+    say(f"[4/4] {len(configs)} torch-only controls for {len(drifting)} drifting cells: train, save with torch, "
+        "resume")
+    runs = _run_controls(configs, device, root, say)
+    results = {}
+    for i, (verdict, source_outcome) in drifting.items():
+        run = runs[cells[i].target]
+        control = run if isinstance(run, BaseException) else _control(cells[i], verdict, source_outcome, *run)
+        results[i] = _with_control(verdict, control)
+    return results
 
 
 def _run_controls(configs: list[TrainConfig], device: str, root: Path,
