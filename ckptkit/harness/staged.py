@@ -4,9 +4,9 @@ NCCL refuses two ranks on one GPU, so a cell with more FSDP2 ranks than GPUs run
 and those ranks die with SIGSEGV. FSDP2 (torch 2.13 ``fsdp/_fully_shard/_fsdp_collectives.py``) runs its
 all-gather (``dist.all_gather_single``, asynchronous in the forward) and reduce-scatter
 (``dist.reduce_scatter_single``, ``ReduceOp.AVG`` in fp32 and bf16) on CUDA buffers it allocates and frees on
-side streams of its own, which gloo's CUDA path copies to and from the host on streams of *its* own. FSDP1
-and DDP, whose ranks share GPUs over gloo without trouble, issue their collectives synchronously on the
-current stream.
+side streams of its own, which gloo's CUDA path copies to and from the host on streams of *its* own. Which
+collective the ranks die in is not known yet: :func:`.launch.run_ranks` appends each dead rank's Python
+stack (faulthandler) to the error, so the next GPU run names it.
 
 ``FSDPModule.set_custom_all_gather`` and ``set_custom_reduce_scatter`` (public FSDP2 methods) replace the
 two collectives. The ones here copy the CUDA input to the CPU (a blocking copy, ordered after the stream
