@@ -5,7 +5,15 @@ Steps, in order (``--steps`` picks some):
 2. ``full``: the full matrix on CUDA ranks: NCCL where every rank has a GPU of its own, gloo ranks holding
    CUDA tensors where a cell needs more ranks than there are GPUs;
 3. ``bench``: ``bin/bench`` (the byte path; it needs no GPU, but its figures belong to the same machine);
-4. ``tests``: the test suite's ``cuda``-marked tests.
+4. ``tests``: the test suite's ``cuda``-marked tests;
+5. ``control`` (also ``--control``): the cells that failed in ``quick`` or ``full`` run again, each with a
+   torch-only control (``ckptkit harness --only NAME ...``): ``torch`` where torch resuming the target
+   configuration from its own checkpoint drifts as much, ``FAIL`` where it does not. Nothing runs when
+   nothing failed.
+
+``quick`` and ``full`` run without controls (``--no-controls``), so that their time does not depend on how
+many cells fail; the report gives their tables and the control step's. A harness step whose every failed
+cell the control step calls ``torch`` does not fail the check.
 
 Each step runs as its own process; its progress goes to stderr as it runs. The report (Markdown) names the
 machine, the GPUs, the versions, and each step's command, exit status, time and results; its path is printed
@@ -16,6 +24,7 @@ machine without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -31,7 +40,8 @@ from pathlib import Path
 import click
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ("quick", "full", "bench", "tests")
+STEPS = ("quick", "full", "bench", "tests", "control")
+HARNESS_STEPS = ("quick", "full")
 _LOSS = re.compile(r"max rel diff ([0-9.e+-]+)")
 
 
@@ -48,15 +58,46 @@ class StepResult:
 
 def _commands(device: str, cells: str | None, bench_size: str) -> dict[str, tuple[str, list[str]]]:
     """Each step's title and command line."""
-    harness = [sys.executable, "-m", "ckptkit.cli", "harness", "--device", device, "--json"]
-    harness += ["--cells", cells] if cells else []
+    harness = [*_harness(device), "--no-controls"] + (["--cells", cells] if cells else [])
     return {
         "quick": ("harness, quick matrix", [*harness, "--matrix", "quick"]),
         "full": ("harness, full matrix", [*harness, "--matrix", "full"]),
+        "control": ("torch-only controls for the failed cells", [*_harness(device), "--only", "<each failed cell>"]),
         "bench": ("bin/bench", [sys.executable, str(ROOT / "bin" / "bench.py"), "--size", bench_size]),
         "tests": ("tests marked cuda", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rA",
                                         "-p", "no:cacheprovider", str(ROOT / "tests")]),
     }
+
+
+def _harness(device: str) -> list[str]:
+    return [sys.executable, "-m", "ckptkit.cli", "harness", "--device", device, "--json"]
+
+
+def failed_cells(results: list[StepResult]) -> list[str]:
+    """The names of the cells that failed in the harness steps, in order, once each."""
+    names: list[str] = []
+    for r in results:
+        if r.name in HARNESS_STEPS:
+            with contextlib.suppress(ValueError):
+                names += [c["cell"] for c in json.loads(r.stdout)["cells"] if c["status"] == "FAIL"]
+    return list(dict.fromkeys(names))
+
+
+def _control(device: str, results: list[StepResult]) -> StepResult:
+    """Re-run the failed cells with their torch-only controls; a no-op step where nothing failed."""
+    title = "torch-only controls for the failed cells"
+    names = failed_cells(results)
+    if not names:
+        return StepResult("control", title, [], 0, 0.0, "", "no harness cell failed: no control to run\n")
+    return _run("control", title, [*_harness(device), *(a for n in names for a in ("--only", n))])
+
+
+def explained(results: list[StepResult]) -> set[str]:
+    """Harness steps whose every failed cell the control step calls ``torch`` (it exited 0 on all of them)."""
+    control = next((r for r in results if r.name == "control"), None)
+    if control is None or control.returncode != 0 or not control.command:
+        return set()
+    return {r.name for r in results if r.name in HARNESS_STEPS and r.returncode == 1}
 
 
 def _run(name: str, title: str, command: list[str]) -> StepResult:
@@ -103,7 +144,13 @@ def _harness_section(step: StepResult) -> list[str]:
     except ValueError:
         return ["The harness gave no JSON; the end of its output:", "", "```text", step.stderr[-4000:], "```"]
     counts, cells = doc["counts"], doc["cells"]
-    out = [f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skip']} skipped in {doc['seconds']} s."]
+    out = [f"{counts['pass']} passed, {counts['FAIL']} failed, {counts.get('torch', 0)} torch, {counts['skip']} "
+           f"skipped in {doc['seconds']} s."]
+    for c in cells:
+        if (control := c.get("control")) is not None:
+            out.append(f"- `{c['cell']}`: {c['status']}: cell drift {control['cell_drift']:.1e}, torch-only control "
+                       f"{control['drift']:.1e} (from its own uninterrupted run {control['own_drift']:.1e}), "
+                       f"torch {control['torch']}")
     identical = sum("losses bit-identical" in c["reason"] for c in cells)
     diffs: dict[bool, list[float]] = {False: [], True: []}
     for c in cells:
@@ -121,15 +168,28 @@ def _harness_section(step: StepResult) -> list[str]:
     return out
 
 
+def failed_steps(results: list[StepResult]) -> list[str]:
+    """Steps that failed, less the harness steps whose failures the control step put down to torch."""
+    excused = explained(results)
+    return [r.name for r in results if r.returncode != 0 and r.name not in excused]
+
+
 def render(device: str, machine: list[str], results: list[StepResult], started: datetime.datetime) -> str:
-    failed = [r.name for r in results if r.returncode != 0]
+    failed = failed_steps(results)
+    excused = sorted(explained(results))
     lines = ["# ckptkit gpu-check", "", f"- date: {started:%Y-%m-%d %H:%M} UTC"]
     lines += [f"- {m}" for m in machine]
-    lines += [f"- result: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}", ""]
+    lines += [f"- result: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}"]
+    lines += [f"- torch's own drift, not ckptkit's: the failed cells of {', '.join(excused)} (see the controls)"
+              ] if excused else []
+    lines += [f"- steps took {sum(r.seconds for r in results):.0f} s in all", ""]
     for n, r in enumerate(results, 1):
         shown = [Path(a).name if a == sys.executable else a for a in r.command]
+        if not r.command:  # a step with nothing to run
+            lines += [f"## {n}. {r.title}", "", r.stderr.strip(), ""]
+            continue
         lines += [f"## {n}. {r.title}", "", f"`{' '.join(shown)}`: exit {r.returncode} in {r.seconds:.0f} s", ""]
-        if r.name in ("quick", "full"):
+        if r.name in (*HARNESS_STEPS, "control"):
             lines += _harness_section(r)
         else:
             text = r.stdout if r.name == "bench" and r.returncode == 0 else (r.stdout + r.stderr)
@@ -147,13 +207,21 @@ def render(device: str, machine: list[str], results: list[StepResult], started: 
               help="cpu rehearses the same steps without a GPU.")
 @click.option("--cells", default=None, metavar="PATTERN", help="Only harness cells matching this pattern.")
 @click.option("--bench-size", default="2GB", show_default=True, help="bin/bench --size.")
+@click.option("--control", "add_control", is_flag=True,
+              help="Add the control step to --steps: re-run the failed harness cells with torch-only controls.")
 @click.option("--list", "list_only", is_flag=True, help="Print the steps' commands and exit.")
-def main(out_path: Path | None, steps: str, device: str, cells: str | None, bench_size: str, list_only: bool) -> None:
-    """Run the CUDA quick and full harness matrices, bin/bench and the cuda-marked tests; write one report."""
+def main(out_path: Path | None, steps: str, device: str, cells: str | None, bench_size: str, add_control: bool,
+         list_only: bool) -> None:
+    """Run the CUDA quick and full harness matrices, bin/bench and the cuda-marked tests, then torch-only
+    controls for the cells that failed; write one report."""
     chosen = [s.strip() for s in steps.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in STEPS]
     if unknown or not chosen:
         raise click.UsageError(f"--steps {steps!r}: expected some of {', '.join(STEPS)}")
+    if add_control and "control" not in chosen:
+        chosen.append("control")
+    # The controls re-run what the harness steps found, so they come after them whatever the order given.
+    chosen = [s for s in chosen if s != "control"] + (["control"] if "control" in chosen else [])
     commands = _commands(device, cells, bench_size)
     if list_only:
         for name in chosen:
@@ -168,9 +236,11 @@ def main(out_path: Path | None, steps: str, device: str, cells: str | None, benc
     started = datetime.datetime.now(datetime.timezone.utc)
     out_path = out_path or Path(f"gpu-check-{started:%Y%m%d-%H%M%S}.md")
     machine = _machine(device)
-    results = [_run(name, *commands[name]) for name in chosen]
+    results: list[StepResult] = []
+    for name in chosen:
+        results.append(_control(device, results) if name == "control" else _run(name, *commands[name]))
     out_path.write_text(render(device, machine, results, started))
-    failed = [r.name for r in results if r.returncode != 0]
+    failed = failed_steps(results)
     click.echo(f"gpu-check: {'FAIL in ' + ', '.join(failed) if failed else 'PASS'}; report: {out_path.absolute()}")
     sys.exit(1 if failed else 0)
 

@@ -3,6 +3,7 @@ real gloo ranks (what CI runs; about a minute on 2 cores)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -29,6 +30,8 @@ from ckptkit.harness.configs import (
     fsdp2,
     plain,
 )
+from ckptkit.harness.control import CONTROL_SHARE, Control
+from ckptkit.harness.launch import run_ranks
 from ckptkit.harness.matrix import QUICK, full, select
 
 # --------------------------------------------------------------------------------------------------------
@@ -255,6 +258,15 @@ def test_cli_lists_cells():
     assert result.output == "fsdp2@2:sharded -> plain@1:hf  [export_hf]\n"
 
 
+def test_cli_only_picks_exact_names_from_either_matrix():
+    quick, full_only = QUICK[0].name, "fsdp2(2d)@4:full -> plain@1:full"
+    result = _cli("--only", full_only, "--only", quick, "--list")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [f"{full_only}  [convert]", f"{quick}  [reshard]"]
+    unknown = _cli("--only", "a -> b", "--list")
+    assert unknown.exit_code == 2 and "no quick or full cell is named 'a -> b'" in unknown.output
+
+
 def test_cli_no_matching_cell_is_a_usage_error():
     result = _cli("--cells", "nothing like this")
     assert result.exit_code == 2
@@ -272,12 +284,32 @@ def test_cli_exits_1_when_a_cell_fails(monkeypatch):
     assert result.exit_code == 1
     assert re.search(r"\n2  fsdp2@2:sharded -> plain@1:hf +export_hf +pass +22 tensors bit-exact\n", result.output)
     assert re.search(r"\n1  fsdp2@2:sharded -> fsdp2@3:sharded +reshard +FAIL +ckptkit reshard: boom\n", result.output)
-    assert "1 passed, 1 failed, 0 skipped" in result.output
+    assert "1 passed, 1 failed, 0 torch, 0 skipped" in result.output
     as_json = json.loads(_cli("--cells", pattern, "--json").stdout)
-    assert as_json["counts"] == {"pass": 1, "FAIL": 1, "skip": 0}
+    assert as_json["counts"] == {"pass": 1, "FAIL": 1, "torch": 0, "skip": 0}
     assert as_json["cells"][0] == {"cell": "fsdp2@2:sharded -> fsdp2@3:sharded", "source": "fsdp2@2:sharded",
                                    "target": "fsdp2@3:sharded", "operation": "reshard", "status": "FAIL",
-                                   "reason": "ckptkit reshard: boom", "detail": "boom\ntraceback"}
+                                   "reason": "ckptkit reshard: boom", "detail": "boom\ntraceback", "control": None}
+
+
+def test_cli_exits_0_and_lists_cells_whose_drift_torch_shows_alone(monkeypatch):
+    control = Control(cell_drift=3.3e-3, drift=3.1e-3, own_drift=3.2e-3, rtol=FP32_RTOL, state="9 tensors bit-exact",
+                      torch_version="9.9.9")
+
+    def fake_run_cells(cells, **options):
+        return [runner.CellResult(c, runner.Status.TORCH, "drifts", control=control) for c in cells]
+
+    monkeypatch.setattr(runner, "run_cells", fake_run_cells)
+    result = _cli("--cells", "fsdp2@2:sharded -> fsdp2@3")
+    assert result.exit_code == 0, result.output
+    assert ("fsdp2@2:sharded -> fsdp2@3:sharded: cell 3.3e-03, torch-only control 3.1e-03 (its own uninterrupted "
+            "run 3.2e-03; torch 9.9.9)") in result.output
+    assert "0 passed, 0 failed, 1 torch, 0 skipped" in result.output
+    as_json = json.loads(_cli("--cells", "fsdp2@2:sharded -> fsdp2@3", "--json").stdout)
+    assert as_json["counts"]["torch"] == 1 and as_json["torch"] == ["fsdp2@2:sharded -> fsdp2@3:sharded"]
+    assert as_json["cells"][0]["control"] == {"cell_drift": 3.3e-3, "drift": 3.1e-3, "own_drift": 3.2e-3,
+                                              "rtol": FP32_RTOL, "state": "9 tensors bit-exact", "torch": "9.9.9",
+                                              "blames_torch": True}
 
 
 def test_fsdp1_offload_is_skipped_with_torchs_reason_where_pinning_is_refused():
@@ -306,6 +338,23 @@ def _rank_failing_on_bad_jobs(rank: int, world: int, jobs, device: str) -> None:
         if job.directory.endswith("bad"):
             raise ValueError("this job fails on purpose")
         runner._record_outcome(job, {"losses": [float(len(job.directory))]})
+
+
+def _segfault(rank: int, world: int) -> None:
+    if rank == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # a read at address 0: SIGSEGV, as a native crash in a collective gives
+    torch.distributed.barrier()
+
+
+def test_run_ranks_reports_where_a_rank_died_of_a_signal():
+    with pytest.raises(RuntimeError) as raised:
+        run_ranks(_segfault, 2, deadline=120)
+    message = str(raised.value)
+    assert message.startswith("rank 1 of 2 died: process 1 terminated with signal SIGSEGV"), message
+    assert "rank 1 (faulthandler):\nFatal Python error: Segmentation fault" in message
+    assert re.search(r'line \d+ in _segfault', message), message
 
 
 def test_run_jobs_pins_a_failure_on_its_job_and_runs_the_rest(tmp_path):
@@ -341,7 +390,110 @@ def test_skip_reason_fsdp2_on_more_ranks_than_gpus_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     reason = runner._skip_reason(Cell(fsdp1(2, form=Format.FULL), fsdp2(3)), None, "cuda")
     assert reason == ("FSDP2 on 3 ranks needs a GPU per rank (NCCL); this machine has 1, and FSDP2 ranks sharing "
-                      "GPUs over gloo die with SIGSEGV")
+                      "GPUs over gloo die with SIGSEGV (CKPTKIT_HARNESS_STAGE_FSDP2=1 tries them with CPU-staged "
+                      "collectives)")
     assert runner._skip_reason(Cell(fsdp1(2), fsdp1(3)), None, "cuda") is None  # FSDP1 ranks share GPUs fine
     assert runner._skip_reason(Cell(fsdp2(1), fsdp2(1)), None, "cuda") is None
     assert runner._skip_reason(Cell(fsdp2(2), fsdp2(3)), None, "cpu") is None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Torch-only controls
+
+
+def _control(drift: float, cell_drift: float = 1e-3) -> Control:
+    return Control(cell_drift=cell_drift, drift=drift, own_drift=drift, rtol=FP32_RTOL, state="ok")
+
+
+@pytest.mark.parametrize("control, state_ok, status", [
+    (_control(1e-3), True, runner.Status.TORCH),                       # torch alone drifts as much
+    (_control(CONTROL_SHARE * 1e-3), True, runner.Status.TORCH),       # half as much still counts
+    (_control(0.4e-3), True, runner.Status.FAIL),                      # torch drifts, ckptkit adds more
+    (_control(0.0), True, runner.Status.FAIL),                         # torch resumes exactly: ckptkit's drift
+    (_control(FP32_RTOL / 2, cell_drift=FP32_RTOL), True, runner.Status.FAIL),  # within rtol is no drift
+    (_control(1e-3), False, runner.Status.FAIL),                       # bytes differ: ckptkit's whatever torch does
+    (RuntimeError("rank 0 died"), True, runner.Status.FAIL),           # no control, no excuse
+])
+def test_with_control_blames_torch_only_where_bytes_are_exact_and_the_control_drifts_as_much(control, state_ok,
+                                                                                             status):
+    cell = Cell(fsdp2(2), fsdp2(3))
+    verdict = runner._Verdict(runner.CellResult(cell, runner.Status.FAIL, "losses drift"), 1e-3, state_ok)
+    result = runner._with_control(verdict, control)
+    assert result.status is status
+    if isinstance(control, Control):
+        assert result.control is control and f"torch {control.torch_version}" in result.reason
+    else:
+        assert result.reason.endswith("torch-only control failed: rank 0 died")
+
+
+def _corrupt_moments(path) -> None:
+    """Zero every AdamW first moment of a converted torch.save file: bytes a loader takes without complaint."""
+    state = torch.load(path, weights_only=True)
+    for slots in state["optim"]["state"].values():
+        slots["exp_avg"].zero_()
+    torch.save(state, path)
+
+
+PERTURBED = Cell(plain(), dataclasses.replace(plain(), perturb_resume=True))
+CORRUPTED = Cell(plain(), plain())
+
+
+@pytest.fixture(scope="module")
+def control_results(tmp_path_factory):
+    convert = runner._convert
+
+    def corrupting_convert(cell, src, dst, assets):
+        finding = convert(cell, src, dst, assets)
+        if cell == CORRUPTED:
+            _corrupt_moments(dst)
+        return finding
+
+    with pytest.MonkeyPatch.context() as patch:  # the conversion runs in this process; the ranks are spawned
+        patch.setattr(runner, "_convert", corrupting_convert)
+        results = runner.run_cells((PERTURBED, CORRUPTED), workdir=tmp_path_factory.mktemp("controls"))
+    return dict(zip((PERTURBED, CORRUPTED), results, strict=True))
+
+
+def test_run_cells_calls_a_drift_in_the_target_configurations_own_training_torchs(control_results):
+    result = control_results[PERTURBED]
+    assert result.status is runner.Status.TORCH, f"{result.reason}\n{result.detail}"
+    control = result.control
+    assert control is not None and control.blames_torch and control.torch_version == torch.__version__
+    # torch's own save and load restored every byte; the drift is all in the resumed run
+    assert re.fullmatch(r"\d+ tensors bit-exact", control.state)
+    assert control.drift > FP32_RTOL and control.drift >= CONTROL_SHARE * control.cell_drift
+    assert f"torch-only control (torch {torch.__version__}, no ckptkit)" in result.reason
+
+
+def test_run_cells_fails_a_corrupted_conversion_whose_control_resumes_exactly(control_results):
+    result = control_results[CORRUPTED]
+    assert result.status is runner.Status.FAIL
+    assert "exp_avg: bits differ" in result.reason
+    control = result.control
+    assert control is not None and not control.blames_torch
+    assert control.drift <= FP32_RTOL < control.cell_drift and control.own_drift == 0.0
+
+
+def _staged_losses(rank: int, world: int) -> list[list[float]]:
+    """Three steps of FSDP2 at ``world`` ranks with torch's collectives, then with the CPU-staged ones."""
+    from ckptkit.harness import training
+    from ckptkit.harness.staged import stage_collectives
+
+    losses = []
+    for staged in (False, True):
+        model, optimizer = training.build(fsdp2(world), torch.device("cpu"))
+        if staged:
+            stage_collectives(model)
+        losses.append(training.train(model, optimizer, start=0, steps=3, device=torch.device("cpu")))
+    return losses
+
+
+def test_cpu_staged_fsdp2_collectives_train_bit_for_bit_as_torchs():
+    default, staged = run_ranks(_staged_losses, 2)[0]
+    assert staged == default
+
+
+def test_skip_reason_lets_fsdp2_share_gpus_when_staging_is_asked_for(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CKPTKIT_HARNESS_STAGE_FSDP2", "1")
+    assert runner._skip_reason(Cell(fsdp1(2, form=Format.FULL), fsdp2(3)), None, "cuda") is None

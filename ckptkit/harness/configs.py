@@ -96,6 +96,11 @@ class TrainConfig:
     """FSDP2 ``CPUOffloadPolicy``; FSDP1 ``CPUOffload(offload_params=True)``, which needs an accelerator."""
     reshard_after_forward: bool | None = None
     """FSDP2 ``reshard_after_forward``."""
+    perturb_resume: bool = False
+    """For the harness's own tests, never in a matrix: a resumed run doubles its learning rate once it has
+    loaded and captured its state (:func:`training.perturb_resumed`). It stands for a torch loader that
+    restores every byte yet resumes off the trajectory: the drift is in the configuration's own training
+    code, so its torch-only control drifts too."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -152,6 +157,7 @@ class TrainConfig:
         elif self.wrapper is Wrapper.FSDP2:
             opts = (["2d"] if self.hsdp else []) + (["bf16"] if self.bf16 else []) + \
                    (["offload"] if self.cpu_offload else []) + ([] if self.reshard_after_forward else ["no-reshard"])
+        opts += ["perturb-resume"] if self.perturb_resume else []
         label = f"({','.join(opts)})" if opts else ""
         return f"{self.wrapper.value}{label}@{self.world_size}:{self.form.value}"
 

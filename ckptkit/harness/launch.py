@@ -3,6 +3,7 @@ what each returns."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
 import time
@@ -25,6 +26,9 @@ def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tu
            timeout: float | None, cuda: bool) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    # A rank killed by a signal (SIGSEGV in a collective) leaves no Python traceback of its own: faulthandler
+    # writes every thread's stack to this file, which run_ranks appends to the error.
+    faulthandler.enable(open(_fault_file(rdv, rank), "w"), all_threads=True)  # noqa: SIM115  (open until exit)
     if cuda:
         # A GPU of its own where there are enough; else ranks share them, which gloo allows and NCCL does not.
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -41,6 +45,24 @@ def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tu
     # without an active exception", after the work is done and reported). A rank that succeeded has
     # nothing left to flush, so it leaves without running destructors.
     os._exit(0)
+
+
+def _fault_file(rdv: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(rdv), f"fault-rank{rank}.txt")
+
+
+def _stacks(rdv: str, world_size: int) -> str:
+    """What faulthandler wrote for ranks that died of a signal: the Python stack each was in."""
+    found = []
+    for rank in range(world_size):
+        try:
+            with open(_fault_file(rdv, rank)) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text:
+            found.append(f"rank {rank} (faulthandler):\n{text}")
+    return "\n".join(found)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
@@ -89,7 +111,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
         except mp.ProcessRaisedException:
             pass  # join killed the other ranks; the rank's own message is in results
         except mp.ProcessExitedException as e:
-            errors.append(f"rank {e.error_index} of {world_size} died: {e}")
+            stacks = _stacks(rdv, world_size)
+            errors.append(f"rank {e.error_index} of {world_size} died: {e}" + (f"\n{stacks}" if stacks else ""))
         finally:
             for p in group.processes:
                 if p.is_alive():

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from .configs import AutoWrap, Cell, ConfigError, Format, ParamDtype, Sharding, TrainConfig, ddp, fsdp1, fsdp2, plain
 
-__all__ = ["MATRICES", "QUICK", "full", "select"]
+__all__ = ["MATRICES", "QUICK", "full", "named", "select"]
 
 _Made = TypeVar("_Made", TrainConfig, Cell)
 
@@ -99,3 +99,16 @@ def select(cells: tuple[Cell, ...], pattern: str | None) -> tuple[Cell, ...]:
     if not pattern:
         return cells
     return tuple(c for c in cells if fnmatchcase(c.name, f"*{pattern}*"))
+
+
+def named(names: tuple[str, ...]) -> tuple[Cell, ...]:
+    """The cells of either matrix with exactly these names, in the order given.
+
+    Raises:
+        KeyError: a name is in neither matrix.
+    """
+    cells = {c.name: c for c in (*QUICK, *full())}
+    unknown = [n for n in names if n not in cells]
+    if unknown:
+        raise KeyError(f"no quick or full cell is named {', '.join(map(repr, unknown))}; --list shows the names")
+    return tuple(cells[n] for n in dict.fromkeys(names))

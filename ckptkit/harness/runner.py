@@ -6,6 +6,9 @@
    this process (offline, no process group), and ``verify`` compares the two.
 3. Targets: fresh ranks load each converted checkpoint under the target configuration, capture the full
    state they loaded (rank 0 writes it), and train ``RESUME_STEPS`` steps.
+4. Controls, for the cells whose losses drift: each target configuration trains, saves with torch alone and
+   resumes from that checkpoint (phases 1 and 3 with no conversion between them); :mod:`.control` weighs
+   the result and says whether the cell is ``torch`` or ``FAIL``.
 
 Jobs of one world size share a spawned group, one after another; each job writes ``outcome.json`` when it
 ends. If a group dies, the first job without an outcome is the one that was running: it gets the error,
@@ -14,8 +17,10 @@ and the jobs after it run again in a new group.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -32,9 +37,10 @@ from ..ops.export import export_hf
 from ..ops.verify import verify
 from .checks import compare_losses, compare_states, loss_rtol
 from .configs import Cell, Format, TrainConfig, Wrapper
+from .control import Control, control_config
 from .launch import run_ranks
 from .states import checkpoint_path, full_state, load, save, write_flat_layout
-from .training import MODEL, build, train
+from .training import MODEL, build, perturb_resumed, train
 
 __all__ = ["COLLECTIVE_TIMEOUT", "RESUME_STEPS", "STEPS", "CellResult", "Status", "check_device",
            "run_cells"]
@@ -51,6 +57,8 @@ REFERENCE, LOADED, OUTCOME = "reference.pt", "loaded.pt", "outcome.json"
 class Status(str, enum.Enum):
     PASS = "pass"
     FAIL = "FAIL"
+    TORCH = "torch"
+    """The losses drift, and torch resuming the target configuration from its own checkpoint drifts as much."""
     SKIP = "skip"
 
 
@@ -61,11 +69,13 @@ class CellResult:
     reason: str
     detail: str = ""
     """Everything behind ``reason``: the whole error with its traceback, or every state difference."""
+    control: Control | None = None
+    """The torch-only control, for a cell whose losses drift."""
 
     def to_json(self) -> dict:
         return {"cell": self.cell.name, "source": self.cell.source.name, "target": self.cell.target.name,
                 "operation": self.cell.operation, "status": self.status.value, "reason": self.reason,
-                "detail": self.detail}
+                "detail": self.detail, "control": self.control.to_json() if self.control else None}
 
 
 @dataclass(frozen=True)
@@ -74,10 +84,12 @@ class _Job:
 
     config: TrainConfig
     directory: str
+    reads: str | None = None
+    """The directory whose checkpoint a target job loads, where it is not its own (a control's resume)."""
 
     @property
     def checkpoint(self) -> Path:
-        return checkpoint_path(self.directory, self.config.form)
+        return checkpoint_path(self.reads or self.directory, self.config.form)
 
 
 def check_device(device: str) -> None:
@@ -133,6 +145,7 @@ def _target_rank(rank: int, world: int, jobs: tuple[_Job, ...], device: str) -> 
         loaded = full_state(model, None if job.config.form is Format.HF else optimizer, step)
         if rank == 0:
             torch.save(loaded, Path(job.directory) / LOADED)
+        perturb_resumed(job.config, optimizer)
         losses = train(model, optimizer, start=STEPS, steps=RESUME_STEPS, device=dev)
         _record_outcome(job, {"step": step, "losses": losses})
 
@@ -186,19 +199,47 @@ def _convert(cell: Cell, src: Path, dst: Path, assets: Path) -> str | None:
     return f"ckptkit verify: {len(report.differences)} differences, first {first.key}: {first.what}"
 
 
-def _judge(cell: Cell, source: dict, target: dict, reference: Path, loaded: Path) -> CellResult:
+@dataclass(frozen=True)
+class _Verdict:
+    """A cell judged on its own run; ``drift`` is set where its losses drift, and a control is due."""
+
+    result: CellResult
+    drift: float | None = None
+    state_ok: bool = False
+
+
+def _compared_losses(cell: Cell, expected: list[float], actual: list[float]):
+    # HF carries the weights alone: the first resumed step's loss (a forward pass on the loaded weights)
+    # must match; after it a fresh AdamW takes over, so later losses are not expected to.
+    count = 1 if cell.target.form is Format.HF else RESUME_STEPS
+    return compare_losses(expected[:count], actual[:count], loss_rtol(cell), first_step=STEPS)
+
+
+def _judge(cell: Cell, source: dict, target: dict, reference: Path, loaded: Path) -> _Verdict:
     hf = cell.target.form is Format.HF
     state = compare_states(torch.load(reference, weights_only=True), torch.load(loaded, weights_only=True),
                            model_only=hf)
-    if not state.ok:
-        return CellResult(cell, Status.FAIL, state.summary, "\n".join(state.problems))
+    losses = _compared_losses(cell, source["losses"], target["losses"])
+    drift = None if losses.ok else losses.worst
+    if not state.ok:  # the bytes differ: ckptkit's, whatever a control finds
+        return _Verdict(CellResult(cell, Status.FAIL, f"{state.summary}; {losses.summary}",
+                                   "\n".join(state.problems)), drift)
     if not hf and target["step"] != STEPS:
-        return CellResult(cell, Status.FAIL, f"loaded step {target['step']!r}, saved {STEPS}")
-    # HF carries the weights alone: the first resumed step's loss (a forward pass on the loaded weights)
-    # must match; after it a fresh AdamW takes over, so later losses are not expected to.
-    count = 1 if hf else RESUME_STEPS
-    losses = compare_losses(source["losses"][:count], target["losses"][:count], loss_rtol(cell), first_step=STEPS)
-    return CellResult(cell, Status.PASS if losses.ok else Status.FAIL, f"{state.summary}; {losses.summary}")
+        return _Verdict(CellResult(cell, Status.FAIL, f"loaded step {target['step']!r}, saved {STEPS}"))
+    status = Status.PASS if losses.ok else Status.FAIL
+    return _Verdict(CellResult(cell, status, f"{state.summary}; {losses.summary}"), drift, state_ok=True)
+
+
+def _with_control(verdict: _Verdict, control: Control | BaseException) -> CellResult:
+    """The cell's result once its torch-only control has run: ``torch`` only where its bytes loaded exactly
+    and the control drifts as much."""
+    result = verdict.result
+    if isinstance(control, BaseException):
+        return dataclasses.replace(result, reason=f"{result.reason}; torch-only control failed: {_message(control)}",
+                                   detail="\n".join(filter(None, (result.detail, str(control)))))
+    status = Status.TORCH if verdict.state_ok and control.blames_torch else Status.FAIL
+    return dataclasses.replace(result, status=status, reason=f"{result.reason}; {control.summary}",
+                               detail="\n".join(filter(None, (result.detail, control.detail()))), control=control)
 
 
 def _pinning_refused() -> str | None:
@@ -217,24 +258,27 @@ def _skip_reason(cell: Cell, pinning_refused: str | None, device: str = "cpu") -
                 f"{pinning_refused}")
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     shared = [c for c in (cell.source, cell.target) if c.wrapper is Wrapper.FSDP2 and c.world_size > gpus]
-    if device == "cuda" and shared:
+    if device == "cuda" and shared and os.environ.get("CKPTKIT_HARNESS_STAGE_FSDP2") != "1":
         # Seen on one H100 with torch 2.11 (bin/gpu-check, 2026-11-22): FSDP1 and DDP ranks sharing a GPU over
         # gloo pass; FSDP2's die in its collectives. NCCL, one GPU a rank, is what FSDP2 runs on.
         return (f"FSDP2 on {shared[0].world_size} ranks needs a GPU per rank (NCCL); this machine has {gpus}, and "
-                "FSDP2 ranks sharing GPUs over gloo die with SIGSEGV")
+                "FSDP2 ranks sharing GPUs over gloo die with SIGSEGV (CKPTKIT_HARNESS_STAGE_FSDP2=1 tries them with "
+                "CPU-staged collectives)")
     return None
 
 
 def run_cells(cells: tuple[Cell, ...], *, device: str = "cpu", workdir: Path | None = None,
-              say: Callable[[str], None] = lambda line: None) -> list[CellResult]:
+              say: Callable[[str], None] = lambda line: None, controls: bool = True) -> list[CellResult]:
     """Run ``cells`` and judge each; results in the order of ``cells``. ``say`` receives progress lines.
 
     ``workdir`` keeps every checkpoint, reference and outcome (default: a temporary directory, removed).
+    ``controls=False`` leaves out the torch-only controls: a cell whose losses drift is ``FAIL``, undecided
+    between ckptkit and torch (``bin/gpu-check`` runs the controls as a step of their own).
     """
     check_device(device)
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ckptkit-harness-"))
     try:
-        return _run(cells, device, root, say)
+        return _run(cells, device, root, say, controls)
     finally:
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -244,7 +288,8 @@ def _fail(cell: Cell, what: str, error: BaseException) -> CellResult:
     return CellResult(cell, Status.FAIL, f"{what}: {_message(error)}", str(error))
 
 
-def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], None]) -> list[CellResult]:
+def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], None],
+         controls: bool) -> list[CellResult]:
     results: dict[int, CellResult] = {}
     pinning_refused = _pinning_refused()
     runnable = []
@@ -259,7 +304,7 @@ def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], 
     for i in runnable:
         if cells[i].source not in sources:
             sources[cells[i].source] = _Job(cells[i].source, str(_fresh(root / "sources" / f"s{len(sources):03d}")))
-    say(f"[1/3] {len(sources)} source runs: train {STEPS} steps, save, train {RESUME_STEPS} more")
+    say(f"[1/4] {len(sources)} source runs: train {STEPS} steps, save, train {RESUME_STEPS} more")
     source_out = _run_jobs(_source_rank, list(sources.values()), device, say)
     for job in sources.values():
         if job.config.form is Format.LOCAL and not isinstance(source_out[job], BaseException):
@@ -268,7 +313,7 @@ def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], 
             except Exception as e:  # a ckptkit bug in deriving the layout fails this source's cells
                 source_out[job] = e
 
-    say(f"[2/3] ckptkit converts {len(runnable)} checkpoints")
+    say(f"[2/4] ckptkit converts {len(runnable)} checkpoints")
     assets = _fresh(root / "hf-assets")
     (assets / "config.json").write_text(json.dumps(MODEL.hf_config(), indent=2))
     targets: dict[int, tuple[_Job, dict]] = {}  # cell index: its target job, and its source run's outcome
@@ -289,17 +334,73 @@ def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], 
         else:
             targets[i] = (job, source_outcome)
 
-    say(f"[3/3] {len(targets)} target runs: load, capture, train {RESUME_STEPS} steps")
+    say(f"[3/4] {len(targets)} target runs: load, capture, train {RESUME_STEPS} steps")
     target_out = _run_jobs(_target_rank, [job for job, _ in targets.values()], device, say)
+    drifting: dict[int, tuple[_Verdict, dict]] = {}  # cell index: its verdict, and its source run's outcome
     for i, (job, source_outcome) in targets.items():
         cell, source = cells[i], sources[cells[i].source]
         target_outcome = target_out[job]
         if isinstance(target_outcome, BaseException):
             results[i] = _fail(cell, "target run failed", target_outcome)
-        else:
-            results[i] = _judge(cell, source_outcome, target_outcome, Path(source.directory) / REFERENCE,
-                                Path(job.directory) / LOADED)
+            continue
+        verdict = _judge(cell, source_outcome, target_outcome, Path(source.directory) / REFERENCE,
+                         Path(job.directory) / LOADED)
+        results[i] = verdict.result
+        if verdict.drift is not None:
+            drifting[i] = (verdict, source_outcome)
+
+    if drifting and controls:
+        results.update(_controlled(cells, drifting, device, root, say))
     return [results[i] for i in range(len(cells))]
+
+
+def _controlled(cells: tuple[Cell, ...], drifting: dict[int, tuple[_Verdict, dict]], device: str, root: Path,
+                say: Callable[[str], None]) -> dict[int, CellResult]:
+    """Phase 4: the drifting cells' results once each target configuration's torch-only control has run."""
+    configs = list(dict.fromkeys(cells[i].target for i in drifting))
+    say(f"[4/4] {len(configs)} torch-only controls for {len(drifting)} drifting cells: train, save with torch, "
+        "resume")
+    runs = _run_controls(configs, device, root, say)
+    results = {}
+    for i, (verdict, source_outcome) in drifting.items():
+        run = runs[cells[i].target]
+        control = run if isinstance(run, BaseException) else _control(cells[i], verdict, source_outcome, *run)
+        results[i] = _with_control(verdict, control)
+    return results
+
+
+def _run_controls(configs: list[TrainConfig], device: str, root: Path,
+                  say: Callable[[str], None]) -> dict[TrainConfig, tuple[_Job, dict, _Job, dict] | BaseException]:
+    """Each target configuration trained, saved by torch and resumed from that checkpoint by fresh ranks: its
+    save job and uninterrupted run, its resume job and resumed run; or the error either died of."""
+    saves = {c: _Job(control_config(c), str(_fresh(root / "controls" / f"k{n:03d}" / "save")))
+             for n, c in enumerate(configs)}
+    saved = _run_jobs(_source_rank, list(saves.values()), device, say)
+    resumes = {c: _Job(job.config, str(_fresh(Path(job.directory).parent / "resume")), reads=job.directory)
+               for c, job in saves.items() if not isinstance(saved[job], BaseException)}
+    resumed = _run_jobs(_target_rank, list(resumes.values()), device, say)
+    runs: dict[TrainConfig, tuple[_Job, dict, _Job, dict] | BaseException] = {}
+    for c, job in saves.items():
+        first = saved[job]
+        second = resumed[resumes[c]] if c in resumes else first
+        if isinstance(first, BaseException):
+            runs[c] = first
+        elif isinstance(second, BaseException):
+            runs[c] = second
+        else:
+            runs[c] = (job, first, resumes[c], second)
+    return runs
+
+
+def _control(cell: Cell, verdict: _Verdict, cell_source: dict, save_job: _Job, saved: dict, resume_job: _Job,
+             resumed: dict) -> Control:
+    """Weigh a control's run against the cell's uninterrupted run, and against its own."""
+    state = compare_states(torch.load(Path(save_job.directory) / REFERENCE, weights_only=True),
+                           torch.load(Path(resume_job.directory) / LOADED, weights_only=True))
+    return Control(cell_drift=verdict.drift or 0.0,
+                   drift=_compared_losses(cell, cell_source["losses"], resumed["losses"]).worst,
+                   own_drift=_compared_losses(cell, saved["losses"], resumed["losses"]).worst,
+                   rtol=loss_rtol(cell), state=state.summary)
 
 
 def _fresh(directory: Path) -> Path:

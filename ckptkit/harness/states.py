@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
 from ..formats.local.derive import derive_layout
 from ..formats.local.layout import FLAT_PARAM, LAYOUT_FILE
+from ..training.fsdp1_offload import settle_offloaded_fsdp1
 from .configs import WRAP_MIN_NUM_PARAMS, AutoWrap, Format, TrainConfig
 from .model import Block, TinyTransformer
 
@@ -86,7 +87,13 @@ def save(form: Format, model: nn.Module, optimizer: torch.optim.Optimizer, step:
 
 def load(form: Format, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> int | None:
     """Load a ``form`` checkpoint at ``path`` into this rank's model and optimizer; the saved step (None for
-    HF, which holds the model alone and leaves the optimizer fresh)."""
+    HF, which holds the model alone and leaves the optimizer fresh).
+
+    Into FSDP1 with parameter offloading, the flat parameters are settled on their pinned shards first
+    (:func:`ckptkit.training.fsdp1_offload.settle_offloaded_fsdp1`): without it torch resumes off the
+    trajectory even from a checkpoint it saved itself.
+    """
+    settle_offloaded_fsdp1(model)
     if form is Format.FULL:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if isinstance(model, FullyShardedDataParallel) and model.cpu_offload.offload_params:

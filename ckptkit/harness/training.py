@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .configs import WRAP_MIN_NUM_PARAMS, AutoWrap, ParamDtype, TrainConfig, Wrapper
 from .model import Block, TinyConfig, TinyTransformer, batch, next_token_loss
 
-__all__ = ["GLOBAL_BATCH", "LR", "MODEL", "SEED", "build", "train"]
+__all__ = ["GLOBAL_BATCH", "LR", "MODEL", "SEED", "build", "perturb_resumed", "train"]
 
 MODEL = TinyConfig()
 SEED = 0
@@ -68,6 +68,14 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, *, start: int, ste
         dist.all_reduce(total)  # equal slices: the mean of the ranks' means is the global mean
         losses.append(total.item() / world)
     return losses
+
+
+def perturb_resumed(config: TrainConfig, optimizer: torch.optim.Optimizer) -> None:
+    """Double the learning rate of a resumed run under a ``perturb_resume`` configuration (test only: see
+    :attr:`TrainConfig.perturb_resume`); nothing otherwise. Call after the loaded state has been captured."""
+    if config.perturb_resume:
+        for group in optimizer.param_groups:
+            group["lr"] *= 2
 
 
 def _mesh(config: TrainConfig, device: torch.device):
@@ -110,6 +118,11 @@ def _fsdp2(model: TinyTransformer, config: TrainConfig, device: torch.device) ->
     for layer in model.model.layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)  # in place: it returns model, its class swapped for an FSDP subclass
+    if device.type == "cuda" and config.world_size > torch.cuda.device_count():
+        from .staged import stage_collectives, staging_enabled  # imported only here: it needs FSDP2's comm API
+
+        if staging_enabled():
+            stage_collectives(model)  # ranks share GPUs over gloo: pending a GPU run, see staged.py
     return model
 
 

@@ -23,6 +23,7 @@ from ..io.sources import Files, read_region
 from ..ops import checksums
 from ..ops.names import strip_wrapper_names
 from ..ops.select import ModelSelection, optimizer_sections, select_model
+from .fsdp1_offload import settle_offloaded_fsdp1
 from .save import SIDE_KEYS, local_path
 
 __all__ = ["LoadResult", "load"]
@@ -80,6 +81,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     recorded in ``ckptkit.json`` (each rank checks a share) and a mismatch raises :class:`ChecksumError`
     naming the file and key.
 
+    Into FSDP1 with ``CPUOffload(offload_params=True)``, the flat parameters are first settled on the
+    pinned shards they train from (:func:`ckptkit.training.fsdp1_offload.settle_offloaded_fsdp1`), without
+    which torch's own loaders resume off the trajectory (pending confirmation on a GPU).
+
     Raises :class:`ckptkit.CheckpointError` listing the keys when, under ``strict``, the model needs keys the
     checkpoint lacks or the checkpoint holds model keys the model does not have, or the optimizer state
     present does not fit the optimizer.
@@ -109,6 +114,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     if verify_checksums:
         checksums.verify_on_every_rank(ckpt, manifest, gloo_group())
     fmt = manifest.format
+    # Before anything touches the model: FSDP1 with parameter offloading takes a load into a fresh wrapper
+    # without moving it to the shard it trains from (see fsdp1_offload).
+    settle_offloaded_fsdp1(model)
     optimizer = optimizer if load_optimizer else None
     side = _read_all(manifest, SIDE_KEYS) if fmt is not Format.HF else {}
     msd, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
