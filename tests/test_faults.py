@@ -442,6 +442,37 @@ def test_ctrl_c_while_the_console_script_starts_is_one_line():
     assert (proc.returncode, proc.stderr) == (130, "ckptkit: interrupted\n")
 
 
+@pytest.mark.parametrize("module", ["ckptkit", "ckptkit.cli"])
+def test_ctrl_c_while_python_m_ckptkit_starts_is_one_line(tmp_path, module):
+    # The signal arrives while the command's modules import (click, first imported by ckptkit.cli, after the
+    # package's own start-up module has run): sitecustomize sends it from an import hook.
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os, signal, sys
+
+        class InterruptOnClick:
+            def find_spec(self, name, path=None, target=None):
+                if name == "click":
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+
+        sys.meta_path.insert(0, InterruptOnClick())
+        """))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert (proc.returncode, proc.stderr) == (130, "ckptkit: interrupted\n")
+
+
+def test_ctrl_c_while_a_program_imports_ckptkit_is_the_program_s_own():
+    proc = python("""
+        import os, signal
+        import ckptkit._startup
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        """)
+    assert proc.returncode == 0, proc.stderr
+
+
 @pytest.mark.parametrize("how, line, code", [("SIGINT", "interrupted", 130), ("SIGTERM", "terminated", 143)])
 def test_a_signal_that_lands_in_a_callback_still_stops_the_run(how, line, code):
     # A signal's exception raised inside a weakref callback (a thread pool's clean-up runs one) is only printed
