@@ -666,10 +666,14 @@ def test_disk_full_names_the_file_and_leaves_nothing(tmp_path):
         assert list(small.iterdir()) == []
 
 
-def test_read_only_output_is_one_line_and_leaves_nothing(tmp_path, full_ckpt):
+@pytest.mark.parametrize("dst_name", ["out", "new/out.pt"])  # DST itself, or in a directory made for it
+def test_read_only_output_is_one_line_naming_dst_and_leaves_nothing(tmp_path, full_ckpt, dst_name):
     with mounted_tmpfs(tmp_path / "ro", "1m", "ro") as ro:
-        proc = script("convert", full_ckpt, ro / "out", "--to", "hf")
-        assert_one_line_error(proc, "Read-only file system")
+        dst = ro / dst_name
+        proc = script("convert", full_ckpt, dst, "--to", "full" if dst_name.endswith(".pt") else "hf")
+        assert_one_line_error(proc, f"ckptkit: error: {dst}: cannot write there: {ro} is on a read-only filesystem; "
+                                    "name a DST on a filesystem you can write to")
+        assert "ckptkit-partial" not in proc.stderr and "Errno" not in proc.stderr  # no staging name, no errno
         assert list(ro.iterdir()) == []
 
 
@@ -746,3 +750,17 @@ def test_save_without_step_refuses_to_replace_a_directory_it_did_not_save(tmp_pa
     fresh = plain_model()
     ckptkit.load(tmp_path / "ck", fresh)
     assert norm_of(fresh) == 2.0 and leftovers(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------------ destinations it cannot write
+
+
+@pytest.mark.parametrize("below", ["out", "sub/out.pt"])
+def test_a_destination_inside_a_file_is_one_line_naming_dst(tmp_path, full_ckpt, below):
+    (tmp_path / "notes.txt").write_text("a file, not a directory\n")
+    dst = tmp_path / "notes.txt" / below
+    proc = script("convert", full_ckpt, dst, "--to", "full" if below.endswith(".pt") else "sharded")
+    assert_one_line_error(proc, f"ckptkit: error: {dst}: {tmp_path / 'notes.txt'} is a file, not a directory; "
+                                "name a DST outside it")
+    assert "Errno" not in proc.stderr
+    assert (tmp_path / "notes.txt").read_text() == "a file, not a directory\n"
