@@ -480,7 +480,7 @@ def _dead_pid() -> int:
     return int(proc.stdout)
 
 
-@pytest.mark.parametrize("command", ["inspect", "convert", "export-hf", "reshard", "verify"])
+@pytest.mark.parametrize("command", ["inspect", "convert", "convert-hf", "export-hf", "reshard", "verify"])
 def test_cli_every_command_reads_a_run_directory_at_its_latest_step(tmp_path, saved_run, command):
     import socket
 
@@ -491,16 +491,17 @@ def test_cli_every_command_reads_a_run_directory_at_its_latest_step(tmp_path, sa
     leftover = root / f".step-00000003.ckptkit-partial-{socket.gethostname()}-{_dead_pid()}"
     leftover.mkdir()
     out = tmp_path / ("out.pt" if command == "convert" else "out")
-    args = {"inspect": [root], "convert": [root, out, "--to", "full"], "export-hf": [root, out],
-            "reshard": [root, out, "--world-size", "2"], "verify": [root, root / "step-00000002"]}[command]
-    result = run(command, *args)
+    args = {"inspect": [root], "convert": [root, out, "--to", "full"], "convert-hf": [root, out, "--to", "hf"],
+            "export-hf": [root, out], "reshard": [root, out, "--world-size", "2"],
+            "verify": [root, root / "step-00000002"]}[command]
+    result = run(command.removesuffix("-hf") if command == "convert-hf" else command, *args)
     assert result.exit_code == 0, result.output
     note = f"step-00000002 of the run directory {root}, the step latest names"
     assert (f"read: {note}" if command == "inspect" else f"read {note}") in result.stdout
     assert not leftover.exists()
     if command == "convert":
         got = torch.load(out, weights_only=True)["model"]
-    elif command == "export-hf":
+    elif command in ("export-hf", "convert-hf"):
         got = safetensors.torch.load_file(out / "model.safetensors")
     elif command == "reshard":
         got = load_dcp(out, tmp_path / "scratch")["model"]

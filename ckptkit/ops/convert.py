@@ -276,7 +276,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
         # and refuses a checkpoint torch cannot load.
         check_blobs(manifest)
         sel = select_model(manifest)
-        tensors, notes = sel.tensors, sel.notes
+        tensors, notes = sel.tensors, notes + sel.notes
         if mapping:
             mapped = map_model(tensors, mapping, found.path, hf_assets, to_hf=True if fmt is Format.HF else None)
             tensors, notes = mapped.tensors, notes + mapped.notes
