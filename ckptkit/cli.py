@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 import click
@@ -116,6 +117,17 @@ class _Command(click.Command):
                     formatter.write(f"{'':>{formatter.current_indent}}{line}\n")
 
 
+_LIBRARY_WORDS = ((" (overwrite=True)", ""),)
+"""The library's messages name its keyword beside the flag ("pass --overwrite (overwrite=True)"); a command
+line user sees the flag alone."""
+
+
+def _cli_words(message: str) -> str:
+    for library, cli in _LIBRARY_WORDS:
+        message = message.replace(library, cli)
+    return message
+
+
 class _Group(click.Group):
     command_class = _Command
 
@@ -129,9 +141,10 @@ class _Group(click.Group):
             ctx.exit(0)
         except (CheckpointError, OSError) as e:
             if ctx.params.get("debug") or ctx.meta.get(_DEBUG):
-                raise
-            # One line, whatever the message quotes from a damaged file.
-            click.echo(f"ckptkit: error: {' '.join(str(e).splitlines())}", err=True)
+                traceback.print_exc()  # and the same exit code: scripts tell bad input (2) from "different" (1)
+            else:
+                # One line, whatever the message quotes from a damaged file.
+                click.echo(f"ckptkit: error: {_cli_words(' '.join(str(e).splitlines()))}", err=True)
             ctx.exit(2)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
@@ -348,7 +361,8 @@ def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, st
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
 @_option("--to", "to", required=True, type=click.Choice(["full", "sharded", "local", "hf"]), help="Target format.")
-@_option("--world-size", default=1, show_default=True, type=click.IntRange(min=1), help="Ranks (sharded, local).")
+@_option("--world-size", type=click.IntRange(min=1),
+         help="Ranks to lay the output out for (sharded, local; default: the source's world size).")
 @_option("--max-shard-size", default=None, metavar="SIZE", callback=_size,
          help="Largest output file, e.g. 5GB (hf, full).")
 @_option("--hf-assets", metavar="DIR", callback=_assets_dir,
@@ -514,6 +528,11 @@ def main(argv: list[str] | None = None) -> None:
             code = returned if isinstance(returned, int) else 0  # ctx.exit(n) comes back as n
         except click.exceptions.Exit as e:
             code = e.exit_code
+        except click.exceptions.NoArgsIsHelpError as e:
+            # No command: the help, as git and hf print it, on stdout (ready for a pager); exit 2 as for any
+            # command line that asks for nothing ckptkit can do.
+            click.echo(e.format_message())
+            code = 2
         except click.UsageError as e:
             hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
             click.echo(f"ckptkit: error: {' '.join(e.format_message().split())}{hint}", err=True)

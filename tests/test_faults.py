@@ -442,6 +442,37 @@ def test_ctrl_c_while_the_console_script_starts_is_one_line():
     assert (proc.returncode, proc.stderr) == (130, "ckptkit: interrupted\n")
 
 
+@pytest.mark.parametrize("module", ["ckptkit", "ckptkit.cli"])
+def test_ctrl_c_while_python_m_ckptkit_starts_is_one_line(tmp_path, module):
+    # The signal arrives while the command's modules import (click, first imported by ckptkit.cli, after the
+    # package's own start-up module has run): sitecustomize sends it from an import hook.
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os, signal, sys
+
+        class InterruptOnClick:
+            def find_spec(self, name, path=None, target=None):
+                if name == "click":
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+
+        sys.meta_path.insert(0, InterruptOnClick())
+        """))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert (proc.returncode, proc.stderr) == (130, "ckptkit: interrupted\n")
+
+
+def test_ctrl_c_while_a_program_imports_ckptkit_is_the_program_s_own():
+    proc = python("""
+        import os, signal
+        import ckptkit._startup
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        """)
+    assert proc.returncode == 0, proc.stderr
+
+
 @pytest.mark.parametrize("how, line, code", [("SIGINT", "interrupted", 130), ("SIGTERM", "terminated", 143)])
 def test_a_signal_that_lands_in_a_callback_still_stops_the_run(how, line, code):
     # A signal's exception raised inside a weakref callback (a thread pool's clean-up runs one) is only printed
@@ -635,10 +666,14 @@ def test_disk_full_names_the_file_and_leaves_nothing(tmp_path):
         assert list(small.iterdir()) == []
 
 
-def test_read_only_output_is_one_line_and_leaves_nothing(tmp_path, full_ckpt):
+@pytest.mark.parametrize("dst_name", ["out", "new/out.pt"])  # DST itself, or in a directory made for it
+def test_read_only_output_is_one_line_naming_dst_and_leaves_nothing(tmp_path, full_ckpt, dst_name):
     with mounted_tmpfs(tmp_path / "ro", "1m", "ro") as ro:
-        proc = script("convert", full_ckpt, ro / "out", "--to", "hf")
-        assert_one_line_error(proc, "Read-only file system")
+        dst = ro / dst_name
+        proc = script("convert", full_ckpt, dst, "--to", "full" if dst_name.endswith(".pt") else "hf")
+        assert_one_line_error(proc, f"ckptkit: error: {dst}: cannot write there: {ro} is on a read-only filesystem; "
+                                    "name a DST on a filesystem you can write to")
+        assert "ckptkit-partial" not in proc.stderr and "Errno" not in proc.stderr  # no staging name, no errno
         assert list(ro.iterdir()) == []
 
 
@@ -715,3 +750,17 @@ def test_save_without_step_refuses_to_replace_a_directory_it_did_not_save(tmp_pa
     fresh = plain_model()
     ckptkit.load(tmp_path / "ck", fresh)
     assert norm_of(fresh) == 2.0 and leftovers(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------------ destinations it cannot write
+
+
+@pytest.mark.parametrize("below", ["out", "sub/out.pt"])
+def test_a_destination_inside_a_file_is_one_line_naming_dst(tmp_path, full_ckpt, below):
+    (tmp_path / "notes.txt").write_text("a file, not a directory\n")
+    dst = tmp_path / "notes.txt" / below
+    proc = script("convert", full_ckpt, dst, "--to", "full" if below.endswith(".pt") else "sharded")
+    assert_one_line_error(proc, f"ckptkit: error: {dst}: {tmp_path / 'notes.txt'} is a file, not a directory; "
+                                "name a DST outside it")
+    assert "Errno" not in proc.stderr
+    assert (tmp_path / "notes.txt").read_text() == "a file, not a directory\n"

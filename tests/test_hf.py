@@ -212,7 +212,7 @@ def _assets(root: Path, tie: bool | None) -> Path:
         config["tie_word_embeddings"] = tie
     (root / "config.json").write_text(json.dumps(config))
     (root / "tokenizer.json").write_text('{"version": "1.0"}')
-    (root / "README.md").write_text("not copied")
+    (root / "README.md").write_text("a model card, copied too")
     return root
 
 
@@ -236,13 +236,14 @@ def test_export_hf_assets_tie_word_embeddings(tmp_path, tie, head_equal, head_ke
     out = load_file(tmp_path / "hf" / "model.safetensors")
     expected = dict(sd) if head_kept else {k: v for k, v in sd.items() if k != "lm_head.weight"}
     assert_same_tree(out, expected)
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
-    for name in ("config.json", "tokenizer.json"):
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["README.md", "config.json", "model.safetensors",
+                                                                   "tokenizer.json"]
+    for name in ("README.md", "config.json", "tokenizer.json"):
         assert (tmp_path / "hf" / name).read_bytes() == (assets / name).read_bytes()
     tie_note = ("lm_head.weight left out: tied to model.embed_tokens.weight "
                 "(config.json says tie_word_embeddings: true)")
     assert (tie_note in report.notes) == (not head_kept)
-    assert "copied config.json, tokenizer.json" in report.notes
+    assert "copied README.md, config.json, tokenizer.json" in report.notes
 
 
 def test_export_hf_assets_refuse_tie_when_tensors_differ(tmp_path):

@@ -487,3 +487,21 @@ def test_remote_paths_name_the_bucket_object_in_errors(s3):
     with pytest.raises(FormatError, match=rf"{s3.url('nothing')}: no such file or directory"):
         inspect(s3.url("nothing"))
     assert remote.is_url(s3.url("x")) and not remote.is_url("/tmp/x") and not remote.is_url("file:///tmp/x")
+
+
+def test_s3_without_credentials_is_one_line_saying_where_to_put_them(s3, tmp_path):
+    torch.save({"w": torch.ones(3)}, tmp_path / "state.pt")
+    url = s3.put(tmp_path / "state.pt", "state.pt")
+    env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    # nowhere else to find any: no config or credentials file, no instance metadata service
+    env.update(AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+               AWS_EC2_METADATA_DISABLED="true")
+    hint = ("no credentials for s3:// found; set AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+            "pass --storage-options '{\"profile\": \"NAME\"}' or '{\"key\": \"...\", \"secret\": \"...\"}'")
+    dst = s3.url("out")
+    write = ["convert", str(tmp_path / "state.pt"), dst, "--to", "sharded"]
+    for args, named in ((["inspect", url], url), (write, dst)):
+        proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr == f"ckptkit: error: {named}: {hint}\n"
+    assert s3.objects("out") == []

@@ -166,7 +166,7 @@ def test_convert_full_keeps_int_keyed_optimizer_state(tmp_path, route):
     src = tmp_path / "src.pt"
     for i, fmt in enumerate(route):
         dst = tmp_path / (f"step{i}.pt" if fmt == "full" else f"step{i}")
-        convert(src, dst, to=fmt, world_size=2)
+        convert(src, dst, to=fmt, world_size=2 if fmt == "sharded" else None)
         src = dst
     out = load_full(src)
     assert isinstance(out["optimizer"]["state"], dict), type(out["optimizer"]["state"])
@@ -297,7 +297,8 @@ def test_reshard_changes_world_size_only(tmp_path, dcp_ckpt, training_state):
 ])
 def test_reshard_refuses_unsharded_input(tmp_path, source, full_ckpt, hf_ckpt):
     src = full_ckpt if source == "full" else hf_ckpt
-    with pytest.raises(UsageError, match=rf"is a {source} checkpoint, not a sharded one; use 'ckptkit convert"):
+    article = "an" if source == "hf" else "a"
+    with pytest.raises(UsageError, match=rf"is {article} {source} checkpoint, not a sharded one; use 'ckptkit convert"):
         reshard(src, tmp_path / "out", world_size=2)
 
 

@@ -229,3 +229,18 @@ def test_export_hf_from_all_ranks_splits_files_and_matches_single_rank(tmp_path)
     assert files == sorted(p.name for p in (tmp_path / "hf1").iterdir())
     assert ckptkit.verify(tmp_path / "hf1", tmp_path / "hf3").ok
     assert not list(tmp_path.glob(".hf3*"))  # no staging left behind
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_load_in_one_process_warn_of_nothing(tmp_path, async_save):
+    import warnings
+
+    model, fresh = _plain_model(), _plain_model()
+    opt, fresh_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(fresh.parameters())
+    train_step(model, opt, seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckptkit.save(tmp_path / "run", model, optimizer=opt, step=1, form="sharded", async_save=async_save).wait()
+        result = ckptkit.load(tmp_path / "run", fresh, optimizer=fresh_opt)
+    assert [str(w.message) for w in caught if "torch.distributed" in str(w.message)] == []
+    assert result.optimizer_loaded and torch.equal(fresh.head.weight, model.head.weight)

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..core.manifest import Format, Manifest
 from ..errors import CheckpointError, FormatError, UsageError
+from ..io.publish import LATEST, is_run_directory, latest_step
 from ..io.remote import as_path
 from .base import FormatIO, LocalOptions, Target, is_empty_container, object_value
 
-__all__ = ["WRITABLE", "FormatIO", "LocalOptions", "Target", "detect", "io_for", "is_empty_container", "object_value",
-           "read"]
+__all__ = ["WRITABLE", "FormatIO", "LocalOptions", "Located", "Target", "detect", "io_for", "is_empty_container",
+           "locate", "object_value", "read"]
 
 # Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides. Other
 # frameworks' layouts (verl, DeepSpeed) are told by their file names, before FULL (their files are torch.save
@@ -44,6 +46,54 @@ def io_for(fmt: Format | str) -> FormatIO:
     raise CheckpointError(f"no reader/writer for format {fmt.value!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class Located:
+    """A checkpoint found at a path the user gave (:func:`locate`)."""
+
+    path: Path
+    """The checkpoint itself: the path given, or the step of a run directory."""
+    reader: FormatIO
+    note: str | None = None
+    """Which step of a run directory was read, for the report; None for a checkpoint given as itself."""
+
+
+def locate(path: Path | str, local: LocalOptions | None = None) -> Located:
+    """The checkpoint at ``path`` (a local path or a URL) and its reader. A run directory ``ckptkit.save`` wrote
+    (``latest``, ``step-NNNNNNNN/``) gives the step ``ckptkit.load`` would read: the one ``latest`` names, once
+    what killed saves left there is recovered (:func:`ckptkit.io.publish.latest_step`).
+
+    Args:
+        path: a checkpoint or a run directory.
+        local: applies if the checkpoint is a LOCAL one.
+
+    Returns:
+        The checkpoint's path, its reader, and a note naming the step read from a run directory.
+
+    Raises:
+        FormatError: ``path`` is no checkpoint ckptkit knows, nor a run directory.
+        IncompleteCheckpointError: a run directory's ``latest`` names a step that is missing or incomplete.
+    """
+    path = as_path(path)
+    if is_run_directory(path) and _reader(path, local) is None:  # (a checkpoint of another kind may hold latest)
+        step = latest_step(path)
+        how = f"the step {LATEST} names" if (path / LATEST).exists() else "the most recent complete save"
+        return Located(step, detect(step, local), f"read {step.name} of the run directory {path}, {how}")
+    return Located(path, detect(path, local))
+
+
+def _reader(path: Path, local: LocalOptions | None) -> FormatIO | None:
+    if not path.exists():
+        return None
+    for fmt, module, name in _ALL:
+        cls = _load(module, name)
+        if cls.detect(path):
+            return cls(local) if fmt is Format.LOCAL else cls()
+    if local is not None and local.rank_files is not None and path.is_dir():
+        # The pattern names the rank files; reading says what is wrong with them.
+        return _load("local", "LocalIO")(local)
+    return None
+
+
 def detect(path: Path | str, local: LocalOptions | None = None) -> FormatIO:
     """The reader for ``path`` (a local path or a URL); ``local`` applies if it is a LOCAL checkpoint."""
     path = as_path(path)
@@ -52,18 +102,15 @@ def detect(path: Path | str, local: LocalOptions | None = None) -> FormatIO:
     if path.is_file() and _load("local", "is_rank_file")(path):
         raise UsageError(f"{path} is one rank's file of an FSDP1 LOCAL_STATE_DICT checkpoint; pass its directory "
                          f"{path.parent} (with --rank-files if other files there are numbered too)")
-    for fmt, module, name in _ALL:
-        cls = _load(module, name)
-        if cls.detect(path):
-            return cls(local) if fmt is Format.LOCAL else cls()
-    if local is not None and local.rank_files is not None and path.is_dir():
-        # The pattern names the rank files; reading says what is wrong with them.
-        return _load("local", "LocalIO")(local)
+    reader = _reader(path, local)
+    if reader is not None:
+        return reader
     listing = ", ".join(sorted(p.name for p in path.iterdir())[:8]) if path.is_dir() else "a file of unknown type"
     raise FormatError(
         f"{path}: not a checkpoint ckptkit knows (found: {listing or 'an empty directory'}); expected a DCP "
         "directory with .metadata, a torch.save file or pytorch_model.bin[.index.json], "
-        "model.safetensors[.index.json], or FSDP1 LOCAL_STATE_DICT rank files (rank0.pt, ...)")
+        "model.safetensors[.index.json], FSDP1 LOCAL_STATE_DICT rank files (rank0.pt, ...), or a run directory "
+        "of ckptkit.save (latest, step-NNNNNNNN)")
 
 
 def read(path: Path | str) -> Manifest:

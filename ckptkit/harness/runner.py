@@ -191,7 +191,8 @@ def _convert(cell: Cell, src: Path, dst: Path, assets: Path) -> str | None:
     if cell.operation == "reshard":
         reshard(src, dst, world_size=cell.target.world_size)
     else:
-        convert(src, dst, to=cell.target.form, world_size=cell.target.world_size)
+        ranked = cell.target.form in (Format.SHARDED, Format.LOCAL)  # a full or hf file is laid out for none
+        convert(src, dst, to=cell.target.form, world_size=cell.target.world_size if ranked else None)
     report = verify(src, dst)
     if report.ok:
         return None

@@ -7,7 +7,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 
-__all__ = ["human_size", "progress_bar"]
+__all__ = ["count", "human_size", "progress_bar"]
 
 _UNITS = ("kB", "MB", "GB", "TB", "PB")
 
@@ -22,6 +22,11 @@ def human_size(n: int) -> str:
         if value < 999.5 or unit == _UNITS[-1]:
             break
     return f"{value:.1f} {unit}" if value < 99.95 else f"{value:.0f} {unit}"
+
+
+def count(n: int, noun: str, nouns: str | None = None) -> str:
+    """``n`` and its noun, singular for one: ``1 file``, ``2 files``; ``nouns`` where adding an s is wrong."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
 
 
 def _in_notebook() -> bool:

@@ -55,11 +55,11 @@ from pathlib import Path
 from typing import cast
 
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
-from .remote import RemotePath, abort_uploads, is_url, url_error
+from .remote import NoCredentialsError, RemotePath, abort_uploads, is_url, url_error
 
 __all__ = ["COMPLETE", "LATEST", "ObjectStaging", "Staging", "StepDir", "check_destination", "complete_steps",
-           "next_save", "point_latest", "recover", "recover_objects", "resolve", "rotate", "stage", "stage_object",
-           "step_dir"]
+           "is_run_directory", "latest_step", "next_save", "point_latest", "recover", "recover_objects", "recover_run",
+           "resolve", "rotate", "stage", "stage_object", "step_dir"]
 
 COMPLETE = ".ckptkit-complete"
 LATEST = "latest"
@@ -257,14 +257,22 @@ def stage(dst: Path | str, *, replace: bool) -> Staging:
     ``replace=False`` refuses an existing DST here already, before anything is written (and again at commit).
     """
     dst = Path(dst).absolute()
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _check_writable(dst)  # says why, in DST's words
+        raise _cannot_stage(dst, e) from e
     recover(dst.parent)
     if not replace and _exists(dst):
         raise UsageError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
     path = dst.parent / _owned_name(dst.name, "partial")
     if _exists(path):  # a staging name of this very PID, from a process before us that had it
         _remove(path)
-    path.mkdir()
+    try:
+        path.mkdir()
+    except OSError as e:
+        _check_writable(dst)
+        raise _cannot_stage(dst, e) from e
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     _try_lock(fd)
     return Staging(dst, path, fd)
@@ -354,7 +362,10 @@ def check_destination(dst: Path | str, *, overwrite: bool, sources: tuple[Path |
     ``sources``: the input the user named and every file read from it. Returns DST made absolute.
     ``dry_run`` changes nothing: what dead runs left on an object store is judged, not cleaned up."""
     if is_url(dst):
-        return _check_object_destination(cast(RemotePath, dst), overwrite, sources, dry_run)
+        try:
+            return _check_object_destination(cast(RemotePath, dst), overwrite, sources, dry_run)
+        except NoCredentialsError:
+            raise NoCredentialsError.of(str(dst)) from None  # found on DST's directory; DST is what the user named
     dst = Path(dst).absolute()
     places = {dst.parent.resolve() / dst.name, dst.resolve()}  # where the rename lands; what a link names
     for src in sources:
@@ -367,7 +378,28 @@ def check_destination(dst: Path | str, *, overwrite: bool, sources: tuple[Path |
                                  "(nor next to what it reads, where the output would change what the input means)")
     if _exists(dst) and not overwrite:
         raise UsageError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
+    _check_writable(dst)
     return dst
+
+
+def _check_writable(dst: Path) -> None:
+    """Refuse a DST that cannot be made, before anything is written, naming DST (not the staging directory
+    beside it, where the write would fail): one inside a file, or in a directory this process may not write."""
+    place = dst.parent
+    while not place.exists() and place != place.parent:  # the directories made for DST start below ``place``
+        place = place.parent
+    if not place.is_dir():
+        raise UsageError(f"{dst}: {place} is a file, not a directory; name a DST outside it")
+    if not os.access(place, os.W_OK | os.X_OK):
+        read_only = bool(os.statvfs(place).f_flag & os.ST_RDONLY)
+        why = "is on a read-only filesystem" if read_only else "is not writable by this user"
+        raise UsageError(f"{dst}: cannot write there: {place} {why}; name a DST on a filesystem you can write to")
+
+
+def _cannot_stage(dst: Path, e: OSError) -> UsageError:
+    """The error of a staging directory that could not be made, naming DST rather than the staging name."""
+    return UsageError(f"{dst}: cannot write there ({e.strerror or e}, making its staging directory "
+                      f"{Path(e.filename).name if e.filename else 'beside it'}); name another DST")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -682,6 +714,45 @@ def resolve(path: Path | str) -> Path:
     if not _is_complete(target):
         raise IncompleteCheckpointError(f"{pointer} names {name}, which is not a complete checkpoint")
     return target
+
+
+def recover_run(path: Path | str) -> None:
+    """Recover what saves killed midway left in the run directory ``path`` and beside it (:func:`recover`), as
+    far as the filesystem lets: a read-only checkpoint has nothing to recover, or nothing we may touch."""
+    path = Path(path)
+    for directory in (path.parent, path):
+        with contextlib.suppress(OSError):
+            recover(directory)
+
+
+def is_run_directory(path: Path | str) -> bool:
+    """Whether ``path`` is a run directory ``ckptkit.save`` writes: a local directory holding ``latest`` or a
+    step directory (``step-NNNNNNNN``)."""
+    if is_url(path):
+        return False
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return LATEST in names or any(_STEP.fullmatch(n) for n in names)
+
+
+def latest_step(path: Path | str) -> Path:
+    """The step of the run directory ``path`` that ``ckptkit.load`` reads: the one ``latest`` names, else the most
+    recently saved complete one, once what killed saves left is recovered (:func:`recover_run`, :func:`resolve`).
+
+    Raises:
+        IncompleteCheckpointError: ``latest`` names a missing or incomplete step, or no step is complete.
+        FormatError: ``latest`` is a link, or names something other than a step directory of ``path``.
+    """
+    path = Path(path)
+    recover_run(path)
+    step = resolve(path)
+    if step == path:
+        found = ", ".join(sorted(n for n in os.listdir(path) if _STEP.fullmatch(n))[:4])
+        raise IncompleteCheckpointError(f"{path}: a run directory without a complete step (found: {found}; a "
+                                        f"complete one holds {COMPLETE}); was every save killed before it finished?")
+    return step
 
 
 def rotate(root: Path | str, *, keep: Path, keep_last: int | None = None,

@@ -34,8 +34,8 @@ from ..errors import CheckpointError, FormatError, UsageError
 if TYPE_CHECKING:  # the pool is made on the first remote read: local runs never import it (start-up time)
     from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["PIECE", "REQUESTS", "Job", "Range", "RemoteFiles", "RemotePath", "abort_uploads", "as_path",
-           "bounds_error", "calling", "coalesce", "filesystem", "is_url", "url_error"]
+__all__ = ["PIECE", "REQUESTS", "Job", "NoCredentialsError", "Range", "RemoteFiles", "RemotePath", "abort_uploads",
+           "as_path", "bounds_error", "calling", "coalesce", "filesystem", "is_url", "url_error"]
 
 REQUESTS = 16
 """Range requests in flight at once, per operation."""
@@ -68,10 +68,40 @@ def _scheme(url: str) -> str:
     return m.group(1).lower()
 
 
+_S3_CREDENTIALS = ("set AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or pass --storage-options "
+                   "'{\"profile\": \"NAME\"}' or '{\"key\": \"...\", \"secret\": \"...\"}'")
+_NO_CREDENTIALS = {"s3": _S3_CREDENTIALS, "s3a": _S3_CREDENTIALS}
+"""What to do when a store's library finds no credentials, by URL scheme."""
+
+
+class NoCredentialsError(UsageError):
+    """The object store's library found no credentials for a URL: the message says where to put them."""
+
+    @classmethod
+    def of(cls, url: str) -> NoCredentialsError:
+        """The error for ``url``, one of :data:`_NO_CREDENTIALS`' schemes."""
+        scheme = _scheme(url)
+        return cls(f"{url}: no credentials for {scheme}:// found; {_NO_CREDENTIALS[scheme]}")
+
+
+def _no_credentials(e: BaseException) -> bool:
+    """Whether ``e``, or an exception it was raised from, is botocore's NoCredentialsError (s3fs raises it as is,
+    or from inside its own calls)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__name__ == "NoCredentialsError":
+            return True
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return False
+
+
 def url_error(url: str, e: BaseException) -> Exception:
     """One line naming ``url`` for what a filesystem library raised; ckptkit's own errors pass through."""
     if isinstance(e, CheckpointError):
         return e
+    if _no_credentials(e) and _URL.match(url) and _scheme(url) in _NO_CREDENTIALS:
+        return NoCredentialsError.of(url)
     detail = " ".join(str(e).split()) or type(e).__name__
     if isinstance(e, FileNotFoundError):
         return FileNotFoundError(f"{url}: no such object ({detail})")

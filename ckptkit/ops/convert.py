@@ -11,11 +11,11 @@ from typing import overload
 from ..core.manifest import Format, FormName, Manifest, TensorEntry
 from ..core.plan import FilePlan, WritePlan
 from ..errors import UsageError
-from ..formats import LocalOptions, Target, detect, io_for, is_empty_container
+from ..formats import LocalOptions, Target, io_for, is_empty_container, locate
 from ..formats.dcp import check_blobs
 from ..io.execute import DEFAULT_MAX_MEMORY, all_ranks, execute_distributed
 from ..io.parallel import execute_parallel, writers
-from ..io.progress import human_size, progress_bar
+from ..io.progress import count, human_size, progress_bar
 from ..io.publish import check_destination
 from ..io.remote import as_path
 from .hfconfig import check_single_file, find_config
@@ -60,8 +60,9 @@ class Report:
     """Why that many: ``--workers N``, or what ``--workers auto`` chose it from."""
 
     def lines(self) -> list[str]:
-        ws = f" for {self.world_size} ranks" if self.world_size else ""
-        what = f"{self.tensors} tensors, {self.objects} other entries, {human_size(self.bytes)} in {self.files} files"
+        ws = f" for {count(self.world_size, 'rank')}" if self.world_size else ""
+        what = (f"{count(self.tensors, 'tensor')}, {count(self.objects, 'other entry', 'other entries')}, "
+                f"{human_size(self.bytes)} in {count(self.files, 'file')}")
         out = [f"{self.source} ({self.source_format.value}) -> "
                f"{self.destination} ({self.destination_format.value}{ws})",
                f"  would write {what} (dry run: nothing written)" if self.dry_run
@@ -72,7 +73,7 @@ class Report:
             out.append("  files:" if self.dry_run else "  wrote:")
             out += [f"    {name:<{width}}  {human_size(n):>8}" for name, n in shown]
             if len(self.written) > len(shown):
-                out.append(f"    ... and {len(self.written) - len(shown)} more files")
+                out.append(f"    ... and {count(len(self.written) - len(shown), 'more file')}")
         reordered = set(self.permuted)
         out += _listing("renamed", [(old, new, "q/k rows reordered (rotary)" if new in reordered else "")
                                     for old, new in self.renamed])
@@ -94,6 +95,11 @@ class Report:
 
 _FILES_SHOWN = 12
 _LAYER = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
+def _a(name: str) -> str:
+    """A format's name after its article: "an hf", "a full"."""
+    return f"{'an' if name == 'hf' or name[0] in 'aeiou' else 'a'} {name}"
 
 
 def _listing(title: str, rows: list[tuple[str, str, str]]) -> list[str]:
@@ -184,10 +190,11 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, o
             execute_parallel(plan, as_path(dst), workers=n, overwrite=overwrite, sources=sources,
                              max_memory=max_memory, fsync=fsync, progress=update)
     ws = target.world_size if fmt in (Format.SHARDED, Format.LOCAL) else None
+    # A single-file output is DST itself, whatever name the plan gave its one file.
+    written = tuple((as_path(dst).name if plan.single_file else f.relpath, f.nbytes) for f in plan.files)
     return Report(manifest.root, manifest.format, str(dst), fmt, len(manifest.tensors), len(manifest.objects),
-                  plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes,
-                  tuple((f.relpath, f.nbytes) for f in plan.files), changes.renamed, changes.dropped, changes.cast,
-                  changes.permuted, dry_run, n, why)
+                  plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes, written,
+                  changes.renamed, changes.dropped, changes.cast, changes.permuted, dry_run, n, why)
 
 
 def _left_out(manifest: Manifest, fmt: Format) -> tuple[str, ...]:
@@ -221,7 +228,7 @@ def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path |
 
 
 @all_ranks
-def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_size: int = 1,
+def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_size: int | None = None,
             max_shard_size: int | str | None = None, overwrite: bool = False,
             max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
             local: LocalOptions | None = None, preset: str | None = None,
@@ -233,7 +240,9 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
     FULL output is one ``torch.save`` file when ``dst`` ends in .pt/.pth/.bin/.ckpt and no shard size is
     given, else a directory (``pytorch_model.bin`` or HF-style ``pytorch_model-*.bin`` shards). HF output
     holds the model part only, found and named as :func:`ckptkit.export_hf` does (use that for casts,
-    config and tokenizer files). SHARDED output from another form carries Lightning's ``meta.pt`` (the groups
+    config and tokenizer files). ``world_size`` lays SHARDED and LOCAL output out for that many ranks (default:
+    the source's world size, 1 for a single-file source); other targets have no ranks and refuse more than 1. SHARDED
+    output from another form carries Lightning's ``meta.pt`` (the groups
     that are neither the model nor optimizer state, also kept in the DCP), so Lightning loads it too.
 
     A key mapping (:mod:`ckptkit.ops.mapping`) renames the model's weights: ``key_map`` (a dict, or a JSON
@@ -250,8 +259,10 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
 
     ``dry_run`` plans and reports the output without writing anything.
 
-    ``src`` and ``dst`` may be URLs (``s3://``, ``gs://``, ``az://``; ``hf://`` to read); ``storage_options``
-    go to their filesystem (``{"endpoint_url": ..., "profile": ...}`` for s3fs).
+    ``src`` may be a run directory of :func:`ckptkit.save`: the step its ``latest`` names is read, after the
+    recovery :func:`ckptkit.load` makes, and the report says which. ``src`` and ``dst`` may be URLs (``s3://``,
+    ``gs://``, ``az://``; ``hf://`` to read); ``storage_options`` go to their filesystem (``{"endpoint_url":
+    ..., "profile": ...}`` for s3fs).
 
     ``workers`` processes write the output files, each its share (one machine; ``"auto"``: as many as pay for
     this plan on this machine's cores, see :func:`ckptkit.io.parallel.writers`); or, with ``distributed``,
@@ -295,8 +306,10 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
     local = local or LocalOptions()
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
     src, dst = as_path(src, storage_options), as_path(dst, storage_options)
-    manifest = detect(src, local).read(src)
-    notes: tuple[str, ...] = ()
+    found = locate(src, local)
+    manifest = found.reader.read(found.path)
+    world_size, notes = _world_size(world_size, manifest, fmt)
+    notes = _read_from(found.note) + notes
     changes = Changes()
     if fmt is Format.HF or mapping:
         # A model file holds the model: the same part, under the same names, as export-hf writes. The entries it
@@ -304,9 +317,9 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
         # and refuses a checkpoint torch cannot load.
         check_blobs(manifest)
         sel = select_model(manifest)
-        tensors, notes = sel.tensors, sel.notes
+        tensors, notes = sel.tensors, notes + sel.notes
         if mapping:
-            mapped = map_model(tensors, mapping, src, hf_assets, to_hf=True if fmt is Format.HF else None)
+            mapped = map_model(tensors, mapping, found.path, hf_assets, to_hf=True if fmt is Format.HF else None)
             tensors, notes = mapped.tensors, notes + mapped.notes
             changes = Changes(mapped.renamed, mapped.dropped, permuted=mapped.permuted)
             if fmt is not Format.HF:
@@ -317,6 +330,23 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
     return write(manifest, fmt, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
                  progress=progress, notes=notes, src=src, dry_run=dry_run, changes=changes, workers=workers,
                  distributed=distributed)
+
+
+def _read_from(note: str | None) -> tuple[str, ...]:
+    return (note,) if note else ()
+
+
+def _world_size(asked: int | None, manifest: Manifest, fmt: Format) -> tuple[int, tuple[str, ...]]:
+    """The ranks to lay the output out for, and a note when they are the source's by default."""
+    if fmt not in (Format.SHARDED, Format.LOCAL):
+        if asked not in (None, 1):
+            raise UsageError(f"--world-size {asked}: {_a(fmt.value)} checkpoint is not laid out for ranks; "
+                             "the world size applies to --to sharded and --to local only")
+        return 1, ()
+    if asked is not None:
+        return asked, ()
+    ws = manifest.world_size or 1
+    return ws, (f"world size {ws}, the source's (--world-size N lays it out for N ranks)",)
 
 
 @all_ranks
@@ -358,15 +388,17 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: boo
             or ``src`` is not a sharded checkpoint (use :func:`convert`).
     """
     src, dst = as_path(src, storage_options), as_path(dst, storage_options)
-    reader = detect(src, local)
+    found = locate(src, local)
+    reader = found.reader
     fmt = reader.format
-    notes: tuple[str, ...] = ()
+    notes = _read_from(found.note)
     if not reader.writable:
-        fmt, notes = Format.SHARDED, (f"{reader.format.value} is read, not written: resharded as SHARDED (DCP)",)
+        fmt, notes = Format.SHARDED, notes + (f"{reader.format.value} is read, not written: resharded as SHARDED "
+                                              "(DCP)",)
     if fmt not in (Format.SHARDED, Format.LOCAL):
-        raise UsageError(f"{src}: is a {reader.format.value} checkpoint, not a sharded one; "
+        raise UsageError(f"{src}: is {_a(reader.format.value)} checkpoint, not a sharded one; "
                          f"use 'ckptkit convert {src} DST --to sharded --world-size {world_size}'")
-    manifest = reader.read(src)
+    manifest = reader.read(found.path)
     groups = meta_groups(manifest) if fmt is Format.SHARDED else None
     return write(manifest, fmt, dst, Target(world_size=world_size, meta_groups=groups), overwrite=overwrite,
                  max_memory=max_memory, fsync=fsync, progress=progress, notes=notes, src=src, dry_run=dry_run,

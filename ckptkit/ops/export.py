@@ -11,44 +11,35 @@ from ..core.dtypes import CastName, DType, by_name, parse_cast
 from ..core.manifest import Format, Manifest, TensorEntry
 from ..core.plan import Bytes, FilePlan
 from ..errors import FormatError, UsageError
-from ..formats import LocalOptions, Target, detect
+from ..formats import LocalOptions, Target, locate
 from ..formats.base import cast_for
 from ..io.execute import DEFAULT_MAX_MEMORY, all_ranks
 from ..io.remote import as_path
 from ..io.sources import Files
+from .assets import find_assets
 from .convert import Changes, Report, map_model, parse_size, write
 from .hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
 from .mapping import KeyMapSource, Renames, key_mapping
 from .select import model_keys, select_model
 
-__all__ = ["ASSET_FILES", "TIE_DEFAULTS", "export_hf", "tie_word_embeddings"]
+__all__ = ["TIE_DEFAULTS", "export_hf", "tie_word_embeddings"]
 
-ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
-               "vocab.txt", "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
 _EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight", "shared.weight")
-_MAX_ASSET = 256 << 20
 FLOAT32 = by_name("float32")
 
 
-def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict]:
-    """The asset files to copy, and the parsed config."""
-    if not (directory / "config.json").is_file():
-        raise UsageError(f"--hf-assets {directory}: no config.json there; expected a Hugging Face model directory")
-    plans = []
-    for name in ASSET_FILES:
-        f = directory / name
-        if f.is_file():
-            if f.stat().st_size > _MAX_ASSET:
-                raise UsageError(f"{f}: {f.stat().st_size} bytes is too large for a config or tokenizer file")
-            plans.append(FilePlan(name, (Bytes(f.read_bytes()),)))
+def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict, str | None]:
+    """The asset files to copy (:func:`ckptkit.ops.assets.find_assets`), the parsed config, and a note on what
+    was left out."""
+    found = find_assets(directory)
+    plans = tuple(FilePlan(rel, (Bytes(f.read_bytes()),)) for rel, f in found.files)
     try:
         config = json.loads((directory / "config.json").read_text())
     except ValueError as e:
         raise FormatError(f"{directory / 'config.json'}: not valid JSON ({e})") from e
     if not isinstance(config, dict):
         raise FormatError(f"{directory / 'config.json'}: expected a JSON object, found {type(config).__name__}")
-    return tuple(plans), config
+    return plans, config, found.note()
 
 
 def _untie(tensors: list[TensorEntry], config: dict, max_memory: int) -> tuple[list[TensorEntry], str | None]:
@@ -119,8 +110,10 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     The model part is found by :mod:`ckptkit.ops.select`'s rule (``model_key`` names it explicitly, as a
     dotted path); a checkpoint of training state alone is refused. Wrapper prefixes are stripped unless
     ``strip_wrappers=False``. A key mapping then renames the keys, as for :func:`ckptkit.convert` (``key_map``,
-    ``renames``, ``preset`` towards HF names, ``strict_map``). ``hf_assets`` copies config and tokenizer files
-    (by default those the checkpoint carries: verl's ``huggingface/``); ``lm_head.weight`` is left out only when
+    ``renames``, ``preset`` towards HF names, ``strict_map``). ``hf_assets`` names a model directory whose every
+    file and folder but weights, training state, caches and hidden files is copied (config, tokenizer,
+    sentence-transformers modules, generation config, chat template, model card; :mod:`ckptkit.ops.assets`),
+    by default the one the checkpoint carries (verl's ``huggingface/``); ``lm_head.weight`` is left out only when
     the model ties it (the config's ``tie_word_embeddings``, else its ``model_type``'s default) and it equals
     the input embedding. The copied config.json names the dtype written after a cast, or where it named another.
 
@@ -132,8 +125,9 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     error on any rank fails every rank, and no DST is written. ``workers`` processes of one machine split the
     files the same way.
 
-    ``src``, ``dst`` and ``hf_assets`` may be URLs; ``storage_options`` go to their filesystem (see
-    :func:`ckptkit.convert`).
+    ``src`` may be a run directory of :func:`ckptkit.save` (its ``latest`` step is read, as for
+    :func:`ckptkit.convert`). ``src``, ``dst`` and ``hf_assets`` may be URLs; ``storage_options`` go to their
+    filesystem (see :func:`ckptkit.convert`).
 
     Args:
         src: The checkpoint to read: a file, a directory or a URL.
@@ -180,9 +174,11 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
     src, dst = as_path(src, storage_options), as_path(dst, storage_options)
     # Only the model's chunks are read (DCP): the rest, optimizer state above all, is never written here.
-    manifest = detect(src, local).read_part(src, model_keys(model_key, tuple(strip_prefixes), strip_wrappers))
+    found = locate(src, local)
+    manifest = found.reader.read_part(found.path, model_keys(model_key, tuple(strip_prefixes), strip_wrappers))
     sel = select_model(manifest, model_key, tuple(strip_prefixes), strip_wrappers)
-    notes = list(sel.notes)
+    notes = [found.note] if found.note else []
+    notes += sel.notes
     tensors = list(sel.tensors)
     assets: tuple[FilePlan, ...] = ()
     config: dict | None = None
@@ -193,18 +189,19 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         hf_assets = manifest.hf_assets
         notes.append(f"config and tokenizer from the checkpoint's {Path(hf_assets).name}/")
     if mapping:
-        mapped = map_model(tuple(tensors), mapping, src, hf_assets, to_hf=True)
+        mapped = map_model(tuple(tensors), mapping, found.path, hf_assets, to_hf=True)
         tensors, renamed, dropped, permuted = (list(mapped.tensors), mapped.renamed, list(mapped.dropped),
                                                mapped.permuted)
         notes += mapped.notes
     if hf_assets is not None:
-        assets, config = _assets(as_path(hf_assets, storage_options))
+        assets, config, left_note = _assets(as_path(hf_assets, storage_options))
         kept = {t.key for t in tensors}
         tensors, tie_note = _untie(tensors, config, max_memory)
         dropped += [(k, "tied to the input embedding") for k in kept - {t.key for t in tensors}]
         assets, dtype_note = _with_written_dtype(assets, config, tensors, cast)
         notes += [n for n in (tie_note, dtype_note) if n]
         notes.append("copied " + ", ".join(p.relpath for p in assets))
+        notes += [left_note] if left_note else []
     keep, keep_note = _kept_in_fp32(tensors, keep_patterns, config, cast)
     casts = tuple((t.key, to.name) for t in tensors
                   if (to := cast_for(t.dtype, FLOAT32 if t.key in keep else cast)) is not None)

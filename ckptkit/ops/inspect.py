@@ -8,6 +8,7 @@ as itself, anything else as a typed description (``{"type": "tensor", "dtype": .
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
@@ -18,12 +19,12 @@ from ..codecs.pickle_read import Call, Record, Ref
 from ..core.dtypes import DType
 from ..core.manifest import Manifest, ObjectEntry, TensorEntry, TensorRef
 from ..errors import CheckpointError, UsageError
-from ..formats import LocalOptions, detect, object_value
-from ..io.progress import human_size
+from ..formats import LocalOptions, locate, object_value
+from ..io.progress import count, human_size
 from ..io.remote import as_path
 from .select import select_model
 
-__all__ = ["SCHEMA_VERSION", "human_count", "inspect", "json_value", "render", "summary"]
+__all__ = ["SCHEMA_VERSION", "human_count", "inspect", "is_buffer", "json_value", "render", "summary"]
 
 SCHEMA_VERSION = 1
 """Of :func:`summary`; raised when a field changes meaning or goes away."""
@@ -34,7 +35,9 @@ def inspect(path: Path | str, *, local: LocalOptions | None = None, storage_opti
     """The manifest of the checkpoint at ``path``: format, tensors with their chunks, other entries.
 
     ``local`` says how to read a LOCAL checkpoint (see :func:`ckptkit.convert`). A URL's checkpoint is read
-    by its headers alone, with range requests; ``storage_options`` go to its filesystem.
+    by its headers alone, with range requests; ``storage_options`` go to its filesystem. A run directory of
+    :func:`ckptkit.save` gives the step its ``latest`` names (as :func:`ckptkit.convert` reads it), and the
+    manifest's details say so.
 
     Args:
         path: The checkpoint: a file, a directory or a URL.
@@ -50,8 +53,11 @@ def inspect(path: Path | str, *, local: LocalOptions | None = None, storage_opti
         IncompleteCheckpointError: A rank file, chunk or shard is missing, or chunks overlap.
         UnsafeCheckpointError: A pickle names a global outside the allow-list.
     """
-    path = as_path(path, storage_options)
-    return detect(path, local).read(path)
+    found = locate(as_path(path, storage_options), local)
+    manifest = found.reader.read(found.path)
+    if found.note is None:
+        return manifest
+    return dataclasses.replace(manifest, details=(("read", found.note.removeprefix("read ")), *manifest.details))
 
 
 def human_count(n: int) -> str:
@@ -102,24 +108,48 @@ def _value(entry: ObjectEntry) -> Any:
         return {"type": "unreadable", "error": str(e)}
 
 
-def _parameters(m: Manifest, keep: set[str]) -> int | None:
-    """Elements of the model part's tensors (those in ``keep``), or None where the checkpoint has no model part."""
+_BUFFER_NAMES = re.compile(r"(^|\.)(running_mean|running_var|inv_freq|masked_bias)$")
+"""Floating tensors that modules register as buffers under these names (BatchNorm's statistics, rotary
+frequencies, GPT-2's masked_bias): state, not weights, whatever the model."""
+
+
+def is_buffer(t: TensorEntry) -> bool:
+    """Whether the state-dict tensor ``t`` is a module's buffer rather than a parameter, as far as a checkpoint
+    tells: a parameter that trains holds floating values, so an integer or bool tensor is a buffer
+    (``position_ids``, ``num_batches_tracked``, attention masks), and a few floating buffers are known by name.
+
+    Args:
+        t: a tensor of a checkpoint's manifest.
+
+    Returns:
+        True for a buffer. A floating buffer under another name counts as a parameter; quantized weights
+        stored as integers (bitsandbytes' packed 4-bit) count as buffers.
+    """
+    return t.dtype.kind not in ("float", "complex") or bool(_BUFFER_NAMES.search(t.key))
+
+
+def _parameters(m: Manifest, keep: set[str]) -> tuple[int, int] | None:
+    """Elements of the model part's parameters and buffers (tensors in ``keep``), or None where the checkpoint has no
+    model part."""
     try:
         chosen = select_model(m).saved_keys
     except UsageError:
         return None
     by_key = {t.key: t for t in m.tensors}
-    return sum(by_key[saved].numel for _, saved in chosen if saved in keep)
+    model = [by_key[saved] for _, saved in chosen if saved in keep]
+    buffers = sum(t.numel for t in model if is_buffer(t))
+    return sum(t.numel for t in model) - buffers, buffers
 
 
 def _modules(entries: list[TensorEntry | ObjectEntry], depth: int) -> list[dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for e in entries:
         name = ".".join(e.key.split(".")[:depth])
-        row = rows.setdefault(name, {"name": name, "tensors": 0, "parameters": 0, "bytes": 0, "objects": 0})
+        row = rows.setdefault(name, {"name": name, "tensors": 0, "parameters": 0, "buffers": 0, "bytes": 0,
+                                     "objects": 0})
         if isinstance(e, TensorEntry):
             row["tensors"] += 1
-            row["parameters"] += e.numel
+            row["buffers" if is_buffer(e) else "parameters"] += e.numel
             row["bytes"] += e.nbytes
         else:
             row["objects"] += 1
@@ -142,6 +172,7 @@ def summary(m: Manifest, *, depth: int | None = None, filter: str | None = None)
         row = by_dtype.setdefault(t.dtype.name, {"tensors": 0, "bytes": 0})
         row["tensors"] += 1
         row["bytes"] += t.nbytes
+    counts = _parameters(m, {t.key for t in tensors})
     out: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "path": m.root,
@@ -152,7 +183,8 @@ def summary(m: Manifest, *, depth: int | None = None, filter: str | None = None)
         "tensors_in_checkpoint": len(m.tensors),
         "bytes": sum(t.nbytes for t in tensors),
         "elements": sum(t.numel for t in tensors),
-        "parameters": _parameters(m, {t.key for t in tensors}),
+        "parameters": None if counts is None else counts[0],
+        "buffers": None if counts is None else counts[1],
         "dtypes": dict(sorted(by_dtype.items(), key=lambda kv: -kv[1]["bytes"])),
         "details": dict(m.details),
         "entries": [{"key": t.key, "dtype": t.dtype.name, "shape": list(t.shape), "elements": t.numel,
@@ -191,18 +223,21 @@ def render(s: dict[str, Any]) -> str:
                 if s["filter"] is not None else "")
     n = s["parameters"]
     params = "" if n is None else f"; model: {n:,} parameters" + (f" ({human_count(n)})" if n >= 1000 else "")
+    if s["buffers"]:
+        params += f" + {s['buffers']:,} in buffers"
     lines = [f"{s['path']}: {s['format']}{ws}{filtered}",
-             f"{s['tensors']} tensors, {human_size(s['bytes'])}{params}; {len(s['objects'])} other entries"]
+             f"{count(s['tensors'], 'tensor')}, {human_size(s['bytes'])}{params}; "
+             f"{count(len(s['objects']), 'other entry', 'other entries')}"]
     if s["dtypes"]:
         total = s["bytes"] or 1
         lines.append("dtypes: " + ", ".join(f"{name} {100 * d['bytes'] / total:.3g}% ({d['tensors']} tensors)"
                                            for name, d in s["dtypes"].items()))
     lines += [f"{k}: {v}" for k, v in s["details"].items()]
     if "modules" in s:  # one row a module: its tensors and other entries counted, not listed
-        modules = [(r["name"], f"{r['tensors']:,}", f"{r['parameters']:,}", human_size(r["bytes"]),
-                    f"{r['objects']:,}") for r in s["modules"]]
-        return "\n".join(lines + _table(("module", "tensors", "parameters", "bytes", "other entries"), modules,
-                                        {1, 2, 3, 4}))
+        modules = [(r["name"], f"{r['tensors']:,}", f"{r['parameters']:,}", f"{r['buffers']:,}",
+                    human_size(r["bytes"]), f"{r['objects']:,}") for r in s["modules"]]
+        return "\n".join(lines + _table(("module", "tensors", "parameters", "buffers", "bytes", "other entries"),
+                                        modules, {1, 2, 3, 4, 5}))
     if s["entries"]:
         rows = [(e["key"], e["dtype"], str(e["shape"]).replace(" ", ""), human_size(e["bytes"]),
                  f"{len(e['chunks'])} chunk{'s' * (len(e['chunks']) != 1)}" + _in(e)) for e in s["entries"]]

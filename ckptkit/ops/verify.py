@@ -19,11 +19,10 @@ from typing import Any
 from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry, map_tensor_refs
 from ..core.plan import Region, row_blocks
 from ..errors import UsageError
-from ..formats import LocalOptions, detect, object_value
+from ..formats import LocalOptions, locate, object_value
 from ..io.execute import DEFAULT_MAX_MEMORY
 from ..io.progress import human_size, progress_bar
-from ..io.publish import resolve
-from ..io.remote import as_path, is_url
+from ..io.remote import as_path
 from ..io.sources import Files, read_region
 from . import checksums
 from .mapping import KeyMapping, Renames, parse_rename, rename_keys
@@ -307,11 +306,12 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     mapping = KeyMapping(renames=tuple(parse_rename(r) if isinstance(r, str) else (r[0], r[1]) for r in renames))
     prefixes = tuple(strip_prefixes)
     pb = as_path(b, storage_options)
+    fa, fb = locate(pa, local), locate(pb, local)
     if model_only:  # the model's chunks alone are read, as export_hf reads them
         wanted = model_keys(strip_prefixes=prefixes)
-        ma, mb = detect(pa, local).read_part(pa, wanted), detect(pb, local).read_part(pb, wanted)
+        ma, mb = fa.reader.read_part(fa.path, wanted), fb.reader.read_part(fb.path, wanted)
     else:
-        ma, mb = detect(pa, local).read(pa), detect(pb, local).read(pb)
+        ma, mb = fa.reader.read(fa.path), fb.reader.read(fb.path)
     ta, oa, notes_a = _entries(ma, model_only, prefixes, mapping)
     tb, ob, notes_b = _entries(mb, model_only, prefixes, mapping)
     diffs = [Difference(k, f"only in {a}") for k in {**ta, **oa} if k not in tb and k not in ob]
@@ -333,12 +333,14 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
         for k in (k for k in oa if k in tb):
             diffs.append(Difference(k, f"a non-tensor entry in {a}, a tensor in {b}"))
     return VerifyReport(str(a), str(b), ma.format, mb.format, len(common), len([k for k in oa if k in ob]), total,
-                        tuple(diffs), atol=atol, rtol=rtol, notes=notes_a + notes_b)
+                        tuple(diffs), atol=atol, rtol=rtol,
+                        notes=tuple(f.note for f in (fa, fb) if f.note) + notes_a + notes_b)
 
 
 def _verify_alone(path: Path, max_memory: int, progress: bool, local: LocalOptions | None) -> VerifyReport:
-    ckpt = path if is_url(path) else resolve(path)  # run directories (latest) are ckptkit.save's, local ones
-    manifest = detect(ckpt, local).read(ckpt)
+    located = locate(path, local)
+    ckpt = located.path
+    manifest = located.reader.read(ckpt)
     record = checksums.read_record(ckpt)
     total = manifest.nbytes + sum(o.blob.length for o in manifest.objects if o.blob)
     with progress_bar(total, "verify", progress) as update:
@@ -356,5 +358,6 @@ def _verify_alone(path: Path, max_memory: int, progress: bool, local: LocalOptio
                     _plain(object_value(o), files)  # decoded through the allow-list, tensors inside read
                     update(o.blob.length if o.blob else 0)
     return VerifyReport(str(ckpt), None, manifest.format, None, len(manifest.tensors), len(manifest.objects),
-                        total, tuple(found), checksums=record is not None)
+                        total, tuple(found), checksums=record is not None,
+                        notes=(located.note,) if located.note else ())
 

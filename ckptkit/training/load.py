@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from ..ops import checksums
 from ..ops.names import strip_wrapper_names
 from ..ops.select import ModelSelection, optimizer_sections, select_model
 from .fsdp1_offload import settle_offloaded_fsdp1
-from .save import SIDE_KEYS, local_path
+from .save import SIDE_KEYS, local_path, single_process_quiet
 
 __all__ = ["LoadResult", "load"]
 
@@ -132,7 +131,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
             if optim_src is not None:
                 target.update({e.key: osd["state"][n][slot] for n, slots in optim_src.state.items()
                                for slot, e in slots.items() if isinstance(e, TensorEntry)})
-            dcp.load(target, checkpoint_id=str(ckpt))
+            with single_process_quiet():
+                dcp.load(target, checkpoint_id=str(ckpt))
             model_sd = {n: msd[n] for n in model_src}
             options = StateDictOptions(strict=strict)
         else:
@@ -149,9 +149,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
 def _resolve(path: Path) -> Path:
     """``path`` or the step its ``latest`` names, once a save killed midway has been recovered from (every rank
     recovers what its host left; the barrier keeps any rank from resolving before the owner's host has)."""
-    for directory in (path.parent, path):
-        with contextlib.suppress(OSError):  # a read-only checkpoint: nothing to recover, or nothing we may
-            rotation.recover(directory)
+    rotation.recover_run(path)
     group = gloo_group()
     if group is not None:
         torch.distributed.barrier(group=group)

@@ -11,9 +11,11 @@ Every rank learns rank 0's outcome, so a failed publish raises everywhere instea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +36,7 @@ from ..io.remote import as_path, is_url
 from ..ops import checksums
 from ..ops.checksums import MANIFEST, Recorder
 
-__all__ = ["FULL_FILE", "MANIFEST", "SIDE_KEYS", "SaveHandle", "save"]
+__all__ = ["FULL_FILE", "MANIFEST", "SIDE_KEYS", "SaveHandle", "save", "single_process_quiet"]
 
 FULL_FILE = "checkpoint.pt"
 _FORMS = ("full", "sharded", "hf", "local")
@@ -44,6 +46,25 @@ SIDE_KEYS = ("scheduler", "extra", "step")
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+_SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """torch's DCP without a process group, minus its warning that it "assumes the intent is to save (load) in a
+    single process": one process is a use ckptkit.save and ckptkit.load support, not a mistake to warn of."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning)
+        yield
+
+
+def _quiet_async_single_process() -> None:
+    """The same for an async save, whose ``dcp.save`` warns later, in torch's writer thread, after any ``with``
+    here has ended: a filter for that one message of torch's DCP stays in place for the process."""
+    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning,
+                            module=r"torch\.distributed\.checkpoint\.")
 
 
 def local_path(path: str | os.PathLike, what: str) -> Path:
@@ -148,7 +169,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     """Save model (+ optimizer, scheduler, extra state) in ``form``; call on every rank.
 
     ``form`` is ``sharded`` (DCP), ``full`` (one ``torch.save`` file from rank 0), ``hf`` (safetensors
-    weights, plus config and tokenizer from ``hf_assets``) or ``local`` (FSDP1 only: each rank's
+    weights, plus every file but weights of the model directory ``hf_assets``, as ``export-hf --hf-assets``
+    copies them) or ``local`` (FSDP1 only: each rank's
     LOCAL_STATE_DICT and the flat layout that lets ckptkit read it at any world size).
 
     With ``step``, ``path`` is a run directory: the checkpoint goes to ``path/step-NNNNNNNN``, ``latest`` moves
@@ -220,11 +242,15 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
             # torch's async stager cannot copy FSDP1's ShardedTensors (torch 2.13): those save synchronously.
             sharded_tensors = any(type(v).__name__ == "ShardedTensor" for v in msd.values())
             if async_save and not sharded_tensors:
-                response = dcp.async_save(state, storage_writer=writer, process_group=group)
+                if group is None:
+                    _quiet_async_single_process()
+                with single_process_quiet():
+                    response = dcp.async_save(state, storage_writer=writer, process_group=group)
                 # An AsyncSaveResponse comes back only from a stager that stages in the background.
                 future = response if isinstance(response, Future) else response.upload_completion
                 return SaveHandle(final, lambda: finish(future))
-            dcp.save(state, storage_writer=writer)
+            with single_process_quiet():
+                dcp.save(state, storage_writer=writer)
             return done()
 
         def write(snapshot: dict[str, Any]) -> None:
@@ -318,8 +344,8 @@ def _write_hf(model_sd: dict[str, torch.Tensor], stage: Path, hf_assets: str | o
     # save_pretrained does; load() restores the alias from the model's own tying.
     save_torch_state_dict(model_sd, stage)
     if hf_assets is not None:
-        from ..ops.export import ASSET_FILES
+        from ..ops.assets import find_assets
 
-        for name in ASSET_FILES:
-            if (Path(hf_assets) / name).is_file():
-                shutil.copy2(Path(hf_assets) / name, stage / name)
+        for rel, f in find_assets(Path(hf_assets)).files:
+            (stage / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, stage / rel)
