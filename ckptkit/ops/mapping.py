@@ -47,7 +47,7 @@ class KeyMapping:
     renames: tuple[tuple[str, str], ...] = ()
     """(regular expression, replacement) pairs, applied in order with :func:`re.sub` to every key."""
     preset: str | None = None
-    """A name in :data:`ckptkit.ops.presets.PRESETS`."""
+    """A name in :data:`ckptkit.ops.presets.PRESETS`, or ``"auto"`` (:mod:`ckptkit.ops.detect`)."""
     strict: bool = False
     """Keys that neither the key map names nor a rename matches are an error (a preset always is strict)."""
 
@@ -57,7 +57,7 @@ class KeyMapping:
                 re.compile(pattern)
             except re.error as e:
                 raise UsageError(f"--rename {pattern!r}: not a regular expression ({e})") from None
-        if self.preset is not None:
+        if self.preset is not None and self.preset != "auto":
             preset_named(self.preset)
 
     def __bool__(self) -> bool:
@@ -98,7 +98,8 @@ def read_key_map(path: Path) -> tuple[tuple[str, str | None], ...]:
 def key_mapping(*, preset: str | None = None, renames: Renames = (), key_map: KeyMapSource = None,
                 strict: bool = False) -> KeyMapping:
     """A :class:`KeyMapping` from the library's and the CLI's arguments: ``renames`` as ``'REGEX=REPLACEMENT'``
-    strings or pairs, ``key_map`` as a dict or the path of its JSON file."""
+    strings or pairs, ``key_map`` as a dict or the path of its JSON file, ``preset`` ``"none"`` as None."""
+    preset = None if preset == "none" else preset
     pairs = tuple(parse_rename(r) if isinstance(r, str) else (r[0], r[1]) for r in renames)
     table = read_key_map(Path(key_map)) if isinstance(key_map, (str, Path)) else tuple((key_map or {}).items())
     return KeyMapping(key_map=table, renames=pairs, preset=preset, strict=strict)
