@@ -317,10 +317,12 @@ def _write(op, *args, quiet: bool, **kwargs) -> None:
 def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, storage_options,
             **local) -> None:
     """Show format, world size, sizes, parameters and dtypes, then tensors (or modules) and other entries."""
+    from .ops.detect import family_of
     from .ops.inspect import inspect as _inspect, render, summary
 
-    s = summary(_inspect(path, local=_local_options(**local), storage_options=storage_options), depth=depth,
-                filter=pattern)
+    manifest = _inspect(path, local=_local_options(**local), storage_options=storage_options)
+    found = family_of(manifest, path)
+    s = summary(manifest, depth=depth, filter=pattern, family=(found.preset, found.why))
     click.echo(json.dumps(s, indent=2) if as_json else render(s))
 
 

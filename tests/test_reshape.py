@@ -157,3 +157,18 @@ def test_dequantized_refuses_a_scale_grid_that_does_not_cover_the_weight(tmp_pat
 def test_row_operations_refuse_what_does_not_fit(tmp_path, call, message):
     with pytest.raises(UsageError, match=message):
         call(sharded(tmp_path, "w", torch.zeros(6, 2), []))
+
+
+def test_computed_tensors_split_join_and_stack_as_their_values(tmp_path):
+    a, b = torch.randn(3, 5, generator=G), torch.randn(3, 5, generator=G)
+    ta = transposed(sharded(tmp_path, "a", a.T.contiguous(), [2]), "a")  # computed: a itself
+    tb = transposed(sharded(tmp_path, "b", b.T.contiguous(), []), "b")
+    joined = join_rows("ab", [ta, tb])
+    first, rest = split_rows(joined, [4, 2], ["first", "rest"])
+    stacked = stack("s", [ta, tb])
+    got = written(tmp_path, [joined, first, rest, stacked], max_memory=24)
+    assert torch.equal(got[0], torch.cat([a, b]))
+    assert torch.equal(got[1], torch.cat([a, b])[:4]) and torch.equal(got[2], torch.cat([a, b])[4:])
+    assert torch.equal(got[3], torch.stack([a, b]))
+    with pytest.raises(UsageError, match=r"'a': a computed tensor \(transpose\) is not unstacked; unstack its input"):
+        unstack(ta, ["x", "y", "z"])

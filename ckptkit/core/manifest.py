@@ -70,14 +70,18 @@ class Derived:
 
     - ``"transpose"``: the one 2-D input's transpose (or a 3-D input's last two dims swapped);
     - ``"dequant_fp8"``: ``inputs[0]`` (a float8 weight) times ``inputs[1]`` (its ``weight_scale_inv``, one float
-      per ``block`` x ``block`` tile), in float32, then the entry's dtype.
+      per ``block`` x ``block`` tile), in float32, then the entry's dtype;
+    - ``"rows"``: rows ``[a, b)`` of input ``i`` for each ``(i, a, b)`` of ``ranges``, one after another (a split or
+      join of computed tensors, which have no byte ranges to take);
+    - ``"stack"``: the inputs stacked along a new dim 0.
 
     :mod:`ckptkit.io.compute` computes any box of such an entry from the matching boxes of its inputs, so it
     streams in tiles bounded by the memory setting."""
 
-    op: Literal["transpose", "dequant_fp8"]
+    op: Literal["transpose", "dequant_fp8", "rows", "stack"]
     inputs: tuple[TensorEntry, ...]
     block: int = 128
+    ranges: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

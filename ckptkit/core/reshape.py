@@ -91,17 +91,23 @@ def take_rows(key: str, pieces: Sequence[tuple[TensorEntry, int, int]]) -> Tenso
         raise UsageError(f"{key!r}: made of no rows")
     first = pieces[0][0]
     dtype, tail = first.dtype, first.shape[1:]
-    chunks: list[Chunk] = []
-    row = 0
     for entry, a, b in pieces:
         if not entry.shape or entry.dtype != dtype or entry.shape[1:] != tail:
             raise UsageError(f"{key!r}: cannot join {entry.key!r} ({entry.dtype}, {list(entry.shape)}) to "
                              f"{first.key!r} ({dtype}, {list(first.shape)}): dtype and shape past dim 0 must agree")
         if not 0 <= a <= b <= entry.shape[0]:
             raise UsageError(f"{key!r}: rows [{a}, {b}) are not within {entry.key!r}'s {entry.shape[0]} rows")
+    rows = sum(b - a for _, a, b in pieces)
+    if any(entry.derived is not None for entry, _, _ in pieces):  # computed: no byte ranges to take
+        inputs = tuple(dict.fromkeys(entry for entry, _, _ in pieces))
+        ranges = tuple((inputs.index(entry), a, b) for entry, a, b in pieces)
+        return TensorEntry(key, (key,), dtype, (rows, *tail), (), derived=Derived("rows", inputs, ranges=ranges))
+    chunks: list[Chunk] = []
+    row = 0
+    for entry, a, b in pieces:
         chunks += _cropped(materialize_rows(entry), a, b, row - a)
         row += b - a
-    return TensorEntry(key, (key,), dtype, (row, *tail), tuple(chunks))
+    return TensorEntry(key, (key,), dtype, (rows, *tail), tuple(chunks))
 
 
 def split_rows(entry: TensorEntry, counts: Sequence[int], keys: Sequence[str]) -> list[TensorEntry]:
@@ -127,8 +133,9 @@ def join_rows(key: str, entries: Sequence[TensorEntry]) -> TensorEntry:
 
 def squeeze0(entry: TensorEntry, key: str) -> TensorEntry:
     """``entry`` of shape ``(1, *rest)`` as a tensor of shape ``rest`` named ``key``."""
-    if not entry.shape or entry.shape[0] != 1:
-        raise UsageError(f"{entry.key!r}: shape {list(entry.shape)} has no leading dimension of size 1 to drop")
+    if not entry.shape or entry.shape[0] != 1 or entry.derived is not None:
+        raise UsageError(f"{entry.key!r}: shape {list(entry.shape)} has no leading dimension of size 1 to drop"
+                         + (" (a computed tensor)" if entry.derived is not None else ""))
     entry = materialize_rows(entry)
     chunks = tuple(Chunk(c.offsets[1:], c.sizes[1:], c.span, None if c.strides is None else c.strides[1:])
                    for c in entry.chunks)
@@ -137,6 +144,8 @@ def squeeze0(entry: TensorEntry, key: str) -> TensorEntry:
 
 def unsqueeze0(entry: TensorEntry, key: str | None = None) -> TensorEntry:
     """``entry`` with a leading dimension of size 1."""
+    if entry.derived is not None:
+        raise UsageError(f"{entry.key!r}: a computed tensor takes no leading dimension; stack() it")
     entry = materialize_rows(entry)
     key = entry.key if key is None else key
     chunks = tuple(Chunk((0, *c.offsets), (1, *c.sizes), c.span,
@@ -153,11 +162,20 @@ def unstack(entry: TensorEntry, keys: Sequence[str]) -> list[TensorEntry]:
     """
     if not entry.shape or entry.shape[0] != len(keys):
         raise UsageError(f"{entry.key!r}: shape {list(entry.shape)} does not stack {len(keys)} tensors along dim 0")
+    if entry.derived is not None:
+        raise UsageError(f"{entry.key!r}: a computed tensor ({entry.derived.op}) is not unstacked; unstack its input")
     return [squeeze0(part, key) for part, key in zip(split_rows(entry, [1] * len(keys), keys), keys, strict=True)]
 
 
 def stack(key: str, entries: Sequence[TensorEntry]) -> TensorEntry:
     """``entries`` (of one shape) stacked along a new leading dimension."""
+    if any(e.derived is not None for e in entries):
+        shapes = {(e.dtype, e.shape) for e in entries}
+        if len(shapes) != 1:
+            raise UsageError(f"{key!r}: cannot stack tensors of different dtypes or shapes: {sorted(map(str, shapes))}")
+        first = entries[0]
+        return TensorEntry(key, (key,), first.dtype, (len(entries), *first.shape), (),
+                           derived=Derived("stack", tuple(entries)))
     return join_rows(key, [unsqueeze0(e) for e in entries])
 
 

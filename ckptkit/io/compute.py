@@ -46,9 +46,34 @@ def compute_region(region: Region, read: Read) -> memoryview:
     if derived.op == "transpose":
         box = _swap(region.offsets), _swap(region.sizes)
         out = _tensor(Region(derived.inputs[0], *box), read).transpose(-1, -2).contiguous()
+    elif derived.op in ("rows", "stack"):
+        out = _rows(region, derived, read)
     else:
         out = _dequantized(region, derived, read).to(getattr(torch, region.entry.dtype.name))
     return out.view(torch.uint8).numpy().data if out.numel() else memoryview(b"")
+
+
+def _rows(region: Region, derived: Derived, read: Read) -> Any:
+    """Rows of the region from each input that holds some: a ``rows`` entry's ranges, or a ``stack``'s
+    inputs, one row (of the output) each."""
+    import torch
+
+    ranges = derived.ranges or tuple((i, 0, 1) for i in range(len(derived.inputs)))
+    first, end = region.offsets[0], region.offsets[0] + region.sizes[0]
+    parts, row = [], 0
+    for i, a, b in ranges:
+        top, bottom = max(first, row), min(end, row + b - a)
+        if top < bottom:
+            source = derived.inputs[i]
+            if derived.op == "stack":
+                box = Region(source, region.offsets[1:], region.sizes[1:])
+                parts.append(_tensor(box, read).unsqueeze(0))
+            else:
+                box = Region(source, (a + top - row, *region.offsets[1:]), (bottom - top, *region.sizes[1:]))
+                parts.append(_tensor(box, read))
+        row += b - a
+    dtype = getattr(torch, region.entry.dtype.name)
+    return torch.cat(parts) if parts else torch.empty(region.sizes, dtype=dtype)
 
 
 def _swap(t: tuple[int, ...]) -> tuple[int, ...]:

@@ -23,6 +23,7 @@ from .tables import STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
 __all__ = ["Adapted", "Source", "apply_preset", "listed"]
 
 _SHOWN = 8
+_CONFIG_FIELDS = {"experts": "num_experts (or num_local_experts, n_routed_experts)", "layers": "num_hidden_layers"}
 Binding = tuple[tuple[str, str], ...]
 
 
@@ -110,10 +111,14 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
     """
     table = _Table(p)
     if p.needs_shape and shape is None:
-        what = ("head_dim for the rotary q/k row order" if all(r.plain for r in p.rows)
-                else "config (head_dim, head and expert counts)")
-        raise UsageError(f"--preset {p.name} needs the model's {what}: pass --hf-assets DIR whose config.json "
-                         "states num_attention_heads and num_key_value_heads")
+        if all(r.plain for r in p.rows):
+            raise UsageError(f"--preset {p.name} needs the model's head_dim for the rotary q/k row order: pass "
+                             "--hf-assets DIR whose config.json states num_attention_heads and num_key_value_heads")
+        fields = dict.fromkeys(_CONFIG_FIELDS.get(STACK_FIELDS.get(r.stacked, r.stacked), r.stacked)
+                               for r in p.rows if r.stacked)
+        fields.update(dict.fromkeys(r.groups for r in p.rows if r.groups))
+        raise UsageError(f"--preset {p.name} needs config.json's {', '.join(f for f in fields if f)}: pass "
+                         "--hf-assets DIR with the model's config.json")
     towards = True if p.identity else _direction(p, table, [s.entry.key for s in sources], to_hf)
     dropped: list[tuple[str, str]] = []
     if not towards and p.fp8:

@@ -111,3 +111,56 @@ def test_convert_hf_to_torchtitan_dcp_loads_as_from_hf_and_exports_back_unchange
 
 
 _PRESETS = {"qwen3": "torchtitan-qwen3", "qwen3_moe": "torchtitan-qwen3-moe", "deepseek_v3": "torchtitan-deepseek-v3"}
+
+
+def quantized(hf: dict[str, torch.Tensor], out: Path) -> Path:
+    """``hf`` as DeepSeek-V3 releases its weights: each linear layer's weight in float8_e4m3fn, with one float32
+    ``weight_scale_inv`` per 128x128 block (none of the tiny model's dims is a multiple of 128), beside an
+    index file, as torch's QuantizedHuggingFaceStorageReader reads them."""
+    import json
+
+    from safetensors.torch import save_file
+
+    state = {}
+    for key, w in hf.items():
+        if w.dim() == 2 and "_proj" in key and "layernorm" not in key:
+            rows, cols = w.shape
+            grid = (-(-rows // 128), -(-cols // 128))
+            padded = torch.zeros(grid[0] * 128, grid[1] * 128)
+            padded[:rows, :cols] = w
+            scale = padded.reshape(grid[0], 128, grid[1], 128).abs().amax(dim=(1, 3)) / 448 + 1e-12
+            expanded = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+            state[key] = (w / expanded).to(torch.float8_e4m3fn)
+            state[key + "_scale_inv"] = scale
+        else:
+            state[key] = w
+    fam.write_hf_assets("deepseek_v3", out)
+    save_file(state, out / "model.safetensors")
+    index = {"metadata": {}, "weight_map": dict.fromkeys(state, "model.safetensors")}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out
+
+
+def test_fp8_deepseek_v3_import_equals_torchs_quantized_reader_and_transformers_dequant(hf_saved, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    fp8 = quantized(load_hf(hf_saved["deepseek_v3"]), tmp_path / "fp8")
+    stored = load_hf(fp8)
+    # torchtitan 0.3 imports DeepSeek-V3's FP8 weights through torch's reader (target float32), then from_hf().
+    read = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in stored.items() if not k.endswith("_scale_inv")}
+    dcp.load(read, storage_reader=QuantizedHuggingFaceStorageReader(str(fp8), target_dtype=torch.float32,
+                                                                     block_size=128, thread_count=1))
+    config, adapter, _ = fam.family("deepseek_v3")
+    expected = adapter(config, None).from_hf(dict(read))
+    report = ckptkit.convert(fp8, tmp_path / "titan", to="sharded", world_size=2, preset="torchtitan-deepseek-v3")
+    assert_same_tree(titan_load("deepseek_v3", tmp_path / "titan", expected), expected)
+    # Back to HF, the dequantized weights are transformers' fine-grained FP8 dequantization in float32.
+    ckptkit.export_hf(tmp_path / "titan", tmp_path / "hf", hf_assets=fp8)
+    back = load_hf(tmp_path / "hf")
+    key = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert torch.equal(back[key], _dequantize_fp8_weight(stored[key], stored[key + "_scale_inv"], [128, 128],
+                                                         torch.float32))
+    assert set(back) == set(read)
+    assert report.tensors == len(expected)
