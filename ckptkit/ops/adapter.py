@@ -309,7 +309,7 @@ class _Builder:
             parts = [self._gather(row, part, False) for part in parts]
             stacked.append(self._fused(row, parts, name) if len(parts) > 1 else parts[0])
         if row.transpose:  # before the stacking: a computed tensor is not joined by byte ranges
-            stacked = [transposed(e, e.key) for e in stacked]
+            stacked = [transposed(e, name) for e in stacked]
             if row.stacked:
                 raise UsageError(f"--preset {self.p.name}: {name!r}: a transposed row is not stacked on import")
         entry = stack(name, stacked) if row.stacked else stacked[0]

@@ -106,6 +106,16 @@ _DEEPSEEK_MOE = _experts() + _renames((("mlp.shared_experts.gate_proj.weight", "
                                        ("mlp.shared_experts.up_proj.weight", "moe.shared_experts.w3.weight"),
                                        ("mlp.shared_experts.down_proj.weight", "moe.shared_experts.w2.weight"),
                                        ("mlp.gate.e_score_correction_bias", "moe.expert_bias_E")), "mlp:moe")
+_OSS = _T + "moe.routed_experts.inner_experts."
+_GPT_OSS = [Row(_HF + "self_attn.sinks", (_T + "attention.sinks",)),
+            Row(_HF + "mlp.experts.gate_up_proj", (_OSS + "mlp1_weight_EGD", _OSS + "mlp1_weight"), transpose=True),
+            Row(_HF + "mlp.experts.gate_up_proj_bias", (_OSS + "mlp1_bias_EG", _OSS + "mlp1_bias")),
+            Row(_HF + "mlp.experts.down_proj", (_OSS + "mlp2_weight_EDF", _OSS + "mlp2_weight"), transpose=True),
+            Row(_HF + "mlp.experts.down_proj_bias", (_OSS + "mlp2_bias_ED", _OSS + "mlp2_bias")),
+            *_renames((("mlp.router.weight", "moe.router.gate.weight"), ("mlp.router.bias", "moe.router.gate.bias")))]
+_MXFP4 = tuple((_HF + f"mlp.experts.{p}_{part}", "GPT-OSS's MXFP4 expert weights are not read; dequantize them first "
+                "(transformers: from_pretrained with Mxfp4Config(dequantize=True), then save_pretrained)")
+               for p in ("gate_up_proj", "down_proj") for part in ("blocks", "scales"))
 
 PRESETS = {p.name: p for p in (
     Preset("torchtitan-llama", "torchtitan's Llama 3 (0.3 names; 0.1-0.2 names read too) <-> HF Llama, with the "
@@ -129,11 +139,15 @@ PRESETS = {p.name: p for p in (
     Preset("torchtitan-deepseek-v3", "torchtitan's DeepSeek-V3 (MLA, shared experts, router correction bias) <-> "
            "HF DeepSeek-V3; FP8 weights dequantized on import", "torchtitan",
            tuple(_titan_common() + _MLA + _dense_mlp() + _DEEPSEEK_MOE), dropped=(_INV_FREQ,), fp8=True),
+    Preset("torchtitan-gpt-oss", "torchtitan's GPT-OSS in bf16 (attention sinks, expert biases; experts "
+           "[experts, 2 x hidden, dim] <-> HF's transposed) <-> HF GPT-OSS; MXFP4 refused", "torchtitan",
+           tuple(_titan_common() + _gqa(biases=True) + _GPT_OSS), dropped=(_INV_FREQ, _T + "moe.expert_bias_E"),
+           refuse=_MXFP4),
 )}
 """The presets by name."""
 
 DETECT = {"llama": "torchtitan-llama", "qwen3": "torchtitan-qwen3", "qwen3_moe": "torchtitan-qwen3-moe",
-          "deepseek_v3": "torchtitan-deepseek-v3"}
+          "deepseek_v3": "torchtitan-deepseek-v3", "gpt_oss": "torchtitan-gpt-oss"}
 """``config.json``'s ``model_type`` -> the preset ``--preset auto`` uses for torchtitan names of that family
 (:mod:`ckptkit.ops.detect`)."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")
 VOCAB, DIM = 256, 64
 
 
@@ -86,9 +86,39 @@ def _deepseek_v3():
     return config, DeepSeekV3StateDictAdapter, hf
 
 
+def _gpt_oss():
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.rope import CosSinRoPE
+    from torchtitan.models.gpt_oss import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        GptOssModel,
+        _build_gptoss_layers,
+        _output_linear_init,
+    )
+    from torchtitan.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
+
+    layers = _build_gptoss_layers(  # torchtitan's builder fixes 64 heads of 64, 8 kv heads
+        fuse_qkv=True, dim=DIM, n_layers=2, hidden_dim=48, num_experts=4, top_k=2, load_balance_coeff=1e-3,
+        attn_backend="flex", moe_comm_backend="standard", rope=CosSinRoPE.Config(dim=64, max_seq_len=64,
+                                                                              theta=150000.0))
+    config = GptOssModel.Config(
+        vocab_size=VOCAB, dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+        layers=layers)
+    hf = dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], vocab_size=VOCAB, hidden_size=DIM,
+              intermediate_size=48, num_hidden_layers=2, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+              num_local_experts=4, num_experts_per_tok=2, sliding_window=128, max_position_embeddings=64,
+              rms_norm_eps=1e-5, tie_word_embeddings=False, layer_types=["sliding_attention", "full_attention"])
+    return config, GptOssStateDictAdapter, hf
+
+
 def family(name: str):
     """``(torchtitan model config, its state-dict adapter class, HF config dict)`` of family ``name``."""
-    return {"qwen3": lambda: _qwen3(False), "qwen3_moe": lambda: _qwen3(True), "deepseek_v3": _deepseek_v3}[name]()
+    return {"qwen3": lambda: _qwen3(False), "qwen3_moe": lambda: _qwen3(True), "deepseek_v3": _deepseek_v3,
+            "gpt_oss": _gpt_oss}[name]()
 
 
 def build(name: str, seed: int = 0) -> torch.nn.Module:

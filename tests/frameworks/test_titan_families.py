@@ -33,8 +33,35 @@ def saved(tmp_path_factory) -> Path:
 
 
 def to_hf(name: str, state: dict) -> dict:
+    """torchtitan's ``to_hf()`` of ``state``. torchtitan 0.3.0's GPT-OSS adapter still names the experts
+    ``mlp1_weight`` (the model's are ``mlp1_weight_EGD``) and leaves them out, so for those four tensors the
+    oracle is transformers' ``GptOssExperts`` layout: ``[experts, dim, 2 x hidden]``, the transpose."""
     config, adapter, _ = fam.family(name)
-    return adapter(config, None).to_hf({k: v.clone() for k, v in state.items()})
+    out = adapter(config, None).to_hf({k: v.clone() for k, v in state.items()})
+    for key, value in state.items() if name == "gpt_oss" else ():
+        layer, _, leaf = key.partition(".moe.routed_experts.inner_experts.")
+        if leaf:
+            hf = "model." + layer + ".mlp.experts." + _OSS_EXPERTS[leaf]
+            out[hf] = value.transpose(1, 2).contiguous() if "weight" in leaf else value
+    return out
+
+
+def from_hf(name: str, hf: dict) -> dict:
+    """torchtitan's ``from_hf()`` of ``hf`` (GPT-OSS's experts as in :func:`to_hf`: its adapter maps the expert
+    biases to the stale names ``mlp1_bias``/``mlp2_bias``, which its model does not have)."""
+    config, adapter, _ = fam.family(name)
+    out = adapter(config, None).from_hf(dict(hf))
+    for leaf, hf_leaf in _OSS_EXPERTS.items() if name == "gpt_oss" else ():
+        for layer in range(2):
+            out.pop(f"layers.{layer}.moe.routed_experts.inner_experts.{leaf.rsplit('_', 1)[0]}", None)  # stale
+            value = hf[f"model.layers.{layer}.mlp.experts.{hf_leaf}"]
+            key = f"layers.{layer}.moe.routed_experts.inner_experts.{leaf}"
+            out[key] = value.transpose(1, 2).contiguous() if "weight" in leaf else value
+    return out
+
+
+_OSS_EXPERTS = {"mlp1_weight_EGD": "gate_up_proj", "mlp1_bias_EG": "gate_up_proj_bias",
+                "mlp2_weight_EDF": "down_proj", "mlp2_bias_ED": "down_proj_bias"}
 
 
 def hf_model(name: str, directory: Path):
@@ -100,9 +127,8 @@ def titan_load(name: str, dcp_dir: Path, keys) -> dict:
 @pytest.mark.parametrize("name", fam.FAMILIES)
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_convert_hf_to_torchtitan_dcp_loads_as_from_hf_and_exports_back_unchanged(hf_saved, tmp_path, name, ranks):
-    config, adapter, _ = fam.family(name)
     hf = load_hf(hf_saved[name])
-    expected = adapter(config, None).from_hf(dict(hf))
+    expected = from_hf(name, hf)
     ckptkit.convert(hf_saved[name], tmp_path / "titan", to="sharded", world_size=ranks,
                     preset=_PRESETS[name], hf_assets=hf_saved[name])
     assert_same_tree(titan_load(name, tmp_path / "titan", expected), expected)
@@ -110,7 +136,8 @@ def test_convert_hf_to_torchtitan_dcp_loads_as_from_hf_and_exports_back_unchange
     assert_same_tree(load_hf(tmp_path / "back"), hf)
 
 
-_PRESETS = {"qwen3": "torchtitan-qwen3", "qwen3_moe": "torchtitan-qwen3-moe", "deepseek_v3": "torchtitan-deepseek-v3"}
+_PRESETS = {"qwen3": "torchtitan-qwen3", "qwen3_moe": "torchtitan-qwen3-moe", "deepseek_v3": "torchtitan-deepseek-v3",
+            "gpt_oss": "torchtitan-gpt-oss"}
 
 
 def quantized(hf: dict[str, torch.Tensor], out: Path) -> Path:
@@ -152,8 +179,7 @@ def test_fp8_deepseek_v3_import_equals_torchs_quantized_reader_and_transformers_
     read = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in stored.items() if not k.endswith("_scale_inv")}
     dcp.load(read, storage_reader=QuantizedHuggingFaceStorageReader(str(fp8), target_dtype=torch.float32,
                                                                      block_size=128, thread_count=1))
-    config, adapter, _ = fam.family("deepseek_v3")
-    expected = adapter(config, None).from_hf(dict(read))
+    expected = from_hf("deepseek_v3", read)
     report = ckptkit.convert(fp8, tmp_path / "titan", to="sharded", world_size=2, preset="torchtitan-deepseek-v3")
     assert_same_tree(titan_load("deepseek_v3", tmp_path / "titan", expected), expected)
     # Back to HF, the dequantized weights are transformers' fine-grained FP8 dequantization in float32.
