@@ -56,7 +56,7 @@ def detect_family(keys: Sequence[str], model_type: str | None, source: str = "co
                              f"--preset {fitting[0]}'s")
         return Detected(named, f"model_type {model_type!r} in {source}, torchtitan names")
     if fitting:
-        return Detected(fitting[0], f"torchtitan names that only --preset {fitting[0]} knows"
+        return Detected(fitting[0], f"torchtitan names of --preset {fitting[0]}'s table"
                         + (f" (model_type {model_type!r} is not a known family)" if model_type else ""))
     return Detected(None, "torchtitan-like names that no preset knows")
 
