@@ -18,7 +18,7 @@ from ..io.execute import DEFAULT_MAX_MEMORY, all_ranks, execute_distributed
 from ..io.parallel import execute_parallel
 from ..io.progress import human_size, progress_bar
 from ..io.publish import check_destination
-from ..io.remote import as_path
+from ..io.remote import RemotePath, as_path
 from .detect import check_family, detect_family
 from .hfconfig import check_single_file, find_config
 from .mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
@@ -209,7 +209,9 @@ def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path |
     shape = None
     notes: tuple[str, ...] = ()
     if mapping.preset is not None:
-        config = find_config(Path(src), hf_assets) if mapping.preset == "auto" or hf_assets is not None else None
+        remote = isinstance(src, RemotePath) or isinstance(hf_assets, RemotePath)  # read by name, as before
+        config = (find_config(Path(src), hf_assets) if not remote and (mapping.preset == "auto" or hf_assets)
+                  else None)
         model_type = config.data.get("model_type") if config is not None and config.is_hf else None
         where = str(config.path) if config is not None else "config.json"
         keys = [t.key for t in tensors]
