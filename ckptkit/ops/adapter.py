@@ -20,7 +20,7 @@ from ..core.reshape import dequantized, join_rows, split_rows, stack, take_rows,
 from ..errors import UsageError
 from .tables import STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
 
-__all__ = ["Adapted", "Source", "apply_preset", "listed"]
+__all__ = ["Adapted", "NameTable", "Source", "apply_preset", "listed"]
 
 _SHOWN = 8
 _CONFIG_FIELDS = {"experts": "num_experts (or num_local_experts, n_routed_experts)", "layers": "num_hidden_layers"}
@@ -70,7 +70,7 @@ class _Match:
     binding: dict[str, str]
 
 
-class _Table:
+class NameTable:
     """A preset's rows as regular expressions, per side."""
 
     def __init__(self, p: Preset) -> None:
@@ -87,7 +87,7 @@ class _Table:
         return None
 
 
-def _direction(p: Preset, table: _Table, keys: list[str], to_hf: bool | None) -> bool:
+def _direction(p: Preset, table: NameTable, keys: list[str], to_hf: bool | None) -> bool:
     """True to map towards HF names, False from them, as the keys are named."""
     hf = {k for k in keys if table.find(table.hf, k)}
     other = {k for k in keys if table.find(table.other, k)}
@@ -109,7 +109,7 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
         UsageError: a key the table does not know; a tensor of the model missing; counts that disagree with
             the config (experts, heads, layers); the shape needed and not given.
     """
-    table = _Table(p)
+    table = NameTable(p)
     if p.needs_shape and shape is None:
         if all(r.plain for r in p.rows):
             raise UsageError(f"--preset {p.name} needs the model's head_dim for the rotary q/k row order: pass "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..core.manifest import Manifest
 from ..errors import CheckpointError, UsageError
-from .adapter import _Table
+from .adapter import NameTable
 from .presets import DETECT, PRESETS, Preset
 
 __all__ = ["Detected", "check_family", "detect_family", "family_of"]
@@ -30,7 +30,7 @@ class Detected:
 
 def _fits(p: Preset, keys: Sequence[str], hf: bool) -> bool:
     """Every key is one of ``p``'s names (its HF side when ``hf``), or a buffer it leaves out."""
-    table = _Table(p)
+    table = NameTable(p)
     side = table.hf if hf else table.other
     return all(table.find(side, k) or any(d.fullmatch(k) for d in table.dropped) for k in keys)
 
