@@ -6,6 +6,10 @@ Shapes (``--shape``), each a bf16 checkpoint of random bits (the shapes are what
   ``Shard(0)`` chunks, laid out by ckptkit's own DCP writer.
 - ``moe``: ``--layers`` layers of 64 experts (dim 1024, expert ffn 96, vocab 16000) with AdamW state (exp_avg,
   exp_avg_sq, and a float32 scalar step per parameter), ``Shard(0)`` chunks: tens of thousands of chunks.
+- ``moe-titan``: a torchtitan 0.3 Qwen3-MoE, ``--layers`` layers (default 8) of 64 experts stacked per projection
+  (``[experts, 512, 1536]``), model only, ``Shard(0)`` chunks, about 2.6 GB: ``export-hf`` splits the experts
+  (``--preset auto``), and the reverse, ``convert --to sharded --preset torchtitan-qwen3-moe``, joins them back;
+  each timed against the ``cp -r`` of its own input.
 - ``tp``: the dense shapes on a 2 x 2 (dp x tp) mesh, saved by torch's own ``dcp.save`` from DTensors placed as
   tensor parallelism places them (``Shard(1)`` for the row-parallel o_proj/down_proj, ``Shard(0)`` for the rest,
   norms replicated over tp).
@@ -85,6 +89,56 @@ def moe_shapes(layers: int, experts: int = 64, dim: int = 1024, ffn: int = 96, v
                        (q + "down_proj.weight", (dim, ffn))]
         shapes += [(p + "input_layernorm.weight", (dim,)), (p + "post_attention_layernorm.weight", (dim,))]
     return shapes + [("model.norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))]
+
+
+def titan_moe_shapes(layers: int, experts: int = 64, dim: int = 1536, ffn: int = 512, vocab: int = 16000,
+                     heads: int = 12, kv_heads: int = 4, head_dim: int = 128) -> tuple[Shapes, dict]:
+    """torchtitan 0.3 Qwen3-MoE parameter names and shapes (stacked experts), and the HF config.json of it."""
+    inner = "moe.routed_experts.inner_experts."
+    shapes: Shapes = [("tok_embeddings.weight", (vocab, dim))]
+    for i in range(layers):
+        p = f"layers.{i}."
+        shapes += [(p + "attention.qkv_linear.wq.weight", (heads * head_dim, dim)),
+                   (p + "attention.qkv_linear.wk.weight", (kv_heads * head_dim, dim)),
+                   (p + "attention.qkv_linear.wv.weight", (kv_heads * head_dim, dim)),
+                   (p + "attention.wo.weight", (dim, heads * head_dim)),
+                   (p + "attention.q_norm.weight", (head_dim,)), (p + "attention.k_norm.weight", (head_dim,)),
+                   (p + "moe.router.gate.weight", (experts, dim)), (p + inner + "w1_EFD", (experts, ffn, dim)),
+                   (p + inner + "w3_EFD", (experts, ffn, dim)), (p + inner + "w2_EDF", (experts, dim, ffn)),
+                   (p + "attention_norm.weight", (dim,)), (p + "ffn_norm.weight", (dim,))]
+    config = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": dim,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "head_dim": head_dim, "num_experts": experts, "moe_intermediate_size": ffn, "vocab_size": vocab,
+              "tie_word_embeddings": False}
+    return shapes + [("norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))], config
+
+
+def bench_titan_moe(layers: int, repeat: int, root: Path) -> None:
+    """export-hf of a torchtitan Qwen3-MoE DCP (experts split) and the reverse (experts joined), against cp."""
+    import json
+
+    shapes, config = titan_moe_shapes(layers)
+    total = write_dcp(root, [(k, s, "bfloat16") for k, s in shapes])
+    assets = root / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps(config))
+    src, hf = root / "dcp", root / "hf"
+    compileall.compile_dir(Path(ckptkit_package.__file__).parent, quiet=1)
+    ckptkit = [sys.executable, "-m", "ckptkit"]
+    export = Row("ckptkit export-hf (experts split)", lambda out: [
+        *ckptkit, "export-hf", str(src), str(out), "-q", "--hf-assets", str(assets)], src, keep=hf)
+    _warm(src)
+    _time_rows([_cp(src), export], 1, root)  # makes the HF directory the reverse reads
+    back = Row("ckptkit convert --to sharded (joined)", lambda out: [
+        *ckptkit, "convert", str(hf), str(out), "--to", "sharded", "--world-size", "4", "-q", "--preset",
+        "torchtitan-qwen3-moe", "--hf-assets", str(assets)], hf)
+    rows = [_cp(src), export, _cp(hf), back]
+    for row in rows:
+        row.runs.clear()
+    _warm(hf)
+    _time_rows(rows, repeat, root)
+    _table(rows, total, repeat, f"{total / 1e9:.2f} GB bf16, torchtitan Qwen3-MoE, {layers} layers x 64 stacked "
+                                f"experts, 4-rank DCP, {_chunks(src)} chunks")
 
 
 def with_adamw(shapes: Shapes) -> list[tuple[str, tuple[int, ...], str]]:
@@ -222,7 +276,7 @@ def _chunks(path: Path) -> int:
 
 
 @click.command()
-@click.option("--shape", type=click.Choice(["dense", "moe", "tp"]), default="dense", show_default=True,
+@click.option("--shape", type=click.Choice(["dense", "moe", "moe-titan", "tp"]), default="dense", show_default=True,
               help="Which checkpoint (see the module docstring).")
 @click.option("--size", default="2GB", show_default=True, help="Approximate size of the dense and tp checkpoints.")
 @click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1), help="moe: layers.")
@@ -253,6 +307,8 @@ def main(shape: str, size: str, layers: int, world_size: int, workers: str | Non
             bench_metadata(metadata_tensors, repeat, root)
         elif chunks:
             bench_chunks(chunks, repeat, root)
+        elif shape == "moe-titan":
+            bench_titan_moe(layers, repeat, root)
         elif storage == "s3":
             total = write_dcp(root, [(k, s, "bfloat16") for k, s in llama_shapes(parse_size(size, "--size"))])
             bench_storage(root / "dcp", total, repeat, root)

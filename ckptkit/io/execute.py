@@ -37,6 +37,7 @@ from ..core.dtypes import DType
 from ..core.plan import FilePlan, Part, Region, WritePlan, row_blocks
 from ..core.split import Slice, split_work
 from ..errors import CheckpointError, FormatError, UsageError
+from .compute import block_budget
 from .moves import Literal, Moves, Read, Unit, units
 from .publish import Staging, check_destination, stage
 from .remote import RemotePath, is_url
@@ -55,6 +56,8 @@ _GATHER_BLOCK = 8 << 20  # the write buffer's size
 
 
 def _cast(data: bytearray, src: DType, dst: DType) -> memoryview:
+    if src == dst:
+        return memoryview(data)
     import torch  # only a dtype cast needs torch
 
     src_dtype, dst_dtype = getattr(torch, src.name), getattr(torch, dst.name)
@@ -102,7 +105,7 @@ class _Writer:
                         self._copy(out, u)
                     else:
                         n = u.region.nbytes
-                        self._cast_copy(out, u.region, cast(DType, u.region.cast), u.dst)
+                        self._cast_copy(out, u.region, u.region.dtype, u.dst)
                     done += n
                     if done - told >= _GATHER_BLOCK:
                         self.progress(done - told)
@@ -172,11 +175,9 @@ class _Writer:
             src_off, dst_off, n = src_off + got, dst_off + got, n - got
 
     def _cast_copy(self, out: int, region: Region, cast: DType, pos: int) -> None:
-        # A block's source bytes and their cast copy are alive at once, so a row costs its size in both dtypes;
-        # row_blocks counts the block in the cast dtype alone.
+        """A region cast, or computed (:mod:`.compute`), one row block at a time."""
         self.flush()
-        both = region.entry.dtype.itemsize + cast.itemsize
-        for block in row_blocks(region, max(1, self.max_memory * cast.itemsize // both)):
+        for block in row_blocks(region, block_budget(region, self.max_memory)):
             data = _cast(read_region(block, self.files), block.entry.dtype, cast)
             os.pwrite(out, data, pos)
             pos += len(data)

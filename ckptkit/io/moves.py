@@ -44,7 +44,8 @@ class Read(NamedTuple):
 
 
 class CastBlock(NamedTuple):
-    """A region whose bytes are cast to another dtype on the way, written at byte ``dst`` of the file."""
+    """A region whose bytes are cast to another dtype, or computed (:mod:`.compute`), on the way, written at
+    byte ``dst`` of the file."""
 
     dst: int
     region: Region
@@ -61,7 +62,7 @@ def units(parts: tuple[Part, ...], start: int, cap: int) -> Iterator[Unit]:
     for part in parts:
         if isinstance(part, Bytes):
             yield Literal(pos, part.data)
-        elif part.cast is not None and part.cast != part.entry.dtype:
+        elif part.entry.derived is not None or (part.cast is not None and part.cast != part.entry.dtype):
             yield CastBlock(pos, part)
         else:
             yield from _reads(part, pos, cap)

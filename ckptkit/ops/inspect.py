@@ -156,9 +156,11 @@ def _modules(entries: list[TensorEntry | ObjectEntry], depth: int) -> list[dict[
     return list(rows.values())
 
 
-def summary(m: Manifest, *, depth: int | None = None, filter: str | None = None) -> dict[str, Any]:
+def summary(m: Manifest, *, depth: int | None = None, filter: str | None = None,
+            family: tuple[str | None, str] | None = None) -> dict[str, Any]:
     """The manifest as JSON data: ``filter`` (a regular expression searched in each key) narrows the tensors and
-    entries, ``depth`` adds a table of modules (keys cut to their first ``depth`` segments)."""
+    entries, ``depth`` adds a table of modules (keys cut to their first ``depth`` segments), ``family`` (the
+    preset ``--preset auto`` would use, and why: :func:`ckptkit.ops.detect.family_of`) is shown as given."""
     try:
         pattern = re.compile(filter) if filter is not None else None
     except re.error as e:
@@ -187,6 +189,7 @@ def summary(m: Manifest, *, depth: int | None = None, filter: str | None = None)
         "buffers": None if counts is None else counts[1],
         "dtypes": dict(sorted(by_dtype.items(), key=lambda kv: -kv[1]["bytes"])),
         "details": dict(m.details),
+        **({"family": {"preset": family[0], "why": family[1]}} if family is not None else {}),
         "entries": [{"key": t.key, "dtype": t.dtype.name, "shape": list(t.shape), "elements": t.numel,
                      "bytes": t.nbytes,
                      "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": Path(c.span.file).name}
@@ -233,6 +236,10 @@ def render(s: dict[str, Any]) -> str:
         lines.append("dtypes: " + ", ".join(f"{name} {100 * d['bytes'] / total:.3g}% ({d['tensors']} tensors)"
                                            for name, d in s["dtypes"].items()))
     lines += [f"{k}: {v}" for k, v in s["details"].items()]
+    if s.get("family"):
+        family = s["family"]
+        lines.append(f"family: {family['preset']} ({family['why']}); --preset auto uses it" if family["preset"]
+                     else f"family: none recognised ({family['why']})")
     if "modules" in s:  # one row a module: its tensors and other entries counted, not listed
         modules = [(r["name"], f"{r['tensors']:,}", f"{r['parameters']:,}", f"{r['buffers']:,}",
                     human_size(r["bytes"]), f"{r['objects']:,}") for r in s["modules"]]

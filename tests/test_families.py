@@ -1,0 +1,134 @@
+"""The model-family presets on small hand-made checkpoints: ``--preset auto`` and its detection, ``inspect``'s
+family line, and the refusals (one line, exit 2, nothing written) of input a family's table cannot map.
+
+torchtitan's own models and adapters prove the mappings themselves (tests/frameworks/test_titan_families.py);
+here the names and shapes are torchtitan's, written with safetensors, so that each refusal is quick to reach.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from ckptkit.cli import cli
+
+CONFIG = {"model_type": "qwen3_moe", "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "head_dim": 4, "num_hidden_layers": 1, "num_experts": 4, "vocab_size": 10, "tie_word_embeddings": False}
+
+
+def qwen3_moe_titan(experts: int = 4) -> dict[str, torch.Tensor]:
+    """A one-layer Qwen3-MoE under torchtitan 0.3's names (dim 8, 2 heads of 4, 1 kv head, ``experts`` experts)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"tok_embeddings.weight": (10, 8), "norm.weight": (8,), "lm_head.weight": (10, 8),
+              "layers.0.attention.qkv_linear.wq.weight": (8, 8), "layers.0.attention.qkv_linear.wk.weight": (4, 8),
+              "layers.0.attention.qkv_linear.wv.weight": (4, 8), "layers.0.attention.wo.weight": (8, 8),
+              "layers.0.attention.q_norm.weight": (4,), "layers.0.attention.k_norm.weight": (4,),
+              "layers.0.attention_norm.weight": (8,), "layers.0.ffn_norm.weight": (8,),
+              "layers.0.moe.router.gate.weight": (experts, 8), "layers.0.moe.expert_bias_E": (experts,),
+              "layers.0.moe.routed_experts.inner_experts.w1_EFD": (experts, 6, 8),
+              "layers.0.moe.routed_experts.inner_experts.w3_EFD": (experts, 6, 8),
+              "layers.0.moe.routed_experts.inner_experts.w2_EDF": (experts, 8, 6)}
+    return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+
+
+def checkpoint(tmp_path: Path, state: dict[str, torch.Tensor], config: dict | None = None) -> tuple[Path, Path]:
+    """``state`` as a safetensors file, and a directory holding ``config`` as its config.json."""
+    save_file(state, tmp_path / "ckpt.safetensors")
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps(CONFIG if config is None else config))
+    return tmp_path / "ckpt.safetensors", assets
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_export_hf_preset_auto_splits_the_experts_of_a_recognised_family(tmp_path):
+    state = qwen3_moe_titan()
+    src, assets = checkpoint(tmp_path, state)
+    result = run("export-hf", src, tmp_path / "hf", "--hf-assets", assets)
+    assert result.exit_code == 0, result.output
+    assert "--preset auto: torchtitan-qwen3-moe (model_type 'qwen3_moe' in " in result.output
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    stacked = state["layers.0.moe.routed_experts.inner_experts.w2_EDF"]
+    for e in range(4):
+        assert torch.equal(got[f"model.layers.0.mlp.experts.{e}.down_proj.weight"], stacked[e])
+    assert "layers.0.moe.expert_bias_E" not in got and len(got) == 3 + 9 + 3 * 4
+
+
+def test_inspect_names_the_family_and_the_preset_auto_uses(tmp_path):
+    src, assets = checkpoint(tmp_path, qwen3_moe_titan())
+    (src.parent / "config.json").write_text((assets / "config.json").read_text())
+    result = run("inspect", src)
+    assert result.exit_code == 0, result.output
+    assert "family: torchtitan-qwen3-moe (model_type 'qwen3_moe' in " in result.output
+
+
+def assert_refused(result, message: str, out: Path) -> None:
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("ckptkit: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr, result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("state, config, args, message", [
+    # the config's expert count disagrees with the stacked tensors
+    (qwen3_moe_titan(), {**CONFIG, "num_experts": 8}, [],
+     "'layers.0.moe.routed_experts.inner_experts.w1_EFD' stacks 4 tensors along dim 0, but "),
+    # a key the table does not know is refused, never passed through
+    ({**qwen3_moe_titan(), "layers.0.moe.shared_expert.w1.weight": torch.zeros(2, 8)}, CONFIG, [],
+     "1 keys are not torchtitan names it knows: 'layers.0.moe.shared_expert.w1.weight'"),
+    # a Qwen3-MoE checkpoint given DeepSeek-V3's preset
+    (qwen3_moe_titan(), CONFIG, ["--preset", "torchtitan-deepseek-v3"],
+     "--preset torchtitan-deepseek-v3: "),
+    # the config names another family than the keys are
+    (qwen3_moe_titan(), {**CONFIG, "model_type": "deepseek_v3"}, [],
+     "model_type 'deepseek_v3' is --preset torchtitan-deepseek-v3's family, but the keys are --preset "
+     "torchtitan-qwen3-moe's"),
+])
+def test_export_hf_refuses_what_the_family_table_cannot_map(tmp_path, state, config, args, message):
+    src, assets = checkpoint(tmp_path, state, config)
+    assert_refused(run("export-hf", src, tmp_path / "hf", "--hf-assets", assets, *args), message, tmp_path / "hf")
+
+
+def test_export_hf_without_a_config_names_the_field_the_experts_need(tmp_path):
+    src, _ = checkpoint(tmp_path, qwen3_moe_titan())
+    assert_refused(run("export-hf", src, tmp_path / "hf", "--preset", "torchtitan-qwen3-moe"),
+                   "num_experts", tmp_path / "hf")
+
+
+def deepseek_fp8_hf(scale_rows: int | None) -> dict[str, torch.Tensor]:
+    """One FP8 weight of a DeepSeek-V3 HF checkpoint, with ``scale_rows`` rows of block scales (None: none)."""
+    state = {"model.layers.0.self_attn.kv_b_proj.weight": torch.ones(200, 8).to(torch.float8_e4m3fn)}
+    if scale_rows is not None:
+        state["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"] = torch.ones(scale_rows, 1)
+    return state
+
+
+@pytest.mark.parametrize("scale_rows, message", [
+    (None, "'model.layers.0.self_attn.kv_b_proj.weight' is float8_e4m3fn but "
+           "'model.layers.0.self_attn.kv_b_proj.weight_scale_inv' is missing"),
+    (1, "'model.layers.0.self_attn.kv_b_proj.weight_scale_inv': shape [1, 1] (float32); the 128x128 block grid of "
+        "'model.layers.0.self_attn.kv_b_proj.weight' [200, 8] is [2, 1] floats"),
+])
+def test_convert_refuses_fp8_weights_without_scales_that_cover_them(tmp_path, scale_rows, message):
+    src, assets = checkpoint(tmp_path, deepseek_fp8_hf(scale_rows), {**CONFIG, "model_type": "deepseek_v3"})
+    result = run("convert", src, tmp_path / "titan", "--to", "sharded", "--preset", "torchtitan-deepseek-v3",
+                 "--hf-assets", assets)
+    assert_refused(result, message, tmp_path / "titan")
+
+
+def test_convert_refuses_gpt_oss_mxfp4_experts_in_one_line(tmp_path):
+    state = {"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(2, 4, 1, 16, dtype=torch.uint8),
+             "model.layers.0.mlp.experts.gate_up_proj_scales": torch.zeros(2, 4, 1, dtype=torch.uint8)}
+    src, assets = checkpoint(tmp_path, state, {**CONFIG, "model_type": "gpt_oss"})
+    result = run("convert", src, tmp_path / "titan", "--to", "sharded", "--preset", "torchtitan-gpt-oss",
+                 "--hf-assets", assets)
+    assert_refused(result, "'model.layers.0.mlp.experts.gate_up_proj_blocks': GPT-OSS's MXFP4 expert weights are "
+                           "not read", tmp_path / "titan")
