@@ -19,8 +19,9 @@ import pytest
 # From the source tree, without importing it: a cycle would break ``import ckptkit`` before any test ran.
 ROOT = Path(__file__).resolve().parents[1] / "ckptkit"
 
-# Lowest first; a module may import its own layer and those before it. ``ckptkit.errors`` is usable by all.
-LAYERS = ("errors", "core", "io", "codecs", "formats", "ops", "training", "harness", "top")
+# Lowest first; a module may import its own layer and those before it. ``ckptkit._version`` and
+# ``ckptkit.errors`` are usable by all.
+LAYERS = ("_version", "errors", "core", "io", "codecs", "formats", "ops", "training", "harness", "top")
 # Where torch may only be imported inside a function: ckptkit moves bytes without it.
 TORCH_FREE = ("core", "io", "codecs", "formats", "ops")
 # torch, and what imports it on import.
