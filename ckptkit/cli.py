@@ -413,7 +413,8 @@ def reshard(src, dst, world_size, workers, dry_run, overwrite, max_memory, fsync
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
 @_option("--hf-assets", metavar="DIR", callback=_assets_dir,
-         help="HF model directory to copy config.json and tokenizer files from (config.json names the dtype "
+         help="HF model directory whose every file but weights, training state and caches is copied: config, "
+              "tokenizer, generation config, sentence-transformers modules, model card (config.json names the dtype "
               "written; its tie_word_embeddings decides whether lm_head.weight is left out; a --preset takes "
               "its head counts).")
 @_option("--dtype", default="keep", show_default=True,
@@ -438,7 +439,7 @@ def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefi
               key_map, renames, preset, strict_map, workers, dry_run, overwrite, max_memory, fsync, quiet,
               storage_options,
               **local) -> None:
-    """Write the model part of SRC as Hugging Face safetensors in DST, with config and tokenizer files."""
+    """Write the model part of SRC as Hugging Face safetensors in DST, with the files of --hf-assets."""
     from .ops.export import export_hf as _export
 
     _write(_export, src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
