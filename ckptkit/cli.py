@@ -182,14 +182,15 @@ _dry_run = _option("--dry-run", is_flag=True, section=COMMON,
 def _presets_help() -> str:
     from .ops.presets import PRESETS
 
-    return "A named mapping with its tensor transforms: " + "; ".join(f"{p.name}: {p.summary}"
-                                                                      for p in PRESETS.values()) + "."
+    return ("A model family's adapter (names, stacked experts, transforms): auto (the default for HF output): "
+            "the family's, detected from config.json's model_type and the keys; none: no mapping; "
+            + "; ".join(f"{p.name}: {p.summary}" for p in PRESETS.values()) + ".")
 
 
 def _preset_names() -> list[str]:
     from .ops.presets import PRESETS
 
-    return list(PRESETS)
+    return ["auto", "none", *PRESETS]
 
 
 _MAPPING = (
@@ -409,7 +410,7 @@ def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefi
 
     _write(_export, src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
            strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
-           preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, keep_fp32=keep_fp32,
+           preset=preset or "auto", renames=renames, key_map=key_map, strict_map=strict_map, keep_fp32=keep_fp32,
            overwrite=overwrite, max_memory=max_memory, fsync=fsync, local=_local_options(**local), dry_run=dry_run,
            workers=workers, storage_options=storage_options, quiet=quiet)
 

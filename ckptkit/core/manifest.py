@@ -18,8 +18,8 @@ from ..errors import IncompleteCheckpointError
 from .boxes import extent, overlapping
 from .dtypes import DType, by_name
 
-__all__ = ["Chunk", "Format", "FormName", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef", "key_of",
-           "map_tensor_refs"]
+__all__ = ["Chunk", "Derived", "Format", "FormName", "Manifest", "ObjectEntry", "Span", "TensorEntry", "TensorRef",
+           "key_of", "map_tensor_refs"]
 
 Path_ = tuple  # a state-dict path: str keys and int list indices, e.g. ("optim", "param_groups", 0, "lr")
 
@@ -65,6 +65,22 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
+class Derived:
+    """A tensor computed from others rather than copied: ``op`` over ``inputs``, region by region.
+
+    - ``"transpose"``: the one 2-D input's transpose (or a 3-D input's last two dims swapped);
+    - ``"dequant_fp8"``: ``inputs[0]`` (a float8 weight) times ``inputs[1]`` (its ``weight_scale_inv``, one float
+      per ``block`` x ``block`` tile), in float32, then the entry's dtype.
+
+    :mod:`ckptkit.io.compute` computes any box of such an entry from the matching boxes of its inputs, so it
+    streams in tiles bounded by the memory setting."""
+
+    op: Literal["transpose", "dequant_fp8"]
+    inputs: tuple[TensorEntry, ...]
+    block: int = 128
+
+
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     key: str
     path: Path_
@@ -77,6 +93,9 @@ class TensorEntry:
     """A row gather: row ``i`` of this tensor is row ``rows[i]`` of the tensor its chunks describe (a key
     mapping's rotary q/k permutation); None: the chunks' own order. Byte copies honour it
     (:func:`ckptkit.core.plan.plan_copies`), so it streams like any other tensor."""
+    derived: Derived | None = None
+    """Set where the tensor is computed from other tensors (a transpose, an FP8 dequantization); ``chunks``
+    is then empty."""
     by_row: tuple | None = field(default=None, init=False, compare=False, repr=False)
     """The chunks ordered down dim 0, made on first use by :mod:`ckptkit.core.plan` (a reshard to N ranks
     looks each tensor's chunks up N times). Kept here, it goes when the entry goes."""
@@ -96,6 +115,10 @@ class TensorEntry:
 
     def validate(self) -> None:
         """Chunks must lie inside the tensor and tile it exactly; identical replicas (HSDP) count once."""
+        if self.derived is not None:
+            for source in self.derived.inputs:
+                source.validate()
+            return
         problems: list[str] = []
         boxes: dict[tuple, None] = {}  # distinct non-empty boxes, in chunk order
         covered = 0  # their elements

@@ -33,6 +33,7 @@ from .. import errors
 from ..core.dtypes import DType
 from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_strided, row_blocks, split_files
 from ..errors import CheckpointError, FormatError, UsageError
+from .compute import block_budget
 from .publish import Staging, check_destination, stage
 from .remote import RemotePath, is_url
 from .sources import Files, read_into, read_region
@@ -51,6 +52,8 @@ _GATHER_BLOCK = 8 << 20  # the write buffer's size
 
 
 def _cast(data: bytearray, src: DType, dst: DType) -> memoryview:
+    if src == dst:
+        return memoryview(data)
     import torch  # only a dtype cast needs torch
 
     src_dtype, dst_dtype = getattr(torch, src.name), getattr(torch, dst.name)
@@ -84,10 +87,10 @@ class _Writer:
                         self._buffered(out, pos, n)[:] = part.data
                     else:
                         n = part.nbytes
-                        if part.cast is None or part.cast == part.entry.dtype:
+                        if part.entry.derived is None and (part.cast is None or part.cast == part.entry.dtype):
                             self._copy(out, part, pos, n)
                         else:
-                            self._cast_copy(out, part, part.cast, pos)
+                            self._cast_copy(out, part, part.dtype, pos)
                     pos += n
                     if pos - told >= _GATHER_BLOCK:
                         self.progress(pos - told)
@@ -166,11 +169,9 @@ class _Writer:
             src_off, dst_off, n = src_off + got, dst_off + got, n - got
 
     def _cast_copy(self, out: int, region: Region, cast: DType, pos: int) -> None:
-        # A block's source bytes and their cast copy are alive at once, so a row costs its size in both dtypes;
-        # row_blocks counts the block in the cast dtype alone.
+        """A region cast, or computed (:mod:`.compute`), one row block at a time."""
         self.flush()
-        both = region.entry.dtype.itemsize + cast.itemsize
-        for block in row_blocks(region, max(1, self.max_memory * cast.itemsize // both)):
+        for block in row_blocks(region, block_budget(region, self.max_memory)):
             data = _cast(read_region(block, self.files), block.entry.dtype, cast)
             os.pwrite(out, data, pos)
             pos += len(data)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from ..core.plan import Copy, Region, Strided, plan_strided
 from ..errors import FormatError
+from .compute import compute_region
 from .remote import PIECE, Range, RemoteFiles, bounds_error, coalesce, is_url
 
 __all__ = ["Files", "opened", "read_into", "read_region"]
@@ -185,7 +186,10 @@ def _chain(first: Range, rest: Iterable[Range]) -> Iterable[Range]:
 
 
 def read_region(region: Region, files: Files) -> bytearray:
-    """The row-major bytes of ``region`` in the entry's dtype (``region.cast`` is not applied here)."""
+    """The row-major bytes of ``region`` in the entry's dtype (``region.cast`` is not applied here); a computed
+    entry's (:mod:`.compute`) are computed from its inputs'."""
+    if region.entry.derived is not None:
+        return bytearray(compute_region(region, lambda box: read_region(box, files)))
     buf = bytearray(Region(region.entry, region.offsets, region.sizes).nbytes)
     pieces = plan_strided(region)
     if pieces and is_url(pieces[0].src.file):

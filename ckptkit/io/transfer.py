@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, cast
 from ..core.dtypes import DType
 from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_copies, row_blocks
 from ..errors import UsageError
+from .compute import block_budget
 from .publish import ObjectStaging, check_destination, stage_object
 from .remote import PIECE, Job, RemoteFiles, RemotePath, calling, coalesce
 from .sources import Files, read_region
@@ -68,15 +69,13 @@ def _jobs(parts: tuple[Part, ...], files: Files, budget: int, cast_bytes: Cast) 
     for part in parts:
         if isinstance(part, Bytes):
             yield Job(part.nbytes, functools.partial(bytes, part.data), inline=True)
-        elif part.cast is None or part.cast == part.entry.dtype:
+        elif part.entry.derived is None and (part.cast is None or part.cast == part.entry.dtype):
             ranges = ((cp.src.file, cp.src.offset, cp.src.offset + cp.src.length) for cp in plan_copies(part))
             for path, start, end in coalesce(ranges, PIECE):
                 yield _Read(path, start, end, part.entry.key)
         else:
-            # A block's source bytes and their cast copy are alive at once (as in the local executor).
-            both = part.entry.dtype.itemsize + part.cast.itemsize
-            for block in row_blocks(part, max(1, budget * part.cast.itemsize // both)):
-                yield Job(block.nbytes, functools.partial(_cast_block, block, part.cast, files, cast_bytes),
+            for block in row_blocks(part, block_budget(part, budget)):
+                yield Job(block.nbytes, functools.partial(_cast_block, block, part.dtype, files, cast_bytes),
                           inline=True)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from ..io.parallel import execute_parallel
 from ..io.progress import human_size, progress_bar
 from ..io.publish import check_destination
 from ..io.remote import as_path
+from .detect import check_family, detect_family
 from .hfconfig import check_single_file, find_config
 from .mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
 from .presets import preset
@@ -205,12 +207,25 @@ def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path |
     (:func:`ckptkit.ops.hfconfig.find_config`: ``hf_assets``, the source's own ``config.json``, Meta's
     ``params.json`` beside it)."""
     shape = None
+    notes: tuple[str, ...] = ()
     if mapping.preset is not None:
-        chosen = preset(mapping.preset)
-        check_single_file(chosen, Path(src))
-        config = find_config(Path(src), hf_assets) if chosen.needs_shape or hf_assets is not None else None
-        shape = config.shape() if config is not None else None
-    return map_keys(tensors, mapping, shape=shape, to_hf=to_hf)
+        config = find_config(Path(src), hf_assets) if mapping.preset == "auto" or hf_assets is not None else None
+        model_type = config.data.get("model_type") if config is not None and config.is_hf else None
+        where = str(config.path) if config is not None else "config.json"
+        keys = [t.key for t in tensors]
+        if mapping.preset == "auto":
+            found = detect_family(keys, model_type if isinstance(model_type, str) else None, where)
+            mapping = dataclasses.replace(mapping, preset=found.preset)
+            notes = (f"--preset auto: {found.preset} ({found.why})",) if found.preset else ()
+        if mapping.preset is not None:
+            chosen = preset(mapping.preset)
+            check_single_file(chosen, Path(src))
+            check_family(chosen, keys, model_type if isinstance(model_type, str) else None, where)
+            if config is None and chosen.needs_shape:
+                config = find_config(Path(src), hf_assets)
+            shape = config.shape() if config is not None else None
+    mapped = map_keys(tensors, mapping, shape=shape, to_hf=to_hf)
+    return dataclasses.replace(mapped, notes=notes + mapped.notes)
 
 
 @all_ranks
@@ -231,9 +246,10 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
 
     A key mapping (:mod:`ckptkit.ops.mapping`) renames the model's weights: ``key_map`` (a dict, or a JSON
     file of old key to new key or null), then ``renames`` (``'REGEX=REPLACEMENT'``, in order), then a
-    ``preset`` (``torchtitan-llama``, ``meta-llama``, ``qwen2``, ``mistral``), which maps from whichever side
-    the keys are named in to the other (towards HF names for ``to="hf"``) and takes head counts from
-    ``hf_assets``' config.json (default: the source's own). ``strict_map`` refuses keys nothing mapped. With a
+    ``preset`` (a name in :data:`ckptkit.ops.presets.PRESETS`, or ``"auto"``: the family's, detected from
+    config.json's ``model_type`` and the keys; the default for ``to="hf"``), which maps from whichever side
+    the keys are named in to the other (towards HF names for ``to="hf"``) and takes head and expert counts
+    from ``hf_assets``' config.json (default: the source's own). ``strict_map`` refuses keys nothing mapped. With a
     mapping, the output holds the model part only: optimizer state names parameters its own way.
 
     ``local`` (:class:`LocalOptions`) applies to a LOCAL source or output: ``rank_files`` names the rank
@@ -252,6 +268,8 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
     """
     fmt = io_for(to).format
     local = local or LocalOptions()
+    if preset is None and fmt is Format.HF:
+        preset = "auto"
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
     src, dst = as_path(src, storage_options), as_path(dst, storage_options)
     manifest = detect(src, local).read(src)

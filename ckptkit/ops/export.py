@@ -101,7 +101,7 @@ def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: lis
 @all_ranks
 def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: CastName = "keep",
               max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
-              strip_wrappers: bool = True, hf_assets: Path | str | None = None, preset: str | None = None,
+              strip_wrappers: bool = True, hf_assets: Path | str | None = None, preset: str | None = "auto",
               renames: Renames = (), key_map: KeyMapSource = None,
               strict_map: bool = False, keep_fp32: Iterable[str] = (), overwrite: bool = False,
               max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
@@ -119,7 +119,9 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     The model part is found by :mod:`ckptkit.ops.select`'s rule (``model_key`` names it explicitly, as a
     dotted path); a checkpoint of training state alone is refused. Wrapper prefixes are stripped unless
     ``strip_wrappers=False``. A key mapping then renames the keys, as for :func:`ckptkit.convert` (``key_map``,
-    ``renames``, ``preset`` towards HF names, ``strict_map``). ``hf_assets`` copies config and tokenizer files
+    ``renames``, ``preset`` towards HF names, ``strict_map``); ``preset="auto"`` (the default) picks the
+family's preset where the keys are torchtitan's names of a known family (:mod:`ckptkit.ops.detect`), and
+None maps nothing. ``hf_assets`` copies config and tokenizer files
     (by default those the checkpoint carries: verl's ``huggingface/``); ``lm_head.weight`` is left out only when
     the model ties it (the config's ``tie_word_embeddings``, else its ``model_type``'s default) and it equals
     the input embedding. The copied config.json names the dtype written after a cast, or where it named another.

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from ..core.manifest import TensorEntry
 from ..errors import UsageError
-from .presets import TRANSFORMS, ModelShape, Preset, Row, preset as preset_named
+from .adapter import Source, apply_preset, listed
+from .presets import ModelShape, preset as preset_named
 
 __all__ = ["KeyMapSource", "KeyMapping", "MappedKeys", "Renames", "key_mapping", "map_keys", "parse_rename",
            "read_json", "read_key_map", "rename_keys"]
@@ -46,7 +47,7 @@ class KeyMapping:
     renames: tuple[tuple[str, str], ...] = ()
     """(regular expression, replacement) pairs, applied in order with :func:`re.sub` to every key."""
     preset: str | None = None
-    """A name in :data:`ckptkit.ops.presets.PRESETS`."""
+    """A name in :data:`ckptkit.ops.presets.PRESETS`, or ``"auto"`` (:mod:`ckptkit.ops.detect`)."""
     strict: bool = False
     """Keys that neither the key map names nor a rename matches are an error (a preset always is strict)."""
 
@@ -56,7 +57,7 @@ class KeyMapping:
                 re.compile(pattern)
             except re.error as e:
                 raise UsageError(f"--rename {pattern!r}: not a regular expression ({e})") from None
-        if self.preset is not None:
+        if self.preset is not None and self.preset != "auto":
             preset_named(self.preset)
 
     def __bool__(self) -> bool:
@@ -97,7 +98,8 @@ def read_key_map(path: Path) -> tuple[tuple[str, str | None], ...]:
 def key_mapping(*, preset: str | None = None, renames: Renames = (), key_map: KeyMapSource = None,
                 strict: bool = False) -> KeyMapping:
     """A :class:`KeyMapping` from the library's and the CLI's arguments: ``renames`` as ``'REGEX=REPLACEMENT'``
-    strings or pairs, ``key_map`` as a dict or the path of its JSON file."""
+    strings or pairs, ``key_map`` as a dict or the path of its JSON file, ``preset`` ``"none"`` as None."""
+    preset = None if preset == "none" else preset
     pairs = tuple(parse_rename(r) if isinstance(r, str) else (r[0], r[1]) for r in renames)
     table = read_key_map(Path(key_map)) if isinstance(key_map, (str, Path)) else tuple((key_map or {}).items())
     return KeyMapping(key_map=table, renames=pairs, preset=preset, strict=strict)
@@ -113,9 +115,7 @@ def read_json(path: Path, what: str):
         raise UsageError(f"{what} {path}: cannot read it as JSON ({e})") from e
 
 
-def _listed(keys: Sequence[str]) -> str:
-    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
-    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+_listed = listed
 
 
 @dataclass
@@ -170,9 +170,12 @@ def rename_keys(keys: Sequence[str], mapping: KeyMapping) -> tuple[dict[str, str
     return names, tuple(notes)
 
 
-def _check_collisions(new_of: dict[str, str]) -> None:
+def _check_collisions(new_of: Mapping, origin_of: Mapping | None = None) -> None:
+    """Refuses two keys (``new_of``: each item to its new name) that would get one name; ``origin_of`` names
+    the items by the key they came from, where the items are not keys themselves."""
     origins: dict[str, str] = {}
-    for old, new in new_of.items():
+    for item, new in new_of.items():
+        old = origin_of[item] if origin_of is not None else item
         if not new:
             raise UsageError(f"key {old!r} would be renamed to an empty name")
         if new in origins:
@@ -198,155 +201,12 @@ def map_keys(tensors: Iterable[TensorEntry], mapping: KeyMapping, *, shape: Mode
         if names[item.origin] != item.origin:
             _rename(item, names[item.origin] or "")
     if mapping.preset is not None:
-        items, dropped_here, notes_here = _apply_preset(items, preset_named(mapping.preset), shape, to_hf)
-        dropped += dropped_here
-        notes += notes_here
-    _check_collisions({i.origin: i.entry.key for i in items})
+        adapted = apply_preset([Source(i.origin, i.entry) for i in items], preset_named(mapping.preset), shape, to_hf)
+        items = [_Item(s.origin, s.entry) for s in adapted.tensors]
+        dropped += adapted.dropped
+        notes += adapted.notes
+    _check_collisions({id(i): i.entry.key for i in items}, {id(i): i.origin for i in items})
     original = {t.key: t.rows for t in tensors}
     renamed = tuple((i.origin, i.entry.key) for i in items if i.origin != i.entry.key)
     permuted = tuple(i.entry.key for i in items if i.entry.rows is not None and i.entry.rows != original.get(i.origin))
     return MappedKeys(tuple(i.entry for i in items), renamed, tuple(dropped), tuple(notes), permuted)
-
-
-def _pattern(name: str) -> re.Pattern:
-    return re.compile(re.escape(name).replace(re.escape("{n}"), r"(?P<n>\d+)"))
-
-
-@dataclass(frozen=True)
-class _Table:
-    """A preset's rows as regular expressions, per side."""
-
-    hf: tuple[tuple[re.Pattern, Row], ...]
-    other: tuple[tuple[re.Pattern, Row], ...]
-    dropped: tuple[re.Pattern, ...]
-
-    @classmethod
-    def of(cls, p: Preset) -> _Table:
-        return cls(tuple((_pattern(r.hf), r) for r in p.rows),
-                   tuple((_pattern(name), r) for r in p.rows for name in r.other),
-                   tuple(_pattern(d) for d in p.dropped))
-
-    @staticmethod
-    def find(side: tuple[tuple[re.Pattern, Row], ...], key: str) -> tuple[Row, str | None] | None:
-        for regex, row in side:
-            if m := regex.fullmatch(key):
-                return row, m.groupdict().get("n")
-        return None
-
-
-def _direction(p: Preset, table: _Table, keys: list[str], to_hf: bool | None) -> bool:
-    """True to map towards HF names, False from them, as the keys are named."""
-    hf = {k for k in keys if table.find(table.hf, k)}
-    other = {k for k in keys if table.find(table.other, k)}
-    only_hf, only_other = sorted(hf - other), sorted(other - hf)
-    if to_hf and only_hf and not only_other:
-        raise UsageError(f"--preset {p.name}: the keys are Hugging Face names already (e.g. {only_hf[0]!r}); "
-                         f"the preset maps {p.other_side} names to them")
-    if only_hf and only_other and not to_hf:
-        raise UsageError(f"--preset {p.name}: the keys mix Hugging Face names ({only_hf[0]!r}) and "
-                         f"{p.other_side} names ({only_other[0]!r})")
-    return True if to_hf else not only_hf
-
-
-def _apply_preset(items: list[_Item], p: Preset, shape: ModelShape | None,
-                  to_hf: bool | None) -> tuple[list[_Item], list[tuple[str, str]], list[str]]:
-    table = _Table.of(p)
-    if p.needs_shape and shape is None:
-        raise UsageError(f"--preset {p.name} needs the model's head_dim for the rotary q/k row order: pass "
-                         "--hf-assets DIR whose config.json states num_attention_heads and num_key_value_heads")
-    towards = True if p.identity else _direction(p, table, [i.entry.key for i in items], to_hf)
-    source, target = (table.other, "hf") if towards else (table.hf, "other")
-    kept: list[_Item] = []
-    dropped: list[tuple[str, str]] = []
-    unknown: list[str] = []
-    present: dict[tuple[Row, str | None], _Item] = {}
-    gathered = 0
-    for item in items:
-        key = item.entry.key
-        found = table.find(source, key)
-        if found is None:
-            if any(d.fullmatch(key) for d in table.dropped):
-                dropped.append((item.origin, f"not a weight ({p.name})"))
-            else:
-                unknown.append(key)
-            continue
-        row, n = found
-        present[(row, n)] = item
-        _check_rows(p, row, item.entry, shape)
-        name = row.hf if target == "hf" else row.other[0]
-        _rename(item, name.replace("{n}", n or ""))
-        if row.transform and not p.identity and shape is not None:  # a transform needs the shape: checked above
-            order = TRANSFORMS[row.transform](item.entry.shape[0], shape.head_dim, towards)
-            old = item.entry.rows
-            item.entry = dataclasses.replace(item.entry, rows=order if old is None else tuple(old[r] for r in order))
-            gathered += 1
-        kept.append(item)
-    if unknown:
-        raise UsageError(f"--preset {p.name}: {len(unknown)} keys are not {p.other_side if towards else 'HF'} names "
-                         f"it knows: {_listed(unknown)}; rename them first (--rename, --key-map) or leave them out "
-                         "with --key-map '{\"KEY\": null}'")
-    added = _missing(p, present, shape, towards)
-    kept += added
-    notes = []
-    if not p.identity:
-        ways = f"{p.other_side} names -> HF names" if towards else f"HF names -> {p.other_side} names"
-        notes.append(f"--preset {p.name}: {len(kept)} keys mapped, {ways}")
-    else:
-        notes.append(f"--preset {p.name}: {len(kept)} keys checked against its table")
-    if added:
-        notes.append(f"{added[0].entry.key} written from {added[0].origin}: {shape.source if shape else 'the config'} "
-                     f"ties them, and {p.other_side} keeps both")
-    if gathered and shape is not None:
-        source_side, target_side = (p.other_side, "HF") if towards else ("HF", p.other_side)
-        notes.append(f"q/k rows of {gathered} tensors reordered from {source_side}'s rotary layout to "
-                     f"{target_side}'s (head_dim {shape.head_dim}, from {shape.source})")
-    return kept, dropped, notes
-
-
-def _check_rows(p: Preset, row: Row, entry: TensorEntry, shape: ModelShape | None) -> None:
-    """A q/k/v tensor holds ``heads × head_dim`` rows, as the config says; a transform needs whole heads."""
-    if shape is None or row.heads is None:
-        return
-    rows = entry.shape[0] if entry.shape else 0
-    heads = shape.heads(row.heads)
-    if heads is not None and rows != heads * shape.head_dim:
-        field = "num_attention_heads" if row.heads == "n_heads" else "num_key_value_heads"
-        raise UsageError(f"--preset {p.name}: {entry.key!r} has {rows} rows, but {shape.source} gives {field} "
-                         f"{heads} x head_dim {shape.head_dim} = {heads * shape.head_dim}")
-    if row.transform and rows % shape.head_dim:
-        raise UsageError(f"--preset {p.name}: {entry.key!r} has {rows} rows, not whole heads of head_dim "
-                         f"{shape.head_dim} ({shape.source})")
-
-
-def _missing(p: Preset, present: dict[tuple[Row, str | None], _Item], shape: ModelShape | None,
-             towards: bool) -> list[_Item]:
-    """Refuses keys of the table the checkpoint lacks; returns the tied tensors written from what they are tied
-    to (HF names -> the other's, which has no ties)."""
-    layers = shape.layers if shape is not None and shape.layers else None
-    seen = {int(n) for _, n in present if n is not None}
-    numbers = [str(i) for i in range(layers if layers else (max(seen) + 1 if seen else 0))]
-    if layers is not None and seen and max(seen) >= layers:
-        extra = sorted(item.origin for (_, n), item in present.items() if n is not None and int(n) >= layers)
-        raise UsageError(f"--preset {p.name}: {shape.source if shape else 'the config'} gives {layers} layers, but the "
-                         f"checkpoint has more: {_listed(extra)}")
-    missing: list[str] = []
-    added: list[_Item] = []
-    by_hf = {row.hf: item for (row, n), item in present.items() if n is None}
-    for row in p.rows:
-        for n in (numbers if "{n}" in row.hf else [None]):
-            if (row, n) in present:
-                continue
-            name = (row.other[0] if towards else row.hf).replace("{n}", n or "")
-            tied = shape.tied if shape is not None else None
-            if row.tied_to and tied is not False:
-                if not towards and tied and row.tied_to in by_hf:
-                    origin = by_hf[row.tied_to]
-                    new = row.other[0].replace("{n}", n or "")
-                    added.append(_Item(origin.origin, dataclasses.replace(origin.entry, key=new, path=(new,))))
-                continue
-            missing.append(name)
-    if missing:
-        raise UsageError(f"--preset {p.name}: the checkpoint lacks {len(missing)} keys of the model"
-                         f"{f' ({layers} layers, from {shape.source})' if layers and shape else ''}: "
-                         f"{_listed(missing)}")
-    return added

@@ -1,128 +1,18 @@
-"""Named key mappings between another code base's parameter names and Hugging Face's, as declarative tables.
+"""The model families ckptkit adapts, as tables (the format: :mod:`ckptkit.ops.tables`).
 
-A :class:`Preset` is a table of :class:`Row`\\ s. Each row pairs an HF name with the other code base's name
-(``{n}`` stands for a layer number) and may name a tensor transform from :data:`TRANSFORMS`. Nothing here
-reads a file or imports torch: :func:`ckptkit.ops.mapping.map_keys` applies a preset to a manifest's keys,
-and a transform is a row gather (:attr:`ckptkit.core.manifest.TensorEntry.rows`) that streams like a copy.
-
-Call order: 1. :func:`preset` by name; 2. :func:`model_shape` from the model's config (HF ``config.json`` or
-Meta's ``params.json``), which the rotary transform needs for ``head_dim``; 3. ``map_keys``.
-
-The rotary transform. torchtitan and Meta's original Llama code rotate adjacent pairs ``(2i, 2i+1)`` of each
-q/k head as complex numbers; Hugging Face's ``rotate_half`` rotates ``(i, i + head_dim/2)``. So the HF rows of
-a head are the other code base's rows in the order even, then odd. With ``hd = head_dim``, ``half = hd/2``, HF
-row ``r = h·hd + j`` is row ``h·hd + 2·(j mod half) + j // half`` of the other's, which is what torchtitan's
-``Llama3StateDictAdapter._permute`` and transformers' ``convert_llama_weights_to_hf.permute`` compute; the
-inverse, ``_reverse_permute``, takes HF row ``h·hd + (k mod 2)·half + k // 2`` to row ``h·hd + k``. Only
-``head_dim`` enters, so the same map serves q (``num_attention_heads`` heads) and k (``num_key_value_heads``).
+Each torchtitan family's table is the inverse of its ``state_dict_adapter.py``'s ``from_hf_map`` in torchtitan
+0.3, with the stacked experts (``moe.routed_experts.inner_experts.w1_EFD``, ``[experts, hidden, dim]``) split
+into HF's per-expert weights; the keys an adapter's ``to_hf`` leaves out (router load-balancing buffers) are
+``dropped``. Older torchtitan spellings are read too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
-
 from ..errors import UsageError
+from .tables import STACK_FIELDS, TRANSFORMS, Heads, ModelShape, Preset, Row, model_shape, rotary_rows
 
-__all__ = ["PRESETS", "TRANSFORMS", "ModelShape", "Preset", "Row", "model_shape", "preset", "rotary_rows"]
-
-Heads = Literal["n_heads", "n_kv_heads"]
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One tensor's names: ``hf`` and ``other`` (each with ``{n}`` for the layer number, if any)."""
-
-    hf: str
-    other: tuple[str, ...]
-    """The other code base's spellings, newest first: the first is written, all are read."""
-    transform: str | None = None
-    """A name in :data:`TRANSFORMS`, applied on the way to HF and inverted on the way back."""
-    heads: Heads | None = None
-    """The head count the tensor's rows hold, ``head_dim`` rows each; checked against the config."""
-    tied_to: str | None = None
-    """The HF name of the tensor this one may be tied to (``lm_head`` to the input embedding): when the HF side
-    lacks it and the config ties them, it is written from that tensor."""
-
-
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    summary: str
-    """One line for ``--help`` and the README."""
-    other_side: str
-    """What the non-HF names are called in messages (``torchtitan``)."""
-    rows: tuple[Row, ...]
-    dropped: tuple[str, ...] = ()
-    """Names, on either side, of buffers that are not weights (``freqs_cis``): left out, and reported."""
-    single_file: bool = False
-    """The other side's own checkpoints come as one file per model-parallel rank, which is not read here."""
-
-    @property
-    def identity(self) -> bool:
-        """Both sides use HF's names: the preset checks a checkpoint's names rather than changing them."""
-        return all(r.other == (r.hf,) and r.transform is None for r in self.rows)
-
-    @property
-    def needs_shape(self) -> bool:
-        return any(r.transform for r in self.rows)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What a preset needs to know of the model, from its config."""
-
-    head_dim: int
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    layers: int | None = None
-    tied: bool | None = None
-    """Whether ``lm_head`` is tied to the input embedding (``tie_word_embeddings``); None: not known."""
-    source: str = "config"
-    """Where these came from, for messages (``base/config.json``)."""
-
-    def heads(self, which: Heads) -> int | None:
-        return self.n_heads if which == "n_heads" else self.n_kv_heads
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def model_shape(config: dict, source: str, tied: bool | None = None) -> ModelShape:
-    """Head counts from an HF ``config.json`` (its ``text_config`` for a composite model) or Meta's
-    ``params.json`` (fields under ``model`` in some releases). ``head_dim`` is the config's own where it
-    states one (Mistral-Nemo's differs from ``hidden_size / num_attention_heads``)."""
-    if isinstance(config.get("text_config"), dict) and "num_attention_heads" not in config:
-        config = config["text_config"]
-    if isinstance(config.get("model"), dict) and "n_heads" not in config:
-        config = config["model"]
-    hf = "num_attention_heads" in config or "hidden_size" in config
-    n_heads = _int(config.get("num_attention_heads" if hf else "n_heads"))
-    width = _int(config.get("hidden_size" if hf else "dim"))
-    n_kv = _int(config.get("num_key_value_heads" if hf else "n_kv_heads")) or n_heads
-    head_dim = _int(config.get("head_dim")) or (width // n_heads if width and n_heads else None)
-    if head_dim is None:
-        fields = "head_dim, or hidden_size and num_attention_heads" if hf else "head_dim, or dim and n_heads"
-        raise UsageError(f"{source}: states neither {fields}; the preset needs the model's head_dim")
-    if head_dim % 2:
-        raise UsageError(f"{source}: head_dim {head_dim} is odd; rotary embeddings pair the dimensions of a head")
-    layers = _int(config.get("num_hidden_layers" if hf else "n_layers"))
-    return ModelShape(head_dim, n_heads, n_kv, layers, tied, source)
-
-
-def rotary_rows(n_rows: int, head_dim: int, to_hf: bool) -> tuple[int, ...]:
-    """The row gather of the rotary transform (see the module docstring) for a q/k weight or bias of ``n_rows``
-    rows: HF rows from interleaved ones when ``to_hf``, else the inverse."""
-    half = head_dim // 2
-    if to_hf:
-        return tuple((r // head_dim) * head_dim + 2 * (r % head_dim % half) + r % head_dim // half
-                     for r in range(n_rows))
-    return tuple((s // head_dim) * head_dim + (s % head_dim % 2) * half + s % head_dim // 2 for s in range(n_rows))
-
-
-TRANSFORMS = {"rotary": rotary_rows}
-"""Named tensor transforms: each gives the row gather for (rows, head_dim, towards HF)."""
+__all__ = ["DETECT", "PRESETS", "STACK_FIELDS", "TRANSFORMS", "ModelShape", "Preset", "Row", "model_shape", "preset",
+           "rotary_rows"]
 
 
 def _llama_rows(q: tuple[str, ...], k: tuple[str, ...], v: tuple[str, ...], head: tuple[str, ...],
@@ -157,6 +47,66 @@ def _hf_names(biases: bool) -> tuple[Row, ...]:
 
 
 _TITAN, _META = "layers.{n}.attention.qkv_linear.", "layers.{n}.attention."
+_HF, _T = "model.layers.{n}.", "layers.{n}."
+
+
+def _renames(pairs: tuple[tuple[str, str], ...], group: str | None = None) -> list[Row]:
+    """Rows that rename a layer's tensor: (HF name, torchtitan name) below ``model.layers.{n}.``/``layers.{n}.``."""
+    return [Row(_HF + hf, (_T + titan,), group=group) for hf, titan in pairs]
+
+
+def _titan_common(norms: tuple[tuple[str, str], ...] = ()) -> list[Row]:
+    """Embedding, final norm, output head and each layer's two norms, as every torchtitan family names them."""
+    return [Row("model.embed_tokens.weight", ("tok_embeddings.weight",)), Row("model.norm.weight", ("norm.weight",)),
+            Row("lm_head.weight", ("lm_head.weight", "output.weight"), tied_to="model.embed_tokens.weight"),
+            *_renames((("input_layernorm.weight", "attention_norm.weight"),
+                       ("post_attention_layernorm.weight", "ffn_norm.weight"), *norms))]
+
+
+def _gqa(biases: bool = False) -> list[Row]:
+    """q/k/v (torchtitan 0.3's ``qkv_linear``; earlier ``attention.wq``) and o, in HF's rotary layout."""
+    rows = []
+    projections: tuple[tuple[str, str, Heads], ...] = (("q", "wq", "n_heads"), ("k", "wk", "n_kv_heads"),
+                                                       ("v", "wv", "n_kv_heads"))
+    for suffix in ("weight", "bias") if biases else ("weight",):
+        rows += [Row(f"{_HF}self_attn.{hf}_proj.{suffix}", (f"{_TITAN}{w}.{suffix}", f"{_META}{w}.{suffix}"),
+                     heads=heads) for hf, w, heads in projections]
+        rows.append(Row(f"{_HF}self_attn.o_proj.{suffix}", (f"{_T}attention.wo.{suffix}",)))
+    return rows
+
+
+def _dense_mlp(group: str | None = "mlp:dense") -> list[Row]:
+    return _renames((("mlp.gate_proj.weight", "feed_forward.w1.weight"),
+                     ("mlp.up_proj.weight", "feed_forward.w3.weight"),
+                     ("mlp.down_proj.weight", "feed_forward.w2.weight")), group)
+
+
+def _experts(group: str = "mlp:moe") -> list[Row]:
+    """torchtitan's stacked experts (``[experts, hidden, dim]``; 0.3's ``routed_experts.inner_experts.w1_EFD``,
+    0.2's ``experts.w1``) and router."""
+    inner = _T + "moe.routed_experts.inner_experts."
+    names = (("gate_proj", "w1_EFD"), ("up_proj", "w3_EFD"), ("down_proj", "w2_EDF"))
+    return [Row(_HF + f"mlp.experts.{{e}}.{hf}.weight", (inner + titan, f"{_T}moe.experts.{titan[:2]}"),
+                stacked="e", group=group) for hf, titan in names] + \
+        _renames((("mlp.gate.weight", "moe.router.gate.weight"),), group)
+
+
+_QWEN3_NORMS = (("self_attn.q_norm.weight", "attention.q_norm.weight"),
+                ("self_attn.k_norm.weight", "attention.k_norm.weight"))
+_INV_FREQ = "model.layers.{n}.self_attn.rotary_emb.inv_freq"
+_MLA = _renames((("self_attn.kv_a_proj_with_mqa.weight", "attention.wkv_a.weight"),
+                 ("self_attn.kv_a_layernorm.weight", "attention.kv_norm.weight"),
+                 ("self_attn.kv_b_proj.weight", "attention.wkv_b.weight"),
+                 ("self_attn.o_proj.weight", "attention.wo.weight"))) + \
+    _renames((("self_attn.q_proj.weight", "attention.wq.weight"),), "q:plain") + \
+    _renames((("self_attn.q_a_proj.weight", "attention.wq_a.weight"),
+              ("self_attn.q_a_layernorm.weight", "attention.q_norm.weight"),
+              ("self_attn.q_b_proj.weight", "attention.wq_b.weight")), "q:lora")
+_DEEPSEEK_MOE = _experts() + _renames((("mlp.shared_experts.gate_proj.weight", "moe.shared_experts.w1.weight"),
+                                       ("mlp.shared_experts.up_proj.weight", "moe.shared_experts.w3.weight"),
+                                       ("mlp.shared_experts.down_proj.weight", "moe.shared_experts.w2.weight"),
+                                       ("mlp.gate.e_score_correction_bias", "moe.expert_bias_E")), "mlp:moe")
+
 PRESETS = {p.name: p for p in (
     Preset("torchtitan-llama", "torchtitan's Llama 3 (0.3 names; 0.1-0.2 names read too) <-> HF Llama, with the "
            "rotary q/k row order", "torchtitan",
@@ -171,11 +121,29 @@ PRESETS = {p.name: p for p in (
            _hf_names(biases=True), dropped=("model.layers.{n}.self_attn.rotary_emb.inv_freq",)),
     Preset("mistral", "HF Mistral (and Llama) names, checked: every key known, none missing", "Mistral",
            _hf_names(biases=False), dropped=("model.layers.{n}.self_attn.rotary_emb.inv_freq",)),
+    Preset("torchtitan-qwen3", "torchtitan's Qwen3 (q/k norms) <-> HF Qwen3", "torchtitan",
+           tuple(_titan_common(_QWEN3_NORMS) + _gqa() + _dense_mlp(None)), dropped=(_INV_FREQ,)),
+    Preset("torchtitan-qwen3-moe", "torchtitan's Qwen3-MoE (stacked experts <-> one weight per expert) <-> HF "
+           "Qwen3-MoE", "torchtitan", tuple(_titan_common(_QWEN3_NORMS) + _gqa() + _dense_mlp() + _experts()),
+           dropped=(_INV_FREQ, _T + "moe.expert_bias_E")),
+    Preset("torchtitan-deepseek-v3", "torchtitan's DeepSeek-V3 (MLA, shared experts, router correction bias) <-> "
+           "HF DeepSeek-V3; FP8 weights dequantized on import", "torchtitan",
+           tuple(_titan_common() + _MLA + _dense_mlp() + _DEEPSEEK_MOE), dropped=(_INV_FREQ,), fp8=True),
 )}
 """The presets by name."""
 
+DETECT = {"llama": "torchtitan-llama", "qwen3": "torchtitan-qwen3", "qwen3_moe": "torchtitan-qwen3-moe",
+          "deepseek_v3": "torchtitan-deepseek-v3"}
+"""``config.json``'s ``model_type`` -> the preset ``--preset auto`` uses for torchtitan names of that family
+(:mod:`ckptkit.ops.detect`)."""
+
 
 def preset(name: str) -> Preset:
+    """The preset named ``name``.
+
+    Raises:
+        UsageError: no preset has that name.
+    """
     try:
         return PRESETS[name]
     except KeyError:

@@ -1,0 +1,186 @@
+"""Tensors made of rows of other tensors, as pure arithmetic on chunks: splits, joins, row gathers.
+
+A chunk in row-major order holds its rows one after another, so any range of a tensor's rows along dim 0 is,
+in each chunk it meets, one contiguous byte range: a :class:`~ckptkit.core.manifest.Chunk` of its own. A
+tensor made of row ranges of other tensors is therefore a :class:`~ckptkit.core.manifest.TensorEntry` whose
+chunks are those cropped chunks, moved to their new rows. Nothing is read or computed here: the planner and
+the executor stream such an entry as they stream any other, across chunk boundaries and with casts.
+
+- :func:`take_rows` is the one primitive: the rows ``[a, b)`` of each of several tensors, one after another;
+- :func:`split_rows` (stacked experts into per-expert weights, a fused projection into its parts, per query
+  group), :func:`join_rows` (the reverse);
+- :func:`squeeze0`/:func:`unsqueeze0` drop or add a leading dimension of size 1, so that
+  :func:`unstack` (a leading expert or layer dimension into one tensor each) and :func:`stack` (the reverse)
+  are a split and a join;
+- :func:`materialize_rows` turns a row gather (:attr:`TensorEntry.rows`, the rotary order) into chunks, so
+  gathered tensors split and join too;
+- :func:`transposed` and :func:`dequantized` describe computed tensors (:class:`~ckptkit.core.manifest.Derived`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ..errors import UsageError
+from .boxes import extent
+from .dtypes import DType
+from .manifest import Chunk, Derived, Span, TensorEntry
+
+__all__ = ["dequantized", "join_rows", "materialize_rows", "split_rows", "squeeze0", "stack", "take_rows",
+           "transposed", "unsqueeze0", "unstack"]
+
+
+def _crop(c: Chunk, a: int, b: int, shift: int, itemsize: int) -> Chunk | None:
+    """Chunk ``c`` cropped to the tensor's rows ``[a, b)`` and moved ``shift`` rows; None where it has none."""
+    top, bottom = max(a, c.offsets[0]), min(b, c.offsets[0] + c.sizes[0])
+    if top >= bottom:
+        return None
+    sizes = (bottom - top, *c.sizes[1:])
+    row_stride = c.strides[0] if c.strides is not None else _row_elements(c.sizes)
+    skip = (top - c.offsets[0]) * row_stride * itemsize
+    length = extent(sizes, c.strides) * itemsize
+    return Chunk((top + shift, *c.offsets[1:]), sizes, Span(c.span.file, c.span.offset + skip, length), c.strides)
+
+
+def _row_elements(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes[1:]:
+        n *= s
+    return n
+
+
+def materialize_rows(entry: TensorEntry) -> TensorEntry:
+    """``entry`` with its row gather (if any) written into its chunks: each run of rows whose source rows follow
+    on is the source chunks' crop to those rows. The bytes are the same; only the description changes."""
+    if entry.rows is None:
+        return entry
+    source = dataclasses.replace(entry, rows=None)
+    chunks: list[Chunk] = []
+    first = 0
+    while first < len(entry.rows):
+        end = first + 1
+        while end < len(entry.rows) and entry.rows[end] == entry.rows[end - 1] + 1:
+            end += 1
+        start = entry.rows[first]
+        chunks += _cropped(source, start, start + end - first, first - start)
+        first = end
+    return dataclasses.replace(source, chunks=tuple(chunks))
+
+
+def _cropped(entry: TensorEntry, a: int, b: int, shift: int) -> list[Chunk]:
+    seen: set[tuple] = set()
+    out = []
+    for c in entry.chunks:
+        if (c.offsets, c.sizes) in seen:  # a replica (HSDP): the first serves
+            continue
+        seen.add((c.offsets, c.sizes))
+        cropped = _crop(c, a, b, shift, entry.dtype.itemsize)
+        if cropped is not None:
+            out.append(cropped)
+    return out
+
+
+def take_rows(key: str, pieces: Sequence[tuple[TensorEntry, int, int]]) -> TensorEntry:
+    """A tensor named ``key`` whose rows are rows ``[a, b)`` of each ``(entry, a, b)`` of ``pieces``, in order.
+
+    Raises:
+        UsageError: the pieces differ in dtype or in their shape past dim 0, or a range is not within its tensor.
+    """
+    if not pieces:
+        raise UsageError(f"{key!r}: made of no rows")
+    first = pieces[0][0]
+    dtype, tail = first.dtype, first.shape[1:]
+    chunks: list[Chunk] = []
+    row = 0
+    for entry, a, b in pieces:
+        if not entry.shape or entry.dtype != dtype or entry.shape[1:] != tail:
+            raise UsageError(f"{key!r}: cannot join {entry.key!r} ({entry.dtype}, {list(entry.shape)}) to "
+                             f"{first.key!r} ({dtype}, {list(first.shape)}): dtype and shape past dim 0 must agree")
+        if not 0 <= a <= b <= entry.shape[0]:
+            raise UsageError(f"{key!r}: rows [{a}, {b}) are not within {entry.key!r}'s {entry.shape[0]} rows")
+        chunks += _cropped(materialize_rows(entry), a, b, row - a)
+        row += b - a
+    return TensorEntry(key, (key,), dtype, (row, *tail), tuple(chunks))
+
+
+def split_rows(entry: TensorEntry, counts: Sequence[int], keys: Sequence[str]) -> list[TensorEntry]:
+    """``entry`` cut along dim 0 into parts of ``counts`` rows, named ``keys``.
+
+    Raises:
+        UsageError: the counts do not add up to the tensor's rows.
+    """
+    if not entry.shape or sum(counts) != entry.shape[0]:
+        raise UsageError(f"{entry.key!r}: has {entry.shape[0] if entry.shape else 0} rows, not the "
+                         f"{' + '.join(map(str, counts))} of its parts ({', '.join(keys)})")
+    out, a = [], 0
+    for n, key in zip(counts, keys, strict=True):
+        out.append(take_rows(key, [(entry, a, a + n)]))
+        a += n
+    return out
+
+
+def join_rows(key: str, entries: Sequence[TensorEntry]) -> TensorEntry:
+    """``entries`` one after another along dim 0, named ``key``."""
+    return take_rows(key, [(e, 0, e.shape[0] if e.shape else 0) for e in entries])
+
+
+def squeeze0(entry: TensorEntry, key: str) -> TensorEntry:
+    """``entry`` of shape ``(1, *rest)`` as a tensor of shape ``rest`` named ``key``."""
+    if not entry.shape or entry.shape[0] != 1:
+        raise UsageError(f"{entry.key!r}: shape {list(entry.shape)} has no leading dimension of size 1 to drop")
+    entry = materialize_rows(entry)
+    chunks = tuple(Chunk(c.offsets[1:], c.sizes[1:], c.span, None if c.strides is None else c.strides[1:])
+                   for c in entry.chunks)
+    return TensorEntry(key, (key,), entry.dtype, entry.shape[1:], chunks)
+
+
+def unsqueeze0(entry: TensorEntry, key: str | None = None) -> TensorEntry:
+    """``entry`` with a leading dimension of size 1."""
+    entry = materialize_rows(entry)
+    key = entry.key if key is None else key
+    chunks = tuple(Chunk((0, *c.offsets), (1, *c.sizes), c.span,
+                         None if c.strides is None else (extent(c.sizes, c.strides), *c.strides))
+                   for c in entry.chunks)
+    return TensorEntry(key, (key,), entry.dtype, (1, *entry.shape), chunks)
+
+
+def unstack(entry: TensorEntry, keys: Sequence[str]) -> list[TensorEntry]:
+    """``entry`` of shape ``(len(keys), *rest)`` as one tensor of shape ``rest`` per index of dim 0.
+
+    Raises:
+        UsageError: dim 0 does not have one index per key.
+    """
+    if not entry.shape or entry.shape[0] != len(keys):
+        raise UsageError(f"{entry.key!r}: shape {list(entry.shape)} does not stack {len(keys)} tensors along dim 0")
+    return [squeeze0(part, key) for part, key in zip(split_rows(entry, [1] * len(keys), keys), keys, strict=True)]
+
+
+def stack(key: str, entries: Sequence[TensorEntry]) -> TensorEntry:
+    """``entries`` (of one shape) stacked along a new leading dimension."""
+    return join_rows(key, [unsqueeze0(e) for e in entries])
+
+
+def transposed(entry: TensorEntry, key: str) -> TensorEntry:
+    """``entry``'s last two dimensions swapped, computed tile by tile (:mod:`ckptkit.io.compute`)."""
+    if len(entry.shape) not in (2, 3):
+        raise UsageError(f"{entry.key!r}: shape {list(entry.shape)}: only a 2-D or 3-D tensor is transposed")
+    shape = (*entry.shape[:-2], entry.shape[-1], entry.shape[-2])
+    return TensorEntry(key, (key,), entry.dtype, shape, (), derived=Derived("transpose", (entry,)))
+
+
+def dequantized(weight: TensorEntry, scale: TensorEntry, key: str, dtype: DType, block: int = 128) -> TensorEntry:
+    """FP8 ``weight`` times ``scale`` (its ``weight_scale_inv``: one float per ``block`` x ``block`` tile), as
+    ``dtype``; torch's ``QuantizedHuggingFaceStorageReader`` and transformers' fine-grained FP8 compute the same.
+
+    Raises:
+        UsageError: the weight is not a 2-D float8 tensor, or the scale's block grid does not cover it.
+    """
+    if len(weight.shape) != 2 or not weight.dtype.name.startswith("float8"):
+        raise UsageError(f"{weight.key!r}: {weight.dtype} {list(weight.shape)}; FP8 dequantization takes a 2-D "
+                         "float8 weight")
+    grid = tuple(-(-n // block) for n in weight.shape)
+    if scale.shape != grid or not scale.dtype.is_floating:
+        raise UsageError(f"{scale.key!r}: shape {list(scale.shape)} ({scale.dtype}); the {block}x{block} block grid "
+                         f"of {weight.key!r} {list(weight.shape)} is {list(grid)} floats")
+    return TensorEntry(key, (key,), dtype, weight.shape, (), derived=Derived("dequant_fp8", (weight, scale), block))

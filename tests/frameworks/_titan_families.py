@@ -1,0 +1,137 @@
+"""Tiny torchtitan 0.3 models of each family ckptkit adapts, built from torchtitan's own config builders (the
+registries' debug configurations, shrunk: 2 layers, 4 experts, small dims), their HF configs, and the save
+torchtitan's CheckpointManager makes of them (the model's keys flat at the top level, ``dcp.save`` over gloo
+ranks, ``Shard(0)`` DTensors as FSDP2 holds them).
+
+Each family is ``(titan config, torchtitan adapter class, HF config dict)``; the HF config states what
+transformers needs to build the same model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
+VOCAB, DIM = 256, 64
+
+
+def _qwen3(moe: bool):
+    from torchtitan.models.common import Embedding, Linear
+    from torchtitan.models.common.rope import CosSinRoPE
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT,
+        _LINEAR_INIT,
+        Qwen3Model,
+        _build_qwen3_layers,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+    )
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    rope = CosSinRoPE.Config(dim=16, max_seq_len=64, theta=1000000.0)
+    common = dict(n_layers=2, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=16, attn_backend="flex", rope=rope)
+    layers = (_build_qwen3_moe_layers(**common, moe_hidden_dim=32, num_experts=4, top_k=2,
+                                      moe_comm_backend="standard") if moe
+              else _build_qwen3_layers(**common, hidden_dim=96))
+    config = Qwen3Model.Config(
+        vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM), enable_weight_tying=not moe,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT), layers=layers)
+    hf = dict(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=64,
+              tie_word_embeddings=not moe, hidden_act="silu")
+    if moe:
+        hf.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[])
+    else:
+        hf.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], intermediate_size=96)
+    return config, Qwen3StateDictAdapter, hf
+
+
+def _deepseek_v3():
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.rope import ComplexRoPE
+    from torchtitan.models.deepseek_v3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        DeepSeekV3Model,
+        _build_dsv3_layers,
+        _output_linear_init,
+    )
+    from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+    layers = _build_dsv3_layers(
+        n_layers=2, n_dense_layers=1, dim=DIM, n_heads=4, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, mscale=0.70, dense_hidden_dim=96, moe_hidden_dim=32, num_experts=4,
+        num_shared_experts=1, router_top_k=2, router_score_func="softmax", attn_backend="flex",
+        moe_comm_backend="standard", non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=8, max_seq_len=64, theta=10000.0))
+    config = DeepSeekV3Model.Config(
+        vocab_size=VOCAB, dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+        layers=layers)
+    hf = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=VOCAB, hidden_size=DIM,
+              intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+              first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+              v_head_dim=16, head_dim=8, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+              rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=False,
+              rope_interleave=True, hidden_act="silu")
+    return config, DeepSeekV3StateDictAdapter, hf
+
+
+def family(name: str):
+    """``(torchtitan model config, its state-dict adapter class, HF config dict)`` of family ``name``."""
+    return {"qwen3": lambda: _qwen3(False), "qwen3_moe": lambda: _qwen3(True), "deepseek_v3": _deepseek_v3}[name]()
+
+
+def build(name: str, seed: int = 0) -> torch.nn.Module:
+    """The family's torchtitan model on CPU, its weights initialised from ``seed``."""
+    config = family(name)[0]
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+        for p in model.parameters():  # init_weights leaves some at zero (router biases): make every value count
+            p.add_(torch.randn_like(p) * 0.02)
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.add_(torch.randn_like(b) * 0.02)
+    return model
+
+
+def write_hf_assets(name: str, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(family(name)[2], indent=2))
+    return out
+
+
+def save_families(rank: int, world: int, out: str) -> None:
+    """Each family's model saved as torchtitan's CheckpointManager saves it at a step (model keys flat at the
+    top level) over ``world`` gloo ranks, ``Shard(0)`` DTensors; rank 0 also saves the full state dicts."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        for name in FAMILIES:
+            state = build(name).state_dict()
+            sharded = {k: distribute_tensor(v.detach(), mesh, [Shard(0)]) for k, v in state.items()}
+            dcp.save(sharded, checkpoint_id=f"{out}/{name}/step-0")
+            if rank == 0:
+                torch.save(state, f"{out}/{name}/expected.pt")
+                write_hf_assets(name, Path(out) / name / "assets")
+    finally:
+        dist.destroy_process_group()
