@@ -34,8 +34,8 @@ from ..core.tree import flatten, unflatten
 from ..errors import FormatError
 from .base import cast_for, regions_in
 
-__all__ = ["COMMON", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS", "common_parts", "is_megatron", "read_common",
-           "read_config"]
+__all__ = ["COMMON", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS", "args_config", "common_parts", "is_megatron",
+           "read_common", "read_config"]
 
 COMMON = "common.pt"
 CONFIG = "metadata.json"
@@ -111,6 +111,34 @@ def read_common(root: Path) -> tuple[list[TensorEntry], list[ObjectEntry], str]:
             objects.append(ObjectEntry(key_of(p), p, leaf, sidecar=COMMON))
     names = ", ".join(sorted(map(str, tree))[:8]) or "empty"
     return tensors, objects, f"megatron-core's common state: {len(tree)} entries ({names})"
+
+
+_ARGS = {  # Megatron-LM's argument -> HF config.json's field, for the head and layer counts a preset needs
+    "num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
+    "kv_channels": "head_dim", "ffn_hidden_size": "intermediate_size", "num_experts": "num_experts",
+    "moe_ffn_hidden_size": "moe_intermediate_size", "padded_vocab_size": "vocab_size",
+}
+
+
+def args_config(root: Path) -> dict | None:
+    """The model's counts from ``common.pt``'s ``args`` (Megatron-LM's run arguments), under HF ``config.json``'s
+    field names; None where ``root`` is no megatron-core checkpoint or its common state holds no ``args``.
+
+    Raises:
+        FormatError, UnsafeCheckpointError: as :func:`read_common`.
+    """
+    if read_config(root) is None:
+        return None
+    args = next((o.value for o in read_common(root)[1] if o.path == ("args",)), None)
+    if args is None or not hasattr(args, "num_attention_heads"):
+        return None
+    fields = vars(args)
+    config = {hf: fields[name] for name, hf in _ARGS.items() if fields.get(name) is not None}
+    groups = fields.get("num_query_groups") if fields.get("group_query_attention") else None
+    config["num_key_value_heads"] = groups or fields.get("num_attention_heads")
+    if "untie_embeddings_and_output_weights" in fields:
+        config["tie_word_embeddings"] = not fields["untie_embeddings_and_output_weights"]
+    return config
 
 
 def is_megatron(manifest: Manifest) -> bool:
