@@ -21,7 +21,10 @@ records): :data:`PLAN_GLOBALS` admits them as plain records for the DCP reader, 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..codecs.pickle_read import EnumStandIn, allow_plain_records, keep_call
@@ -34,7 +37,8 @@ from ..core.tree import flatten, unflatten
 from ..errors import FormatError
 from .base import cast_for, regions_in
 
-__all__ = ["COMMON", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS", "args_config", "common_parts", "is_megatron",
+__all__ = ["COMMON", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS", "args_config", "common_parts", "extra_states",
+           "is_megatron",
            "read_common", "read_config"]
 
 COMMON = "common.pt"
@@ -139,6 +143,28 @@ def args_config(root: Path) -> dict | None:
     if "untie_embeddings_and_output_weights" in fields:
         config["tie_word_embeddings"] = not fields["untie_embeddings_and_output_weights"]
     return config
+
+
+_LINEAR = re.compile(r"(decoder\.layers\..*\.linear_(?:qkv|proj|fc1|fc2))\.weight")
+_EXPERTS = ".experts.experts."
+
+
+def extra_states(tensors: Sequence[TensorEntry]) -> list[ObjectEntry]:
+    """The ``_extra_state`` entries megatron-core's loader asks for beside ``tensors`` (named as in a
+    ``torch_dist`` checkpoint): one per linear layer of each layer (and expert), as ``ShardedObject``s keyed
+    ``<module>._extra_state/shard_<index>_<count>`` with the layer (``n``) or layer and expert (``n.e``) index.
+    Their value is what megatron-core saves for a layer with no FP8 state."""
+    out = []
+    for t in tensors:
+        m = _LINEAR.fullmatch(t.key)
+        if m is None:
+            continue
+        dims = t.shape[:2] if _EXPERTS in t.key else t.shape[:1]
+        count = ".".join(map(str, dims))
+        for index in itertools.product(*map(range, dims)):
+            key = f"{m.group(1)}._extra_state/shard_{'.'.join(map(str, index))}_{count}"
+            out.append(ObjectEntry(key, (key,), [None]))
+    return out
 
 
 def is_megatron(manifest: Manifest) -> bool:

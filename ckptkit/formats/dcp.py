@@ -287,7 +287,7 @@ class DcpIO(FormatIO):
 
     def options(self, target: Target, manifest: Manifest) -> DcpOptions:
         return DcpOptions(cast=target.cast, world_size=target.world_size, meta_groups=target.meta_groups,
-                          megatron=megatron.is_megatron(manifest))
+                          megatron=target.megatron or megatron.is_megatron(manifest))
 
     def plan(self, manifest: Manifest, options: DcpOptions) -> WritePlan:
         with gc_paused():  # millions of parts and records, none in a cycle: see ckptkit.core.gc_pause

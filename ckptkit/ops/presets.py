@@ -179,6 +179,10 @@ DETECT = {"llama": "torchtitan-llama", "qwen3": "torchtitan-qwen3", "qwen3_moe":
 (:mod:`ckptkit.ops.detect`)."""
 
 
+MEGATRON = {"llama": "megatron-llama", "qwen3": "megatron-qwen3", "qwen3_moe": "megatron-qwen3-moe"}
+"""``config.json``'s ``model_type`` -> the preset ``convert --to megatron`` uses when given none."""
+
+
 def preset(name: str) -> Preset:
     """The preset named ``name``.
 

@@ -257,3 +257,53 @@ def test_megatron_metadata_json_naming_another_backend_exits_2(llama_tp2, tmp_pa
     assert code == 2 and out.count("\n") == 1, out
     assert "metadata.json: megatron-core checkpoint with sharded_backend 'zarr'" in out
     assert not (tmp_path / "out.pt").exists()
+
+
+# ----------------------------------------------------------------------------------------- HF -> torch_dist
+
+
+@pytest.fixture(scope="module")
+def qwen3_hf(tmp) -> tuple[Path, object]:
+    """A random tiny Qwen3 saved by transformers' own save_pretrained, and the model."""
+    import transformers
+
+    torch.manual_seed(3)
+    model = transformers.Qwen3ForCausalLM(_hf_config("qwen3")).eval()
+    with torch.no_grad():  # norms random too: a mapping that swapped two of them would not show with ones
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * 0.2)
+    model.save_pretrained(tmp / "qwen3-hf")
+    return tmp / "qwen3-hf", model
+
+
+@pytest.fixture(scope="module")
+def qwen3_mcore(qwen3_hf, tmp) -> Path:
+    ckptkit.convert(qwen3_hf[0], tmp / "qwen3-mcore", to="megatron", world_size=2)
+    return tmp / "qwen3-mcore"
+
+
+def test_megatron_convert_to_megatron_writes_what_megatron_writes(qwen3_mcore, llama_tp1):
+    assert sorted(p.name for p in qwen3_mcore.iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]
+    assert (qwen3_mcore / "metadata.json").read_bytes() == (llama_tp1 / "metadata.json").read_bytes()
+    assert _common(qwen3_mcore) == {"checkpoint_version": 3.0, "iteration": 0}  # the model only, at step 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_convert_to_megatron_loads_in_megatron_with_the_hf_weights_and_logits(qwen3_hf, qwen3_mcore, tp,
+                                                                                        tmp_path):
+    hf_dir, model = qwen3_hf
+    result = loaded(tmp_path, "qwen3", tp, qwen3_mcore, forward=True)  # megatron-core's own load and forward
+    assert_same_tree(_as_hf(result["params"]), model.state_dict())
+    difference = (_hf_logits(model) - result["logits"]).abs().max().item()
+    print(f"qwen3 at TP={tp}: largest logit difference, megatron-core vs transformers: {difference:.3g}")
+    assert difference < 1e-5
+
+
+def test_megatron_export_hf_of_a_converted_checkpoint_gives_the_original_files_back(qwen3_hf, qwen3_mcore, tmp_path):
+    hf_dir, _ = qwen3_hf
+    ckptkit.export_hf(qwen3_mcore, tmp_path / "back", preset="megatron-qwen3", hf_assets=hf_dir)
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == sorted(p.name for p in hf_dir.iterdir())
+    for f in hf_dir.iterdir():
+        assert (tmp_path / "back" / f.name).read_bytes() == f.read_bytes(), f.name
+    _hf_model("qwen3", tmp_path / "back")
