@@ -37,9 +37,8 @@ from ..core.tree import flatten, unflatten
 from ..errors import FormatError
 from .base import cast_for, regions_in
 
-__all__ = ["COMMON", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS", "args_config", "common_parts", "extra_states",
-           "is_megatron",
-           "read_common", "read_config"]
+__all__ = ["COMMON", "COMMON_GLOBALS", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS", "args_config", "common_parts",
+           "extra_states", "is_megatron", "read_common", "read_config"]
 
 COMMON = "common.pt"
 CONFIG = "metadata.json"

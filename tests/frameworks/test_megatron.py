@@ -74,6 +74,7 @@ def test_megatron_convert_full_is_dcp_to_torch_save_plus_common_state_as_megatro
     assert_same_tree(full, expected)
     if which == "llama_tp2":
         assert full["args"].num_query_groups == 2 and full["iteration"] == 0
+    assert ckptkit.verify(ckpt, tmp_path / "full.pt").ok  # ckptkit reads its own output back, args included
 
 
 def test_megatron_export_hf_without_preset_keeps_megatron_names_and_bytes(llama_tp2, tmp_path):
@@ -99,6 +100,7 @@ def test_megatron_reshard_relays_files_and_megatron_loads_the_output(llama_tp2, 
     assert_same_tree(result["params"], {k: oracle[k] for k in result["params"]})
     assert set(result["params"]) == {k for k, v in oracle.items() if isinstance(v, torch.Tensor)}
     assert result["common"]["args"] == _common(llama_tp2)["args"] and result["common"]["iteration"] == 0
+    assert ckptkit.verify(llama_tp2, out).ok
 
 
 # ----------------------------------------------------------------------------------------- Megatron <-> HF
