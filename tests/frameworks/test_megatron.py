@@ -309,3 +309,18 @@ def test_megatron_export_hf_of_a_converted_checkpoint_gives_the_original_files_b
     for f in hf_dir.iterdir():
         assert (tmp_path / "back" / f.name).read_bytes() == f.read_bytes(), f.name
     _hf_model("qwen3", tmp_path / "back")
+
+
+def test_megatron_convert_to_megatron_qwen3_moe_joins_experts_as_megatron_stacks_them(moe_tp2, tmp_path):
+    import transformers
+
+    torch.manual_seed(4)
+    transformers.Qwen3MoeForCausalLM(_hf_config("qwen3_moe")).save_pretrained(tmp_path / "hf")
+    ckptkit.convert(tmp_path / "hf", tmp_path / "mcore", to="megatron", world_size=2)
+    ours, theirs = ckptkit.inspect(tmp_path / "mcore"), ckptkit.inspect(moe_tp2)
+    # The same tensors and _extra_state objects as megatron-core's own save of the same model, by name and shape.
+    assert {t.key: t.shape for t in ours.tensors} == {t.key: t.shape for t in theirs.tensors}
+    assert {o.key for o in ours.objects} == {o.key for o in theirs.objects} - {"args"}
+    ckptkit.export_hf(tmp_path / "mcore", tmp_path / "back", preset="megatron-qwen3-moe", hf_assets=tmp_path / "hf")
+    for f in (tmp_path / "hf").iterdir():
+        assert (tmp_path / "back" / f.name).read_bytes() == f.read_bytes(), f.name
