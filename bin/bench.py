@@ -10,6 +10,10 @@ Shapes (``--shape``), each a bf16 checkpoint of random bits (the shapes are what
   (``[experts, 512, 1536]``), model only, ``Shard(0)`` chunks, about 2.6 GB: ``export-hf`` splits the experts
   (``--preset auto``), and the reverse, ``convert --to sharded --preset torchtitan-qwen3-moe``, joins them back;
   each timed against the ``cp -r`` of its own input.
+- ``megatron``: megatron-core's GPT names for a Llama (dim 2048, 16 heads in 4 query groups, ffn 5632, vocab
+  32000), layer-stacked as ``torch_dist`` holds them, with ``common.pt`` (Megatron-LM's args) and
+  ``metadata.json``, ``Shard(0)`` chunks laid out by ckptkit's writer; export-hf maps it with
+  ``--preset megatron-llama`` (per-layer split, q/k/v per query group, gate/up).
 - ``tp``: the dense shapes on a 2 x 2 (dp x tp) mesh, saved by torch's own ``dcp.save`` from DTensors placed as
   tensor parallelism places them (``Shard(1)`` for the row-parallel o_proj/down_proj, ``Shard(0)`` for the rest,
   norms replicated over tp).
@@ -74,6 +78,40 @@ def llama_shapes(target: int, dim: int = 2048, ffn: int = 5632, vocab: int = 320
                    (p + "mlp.down_proj.weight", (dim, ffn))]
         shapes += [(p + "input_layernorm.weight", (dim,)), (p + "post_attention_layernorm.weight", (dim,))]
     return shapes + [("model.norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))]
+
+
+def megatron_shapes(target: int, dim: int = 2048, heads: int = 16, groups: int = 4, ffn: int = 5632,
+                    vocab: int = 32000) -> Shapes:
+    """megatron-core's layer-stacked tensors of a Llama with as many layers as fit in ``target`` bf16 bytes."""
+    hd = dim // heads
+    layer = [("self_attention.linear_qkv.weight", ((heads + 2 * groups) * hd, dim)),
+             ("self_attention.linear_proj.weight", (dim, dim)), ("mlp.linear_fc1.weight", (2 * ffn, dim)),
+             ("mlp.linear_fc2.weight", (dim, ffn)), ("self_attention.linear_qkv.layer_norm_weight", (dim,)),
+             ("mlp.linear_fc1.layer_norm_weight", (dim,))]
+    n = max(1, (target // 2 - 2 * vocab * dim - dim) // sum(_numel(s) for _, s in layer))
+    return [("embedding.word_embeddings.weight", (vocab, dim)),
+            *((f"decoder.layers.{k}", (n, *s)) for k, s in layer),
+            ("decoder.final_layernorm.weight", (dim,)), ("output_layer.weight", (vocab, dim))]
+
+
+def write_megatron(root: Path, size: int) -> int:
+    """:func:`megatron_shapes` as a 4-rank ``torch_dist`` checkpoint under ``root / 'dcp'``: the DCP files, and
+    megatron-core's ``common.pt`` (Megatron-LM's args: the head counts the preset needs) and ``metadata.json``."""
+    import argparse
+
+    import torch
+
+    from ckptkit.formats._megatron import CONFIG, CONFIG_BYTES
+
+    shapes = megatron_shapes(size)
+    total = write_dcp(root, [(k, s, "bfloat16") for k, s in shapes])
+    layers = shapes[1][1][0]
+    args = argparse.Namespace(num_layers=layers, hidden_size=2048, num_attention_heads=16, group_query_attention=True,
+                              num_query_groups=4, kv_channels=128, ffn_hidden_size=5632,
+                              untie_embeddings_and_output_weights=True)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 0}, root / "dcp" / "common.pt")
+    (root / "dcp" / CONFIG).write_bytes(CONFIG_BYTES)
+    return total
 
 
 def moe_shapes(layers: int, experts: int = 64, dim: int = 1024, ffn: int = 96, vocab: int = 16000) -> Shapes:
@@ -276,8 +314,8 @@ def _chunks(path: Path) -> int:
 
 
 @click.command()
-@click.option("--shape", type=click.Choice(["dense", "moe", "moe-titan", "tp"]), default="dense", show_default=True,
-              help="Which checkpoint (see the module docstring).")
+@click.option("--shape", type=click.Choice(["dense", "moe", "moe-titan", "tp", "megatron"]), default="dense",
+              show_default=True, help="Which checkpoint (see the module docstring).")
 @click.option("--size", default="2GB", show_default=True, help="Approximate size of the dense and tp checkpoints.")
 @click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1), help="moe: layers.")
 @click.option("--world-size", default=3, show_default=True, type=click.IntRange(min=1),
@@ -329,10 +367,14 @@ def bench_commands(shape: str, size: int, layers: int, world_size: int, workers:
         total = write_dcp(root, tensors)
         what = (f"{total / 1e9:.2f} GB, {layers}-layer 64-expert MoE with AdamW state, {len(tensors)} tensors, "
                 "4-rank DCP")
+    elif shape == "megatron":
+        total = write_megatron(root, size)
+        what = f"{total / 1e9:.2f} GB bf16, megatron-core GPT (Llama), 4-rank torch_dist"
     else:
         total = write_dcp(root, [(k, s, "bfloat16") for k, s in llama_shapes(size)])
         what = f"{total / 1e9:.2f} GB bf16, LLaMA-shaped, 4-rank DCP"
     src = root / "dcp"
+    mapping = ["--preset", "megatron-llama"] if shape == "megatron" else []
     what += f", {_chunks(src)} chunks"
     # As an installed package has it (pip compiles on install): without, a PYTHONDONTWRITEBYTECODE environment
     # makes every run compile ckptkit's modules again, a tenth of a second or more of each row.
@@ -347,7 +389,7 @@ def bench_commands(shape: str, size: int, layers: int, world_size: int, workers:
     hf4 = root / "hf-from-4"
     for args in extra:
         rows.append(Row(label("ckptkit export-hf", args),
-                        lambda out, a=args: [*ckptkit, "export-hf", str(src), str(out), "-q", *a], src,
+                        lambda out, a=args: [*ckptkit, "export-hf", str(src), str(out), "-q", *mapping, *a], src,
                         keep=hf4 if args == extra[0] else None))
         rows.append(Row(label(f"ckptkit reshard -> {world_size}", args), lambda out, a=args: [
             *ckptkit, "reshard", str(src), str(out), "--world-size", str(world_size), "-q", *a], src,
@@ -368,7 +410,8 @@ def bench_commands(shape: str, size: int, layers: int, world_size: int, workers:
         hf_many = root / "hf-from-many"
         for args in extra:
             more.append(Row(label(f"ckptkit export-hf from {world_size} ranks", args),
-                            lambda out, a=args: [*ckptkit, "export-hf", str(many), str(out), "-q", *a], many,
+                            lambda out, a=args: [*ckptkit, "export-hf", str(many), str(out), "-q", *mapping, *a],
+                            many,
                             keep=hf_many if args == extra[0] else None))
         _warm(many)
         _time_rows(more, repeat, root)

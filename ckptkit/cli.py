@@ -363,9 +363,10 @@ def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, st
 ))
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
-@_option("--to", "to", required=True, type=click.Choice(["full", "sharded", "local", "hf"]), help="Target format.")
+@_option("--to", "to", required=True, type=click.Choice(["full", "sharded", "local", "hf", "megatron"]),
+         help="Target format (megatron: megatron-core's torch_dist, from an HF model).")
 @_option("--world-size", type=click.IntRange(min=1),
-         help="Ranks to lay the output out for (sharded, local; default: the source's world size).")
+         help="Ranks to lay the output out for (sharded, local, megatron; default: the source's world size).")
 @_option("--max-shard-size", default=None, metavar="SIZE", callback=_size,
          help="Largest output file, e.g. 5GB (hf, full).")
 @_option("--hf-assets", metavar="DIR", callback=_assets_dir,

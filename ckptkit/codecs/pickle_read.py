@@ -63,6 +63,13 @@ class Record:
     _pickle_name: Ref
     __hash__ = None  # type: ignore[assignment]
 
+    def __eq__(self, other: object) -> bool:
+        # As torch's dataclasses and argparse.Namespace compare: same class, same fields (``verify`` compares
+        # the values of two checkpoints read apart).
+        if not isinstance(other, Record):
+            return NotImplemented
+        return self._pickle_name == other._pickle_name and self.__dict__ == other.__dict__
+
     def __repr__(self) -> str:
         return f"{self._pickle_name.name}({self.__dict__})"
 

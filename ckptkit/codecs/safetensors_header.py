@@ -87,10 +87,19 @@ def read_header(file: Path) -> tuple[list[TensorEntry], dict[str, str]]:
     return tensors, dict(meta)
 
 
+_WRITER_ORDER = {name: i for i, name in enumerate(
+    ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"))}
+"""safetensors' ``Dtype`` order (0.8): its writer lays tensors out by dtype, last of this order first, then by
+name."""
+
+
 def file_parts(regions: list[Region]) -> tuple[Part, ...]:
-    """A safetensors file of ``regions``, in order: the header as :class:`Bytes`, then the tensors' bytes."""
+    """A safetensors file of ``regions``: the header as :class:`Bytes`, then the tensors' bytes, in the order
+    safetensors' own writer (``save_file``, so transformers' ``save_pretrained``) gives the same tensors, so that
+    a file read and written back is the same file byte for byte."""
     header: dict[str, Any]
     header, pos = {"__metadata__": {"format": "pt"}}, 0
+    regions = sorted(regions, key=lambda r: (-_WRITER_ORDER.get(r.dtype.safetensors or "", -1), r.entry.key))
     for r in regions:
         header[r.entry.key] = {"dtype": r.dtype.safetensors, "shape": list(r.sizes),
                                "data_offsets": [pos, pos + r.nbytes]}

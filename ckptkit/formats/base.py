@@ -84,6 +84,9 @@ class Target:
     meta_groups: tuple[str, ...] | None = None
     """SHARDED: top-level groups also written into Lightning's ``meta.pt``, which makes the directory a
     Lightning sharded checkpoint; None writes ``meta.pt`` only for entries read from one."""
+    megatron: bool = False
+    """SHARDED: write megatron-core's ``common.pt`` and ``metadata.json`` beside the DCP files, so that its
+    ``dist_checkpointing.load`` takes the output (as it does for any output of a checkpoint read from one)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

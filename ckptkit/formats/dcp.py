@@ -47,6 +47,7 @@ from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan
 from ..core.tree import dcp_path, flatten, from_dcp_path, unflatten
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError
 from ..io.sources import Files
+from . import _megatron as megatron
 from .base import FormatIO, Target, WriteOptions, cast_for, is_empty_container, object_value, regions_in
 
 __all__ = ["DcpIO", "DcpOptions", "check_blobs"]
@@ -73,6 +74,7 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     ("pathlib", "WindowsPath"): lambda *parts: "\\".join(parts),
     ("collections", "OrderedDict"): dict,
     **{("torch", d.name): d for d in dtypes.DTYPES},
+    **megatron.PLAN_GLOBALS,
 }
 
 
@@ -127,6 +129,9 @@ class DcpOptions(WriteOptions):
     """Ranks the output is laid out for: rank r's file holds row block r of every tensor."""
     meta_groups: tuple[str, ...] | None = None
     """Top-level groups also written into ``meta.pt`` (see :attr:`Target.meta_groups`)."""
+    megatron: bool = False
+    """Write megatron-core's ``common.pt`` and ``metadata.json`` too (:mod:`._megatron`), so that its
+    ``dist_checkpointing.load`` takes the output."""
 
 
 class DcpIO(FormatIO):
@@ -134,7 +139,8 @@ class DcpIO(FormatIO):
 
     @classmethod
     def detect(cls, path: Path) -> bool:
-        return path.is_dir() and (path / METADATA).is_file()
+        # megatron-core's metadata.json too: a checkpoint of another of its backends is refused by name.
+        return path.is_dir() and ((path / METADATA).is_file() or (path / megatron.CONFIG).is_file())
 
     def read(self, path: Path) -> Manifest:
         # A large checkpoint's description is millions of small objects that form no cycles: the collector
@@ -150,18 +156,28 @@ class DcpIO(FormatIO):
 
     def _read(self, root: Path, files: Files, wanted: Callable[[Manifest], Collection[str]] | None) -> Manifest:
         meta_path = root / METADATA
+        backend = megatron.read_config(root)
+        if not meta_path.is_file():
+            raise IncompleteCheckpointError(f"{root}: {megatron.CONFIG} names a torch_dist checkpoint, but "
+                                            f"{METADATA} is missing")
         md = SafeUnpickler(meta_path.read_bytes(), METADATA_GLOBALS, where=str(meta_path)).load_checked()
         if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict):
             raise FormatError(f"{meta_path}: not DCP metadata (found {type(md).__name__})")
         at: list[Any] = [_INDEX]  # the key being read, for the error below
         try:
-            return self._interpret(root, md, files, at, wanted)
+            manifest = self._interpret(root, md, files, at, wanted)
         except CheckpointError:
             raise
         except (AttributeError, TypeError, KeyError, ValueError, IndexError, OverflowError) as e:
             # The records are untrusted data: one missing a field, or holding a string where DCP has a size.
             where = "the storage index" if at[0] is _INDEX else repr(at[0])
             raise FormatError(f"{meta_path}: malformed DCP metadata at {where} ({type(e).__name__}: {e})") from None
+        if backend is None:
+            return manifest
+        tensors, objects, note = megatron.read_common(root)
+        return dataclasses.replace(manifest, tensors=manifest.tensors + tuple(tensors),
+                                   objects=manifest.objects + tuple(objects),
+                                   details=(*manifest.details, (megatron.CONFIG, backend), (megatron.COMMON, note)))
 
     def _interpret(self, root: Path, md: Any, files: Files, at: list[str],
                    wanted: Callable[[Manifest], Collection[str]] | None) -> Manifest:
@@ -270,7 +286,8 @@ class DcpIO(FormatIO):
         return Manifest(Format.SHARDED, str(root), tuple(tensors), tuple(objects), world, tuple(details))
 
     def options(self, target: Target, manifest: Manifest) -> DcpOptions:
-        return DcpOptions(cast=target.cast, world_size=target.world_size, meta_groups=target.meta_groups)
+        return DcpOptions(cast=target.cast, world_size=target.world_size, meta_groups=target.meta_groups,
+                          megatron=target.megatron or megatron.is_megatron(manifest))
 
     def plan(self, manifest: Manifest, options: DcpOptions) -> WritePlan:
         with gc_paused():  # millions of parts and records, none in a cycle: see ckptkit.core.gc_pause
@@ -313,6 +330,9 @@ class DcpIO(FormatIO):
         files.append(FilePlan(METADATA, (Bytes(metadata),)))
         if any(e.sidecar == META for e in manifest.entries) or options.meta_groups is not None:
             files.append(FilePlan(META, _meta_parts(manifest, options)))
+        if options.megatron:
+            files.append(FilePlan(megatron.COMMON, megatron.common_parts(manifest, options.cast)))
+            files.append(FilePlan(megatron.CONFIG, (Bytes(megatron.CONFIG_BYTES),)))
         return WritePlan(tuple(files), commit=METADATA)
 
 

@@ -16,6 +16,7 @@ from ..core.manifest import Format, Manifest, ObjectEntry, TensorRef, key_of
 from ..core.plan import Bytes, FilePlan, Region, WritePlan
 from ..core.tree import flatten, unflatten
 from ..errors import FormatError, UsageError
+from ._megatron import COMMON_GLOBALS
 from .base import (
     FormatIO,
     Target,
@@ -64,7 +65,9 @@ class FullIO(FormatIO):
             path = next(path / n for n in SINGLE_NAMES if (path / n).is_file())
         if not is_archive(str(path)):
             raise FormatError(f"{path}: not a torch.save zip archive (legacy pre-1.6 pickles are not supported)")
-        tree = read_archive(str(path.absolute()))
+        # Megatron-LM's run arguments, as convert --to full writes them from a torch_dist checkpoint (and Megatron-LM's
+        # own single-file checkpoints hold them): admitted as data.
+        tree = read_archive(str(path.absolute()), extra_globals=COMMON_GLOBALS)
         tensors, objects = [], []
         for p, leaf in flatten(tree, _is_tensor):
             if isinstance(leaf, TensorRef):

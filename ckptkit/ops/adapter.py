@@ -10,6 +10,7 @@ model, holds a variant of a layer in part, or disagrees with the config's counts
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,7 +145,7 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
     build = _Builder(p, shape)
     out = build.to_hf(matched) if towards else build.from_hf(matched)
     canonical = {r.hf_names: r for r in p.rows if not r.read_only}
-    present = {(canonical.get(m.row.hf_names, m.row), None if m.row.stacked == "n" else m.binding.get("n"))
+    present = {(canonical.get(m.row.hf_names, m.row), None if "n" in m.row.stack_axes else m.binding.get("n"))
                for _, m in matched}
     tied = _check_complete(p, present, shape, towards, {s.entry.key: s for s, _ in matched})
     out += tied
@@ -198,9 +199,21 @@ class _Builder:
         assert self.shape is not None  # apply_preset refuses a preset that needs one without it
         return self.shape
 
-    def _stack_count(self, row: Row, entry_key: str) -> int:
-        assert row.stacked is not None
-        return self._shape().value(STACK_FIELDS.get(row.stacked, row.stacked), f"{entry_key!r} (stacked along dim 0)")
+    def _stack_count(self, axis: str, entry_key: str) -> int:
+        return self._shape().value(STACK_FIELDS.get(axis, axis), f"{entry_key!r} (stacked along a leading dim)")
+
+    def _unstacked(self, row: Row, binding: dict[str, str], entry: TensorEntry) -> list[tuple[dict, TensorEntry]]:
+        """``entry`` cut along each of the row's stacking dims, outermost first, with each piece's binding."""
+        pieces = [(binding, entry)]
+        for axis in row.stack_axes:
+            count = self._stack_count(axis, entry.key)
+            if len(entry.shape) < len(row.stack_axes) or entry.shape[row.stack_axes.index(axis)] != count:
+                raise UsageError(f"--preset {self.p.name}: {entry.key!r} of shape {list(entry.shape)} stacks "
+                                 f"{STACK_FIELDS.get(axis, axis)} along dim {row.stack_axes.index(axis)}, but "
+                                 f"{self._shape().source} gives {count}")
+            pieces = [({**b, axis: str(i)}, part) for b, e in pieces
+                      for i, part in enumerate(unstack(e, [f"{e.key}[{i}]" for i in range(count)]))]
+        return pieces
 
     def _part_rows(self, row: Row, total: int, key: str) -> list[int]:
         """Rows of each HF part in one group of a fused tensor of ``total`` rows."""
@@ -243,17 +256,7 @@ class _Builder:
         out: list[Source] = []
         for s, m in matched:
             row, entry = m.row, s.entry
-            pieces = [(m.binding, entry)]
-            if row.stacked:
-                count = self._stack_count(row, entry.key)
-                if not entry.shape or entry.shape[0] != count:
-                    raise UsageError(f"--preset {self.p.name}: {entry.key!r} stacks "
-                                     f"{entry.shape[0] if entry.shape else 0} tensors along dim 0, but "
-                                     f"{self._shape().source} gives {STACK_FIELDS.get(row.stacked, row.stacked)} "
-                                     f"{count}")
-                bindings = [{**m.binding, row.stacked: str(i)} for i in range(count)]
-                keys = [f"{entry.key}[{i}]" for i in range(count)]
-                pieces = list(zip(bindings, unstack(entry, keys), strict=True))
+            pieces = self._unstacked(row, m.binding, entry)
             for binding, piece in pieces:
                 names = [_fill(n, binding) for n in row.hf_names]
                 if len(names) == 1:
@@ -280,23 +283,23 @@ class _Builder:
         """Gathers each row's HF tensors (its parts, its stacked indices) and builds the other side's tensor."""
         groups: dict[tuple[Row, Binding], dict[tuple[str, int], Source]] = {}
         for s, m in matched:
-            rest = tuple(sorted((k, v) for k, v in m.binding.items() if k != m.row.stacked))
-            index = m.binding.get(m.row.stacked, "") if m.row.stacked else ""
+            axes = m.row.stack_axes
+            rest = tuple(sorted((k, v) for k, v in m.binding.items() if k not in axes))
+            index = ",".join(m.binding.get(a, "") for a in axes)
             groups.setdefault((m.row, rest), {})[(index, m.part)] = s
         return [self._joined(row, dict(rest), found) for (row, rest), found in groups.items()]
 
     def _joined(self, row: Row, binding: dict[str, str], found: dict[tuple[str, int], Source]) -> Source:
         name = _fill(row.other[0], binding)
-        indices = [""]
-        if row.stacked:
-            count = self._stack_count(row, name)
-            indices = [str(i) for i in range(count)]
-            extra = sorted({i for i, _ in found} - set(indices), key=int)
-            if extra:
-                raise UsageError(f"--preset {self.p.name}: {name!r}: the checkpoint holds "
-                                 f"{STACK_FIELDS.get(row.stacked, row.stacked)} {', '.join(extra)}, but "
-                                 f"{self._shape().source} gives {count}")
-        missing = [_fill(n, {**binding, **({row.stacked: i} if row.stacked else {})})
+        axes = row.stack_axes
+        counts = [self._stack_count(a, name) for a in axes]
+        indices = [",".join(map(str, i)) for i in itertools.product(*map(range, counts))]
+        extra = sorted({i for i, _ in found} - set(indices))
+        if extra:
+            raise UsageError(f"--preset {self.p.name}: {name!r}: the checkpoint holds {'/'.join(axes)} "
+                             f"{', '.join(extra)}, but {self._shape().source} gives "
+                             f"{' x '.join(map(str, counts))} {'/'.join(STACK_FIELDS.get(a, a) for a in axes)}")
+        missing = [_fill(n, {**binding, **dict(zip(axes, i.split(","), strict=True))} if axes else binding)
                    for i in indices for p, n in enumerate(row.hf_names) if (i, p) not in found]
         if missing:
             raise UsageError(f"--preset {self.p.name}: {name!r} is made of {len(indices) * len(row.hf_names)} "
@@ -312,7 +315,7 @@ class _Builder:
             stacked = [transposed(e, name) for e in stacked]
             if row.stacked:
                 raise UsageError(f"--preset {self.p.name}: {name!r}: a transposed row is not stacked on import")
-        entry = stack(name, stacked) if row.stacked else stacked[0]
+        entry = _stack_nested(name, stacked, counts) if row.stacked else stacked[0]
         origin = found[(indices[0], 0)].origin
         return Source(origin, entry if not row.plain else _renamed(entry, name))
 
@@ -327,6 +330,15 @@ class _Builder:
         per = [n // groups for n in sizes]
         return take_rows(name, [(p, g * n, (g + 1) * n) for g in range(groups)
                                 for p, n in zip(parts, per, strict=True)])
+
+
+def _stack_nested(name: str, entries: list[TensorEntry], counts: list[int]) -> TensorEntry:
+    """``entries``, in row-major order of the index ``counts``, stacked along ``len(counts)`` leading dims."""
+    if len(counts) == 1:
+        return stack(name, entries)
+    inner = len(entries) // counts[0]
+    return stack(name, [_stack_nested(f"{name}[{i}]", entries[i * inner:(i + 1) * inner], counts[1:])
+                        for i in range(counts[0])])
 
 
 def _renamed(entry: TensorEntry, key: str) -> TensorEntry:
@@ -348,7 +360,7 @@ def _check_complete(p: Preset, present: set[tuple[Row, str | None]], shape: Mode
     added: list[Source] = []
     for n in [None, *numbers]:
         rows = [r for r in p.rows
-                if not r.read_only and ("n" in r.placeholders() and r.stacked != "n") == (n is not None)]
+                if not r.read_only and ("n" in r.placeholders() and "n" not in r.stack_axes) == (n is not None)]
         variants: dict[str, set[str]] = {}
         for r in rows:
             if r.group and (r, n) in present:

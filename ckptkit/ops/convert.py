@@ -7,12 +7,13 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import overload
+from typing import Literal, overload
 
-from ..core.manifest import Format, FormName, Manifest, TensorEntry
+from ..core.manifest import Format, FormName, Manifest, ObjectEntry, TensorEntry
 from ..core.plan import FilePlan, WritePlan
 from ..errors import UsageError
 from ..formats import LocalOptions, Target, io_for, is_empty_container, locate
+from ..formats._megatron import COMMON, extra_states
 from ..formats.dcp import check_blobs
 from ..io.execute import DEFAULT_MAX_MEMORY, all_ranks, execute_distributed
 from ..io.parallel import execute_parallel, writers
@@ -22,7 +23,7 @@ from ..io.remote import RemotePath, as_path
 from .detect import check_family, detect_family
 from .hfconfig import check_single_file, find_config
 from .mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
-from .presets import preset
+from .presets import MEGATRON, preset
 from .select import meta_groups, select_model
 
 __all__ = ["Changes", "Report", "convert", "map_model", "parse_size", "reshard", "sources_of", "write"]
@@ -244,9 +245,36 @@ def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path |
     return dataclasses.replace(mapped, notes=notes + mapped.notes)
 
 
+MEGATRON_STEP_0 = tuple(ObjectEntry(k, (k,), v, sidecar=COMMON) for k, v in (("checkpoint_version", 3.0),
+                                                                              ("iteration", 0)))
+"""``common.pt`` of a model written for megatron-core: the state Megatron-LM's loader reads beside the model
+(its checkpoint format version, and the step, 0), and no run arguments or optimizer."""
+
+
+def megatron_preset(src: Path, hf_assets: Path | str | None, preset: str | None) -> str:
+    """The preset ``convert --to megatron`` maps with: ``preset`` (a ``megatron-*`` one), else the one for the
+    model's ``model_type`` (:data:`ckptkit.ops.presets.MEGATRON`).
+
+    Raises:
+        UsageError: another family's preset, or no preset and a config that names no family with a table.
+    """
+    if preset not in (None, "auto"):
+        if preset not in MEGATRON.values():
+            raise UsageError(f"--to megatron maps HF names to megatron-core's with a Megatron preset "
+                             f"({', '.join(MEGATRON.values())}), not --preset {preset}")
+        return preset
+    config = find_config(Path(src), hf_assets)
+    model_type = config.data.get("model_type") if config is not None else None
+    if not isinstance(model_type, str) or model_type not in MEGATRON:
+        where = str(config.path) if config is not None else f"{src}: no config.json, and"
+        raise UsageError(f"{where} model_type {model_type!r:.40} has no Megatron table; pass --preset "
+                         f"({', '.join(MEGATRON.values())})")
+    return MEGATRON[model_type]
+
+
 @all_ranks
-def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_size: int | None = None,
-            max_shard_size: int | str | None = None, overwrite: bool = False,
+def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal["megatron"],
+            world_size: int | None = None, max_shard_size: int | str | None = None, overwrite: bool = False,
             max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
             local: LocalOptions | None = None, preset: str | None = None,
             renames: Renames = (), key_map: KeyMapSource = None,
@@ -274,6 +302,11 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
     files (``"shard_{rank}.pt"``); ``model`` (``"package.module:factory"``), ``auto_wrap``,
     ``use_orig_params`` and ``param_dtype`` (``MixedPrecision(param_dtype=...)``) say how FSDP wraps the
     model, from which the flat-parameter layout is derived where no ``flat_layout.json`` has it.
+
+    ``to="megatron"`` writes a megatron-core ``torch_dist`` checkpoint of an HF model (the model only, at step
+    0): the DCP files under megatron-core's GPT names (the ``preset``, else the one for config.json's
+    ``model_type``: ``megatron-llama``, ``megatron-qwen3``, ``megatron-qwen3-moe``), with ``common.pt`` and
+    ``metadata.json``, which megatron-core's ``dist_checkpointing.load`` takes at any tensor-parallel size.
 
     ``dry_run`` plans and reports the output without writing anything.
 
@@ -320,12 +353,15 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
         UsageError: The request is inconsistent: ``dst`` exists without ``overwrite``, lies inside ``src``,
             or an option value is unknown.
     """
-    fmt = io_for(to).format
+    megatron = to == "megatron"
+    fmt = Format.SHARDED if megatron else io_for(to).format
     local = local or LocalOptions()
     if preset is None and fmt is Format.HF:
         preset = "auto"
-    mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
     src, dst = as_path(src, storage_options), as_path(dst, storage_options)
+    if megatron:
+        preset = megatron_preset(src, hf_assets, preset)
+    mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
     found = locate(src, local)
     manifest = found.reader.read(found.path)
     world_size, notes = _world_size(world_size, manifest, fmt)
@@ -339,14 +375,17 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName, world_si
         sel = select_model(manifest)
         tensors, notes = sel.tensors, notes + sel.notes
         if mapping:
-            mapped = map_model(tensors, mapping, found.path, hf_assets, to_hf=True if fmt is Format.HF else None)
+            mapped = map_model(tensors, mapping, found.path, hf_assets,
+                               to_hf=True if fmt is Format.HF else False if megatron else None)
             tensors, notes = mapped.tensors, notes + mapped.notes
             changes = Changes(mapped.renamed, mapped.dropped, permuted=mapped.permuted)
             if fmt is not Format.HF:
                 notes += ("a key mapping renames the model's weights: the output holds the model part only",)
-        manifest = Manifest(manifest.format, manifest.root, tensors)
+        objects = (*extra_states(tensors), *MEGATRON_STEP_0) if megatron else ()
+        manifest = Manifest(manifest.format, manifest.root, tensors, objects)
     target = Target(world_size=world_size, max_shard_size=parse_size(max_shard_size), destination=str(dst),
-                    local=local, meta_groups=meta_groups(manifest) if fmt is Format.SHARDED else None)
+                    local=local, meta_groups=meta_groups(manifest) if fmt is Format.SHARDED else None,
+                    megatron=megatron)
     return write(manifest, fmt, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
                  progress=progress, notes=notes, src=src, dry_run=dry_run, changes=changes, workers=workers,
                  distributed=distributed)

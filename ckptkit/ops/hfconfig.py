@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..core.dtypes import DType
 from ..errors import FormatError, UsageError
+from ..formats._megatron import COMMON, args_config
 from .mapping import read_json
 from .presets import ModelShape, Preset, model_shape
 
@@ -104,14 +105,20 @@ def check_single_file(p: Preset, src: Path) -> None:
 
 def find_config(src: Path, hf_assets: Path | str | None) -> ModelConfig | None:
     """The model's config: ``hf_assets/config.json``; else the source's own (an HF directory's
-    ``config.json``); else Meta's ``params.json`` beside a ``consolidated.00.pth`` or in its directory."""
+    ``config.json``); else a megatron-core checkpoint's ``args`` in its ``common.pt``, under HF's field names;
+    else Meta's ``params.json`` beside a ``consolidated.00.pth`` or in its directory."""
     src = Path(src)
     home = src if src.is_dir() else src.parent
     candidates = [Path(hf_assets) / "config.json"] if hf_assets is not None else []
     candidates += [src / "config.json"] if src.is_dir() else []
-    candidates.append(home / "params.json")
     path = next((c for c in candidates if c.is_file()), None)
-    return ModelConfig(path, read_model_config(path)) if path is not None else None
+    if path is not None:
+        return ModelConfig(path, read_model_config(path))
+    args = args_config(src) if src.is_dir() else None  # a megatron-core checkpoint's own run arguments
+    if args is not None:
+        return ModelConfig(src / COMMON, args)
+    params = home / "params.json"
+    return ModelConfig(params, read_model_config(params)) if params.is_file() else None
 
 
 def _model_class(config: dict):

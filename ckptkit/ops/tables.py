@@ -16,6 +16,8 @@ The table format. A row names one tensor of the other side and the HF tensor(s) 
   tensors along a leading dim 0 indexed by it (``"e"``: torchtitan's ``[experts, hidden, dim]``
   experts; ``"n"``: Megatron's layer-stacked ``decoder.layers.*``). Its size is :meth:`ModelShape.value` of
   :data:`STACK_FIELDS` (``experts``, ``layers``); a tensor whose dim 0 disagrees with the config is refused.
+  Several placeholders, comma-separated, stack along as many leading dims, outermost first (``"n,e"``:
+  Megatron's experts, ``[layers, experts, rows, hidden]``).
 - ``split``: with several ``hf`` names, the rows of each part, each a product of shape fields and integers
   (``(("heads_per_group", "head_dim"), ("head_dim",), ("head_dim",))``); None: equal parts. ``groups`` (a shape
   field) repeats the parts that many times down the rows: Megatron's ``linear_qkv`` holds, per query group,
@@ -93,6 +95,11 @@ class Row:
     def plain(self) -> bool:
         """A rename, perhaps with a row gather: one tensor each side, same shape."""
         return not (self.stacked or isinstance(self.hf, tuple) or self.transpose)
+
+    @property
+    def stack_axes(self) -> tuple[str, ...]:
+        """The placeholders of ``stacked``, outermost dim first."""
+        return tuple(self.stacked.split(",")) if self.stacked else ()
 
     def placeholders(self) -> set[str]:
         return {m for name in self.hf_names for m in _PLACEHOLDER.findall(name)}

@@ -1,0 +1,178 @@
+"""Megatron-core's ``torch_dist`` checkpoints: a DCP directory plus two files of megatron-core's own.
+
+``dist_checkpointing.save`` with the ``torch_dist`` backend writes the sharded tensors (global, layer-stacked:
+Megatron reshards at load time) as DCP, and beside them:
+
+- ``metadata.json``: which backends wrote the checkpoint. megatron-core's loader recognises a distributed
+  checkpoint by it, and reads the sharded part with the backend it names. ckptkit reads ``torch_dist`` only and
+  refuses any other name (``zarr``, a future backend) rather than read the DCP part of it as the whole.
+- ``common.pt``: a ``torch.save`` of the state that is not sharded (Megatron-LM's ``args``, an
+  ``argparse.Namespace``, its ``iteration``, ``checkpoint_version``). Read through the allow-list, which admits
+  the ``Namespace`` as data (built by NEWOBJ + BUILD, never called) and nothing that executes.
+
+``dist_checkpointing.load`` returns ``common.pt``'s contents merged at the top level of the state dict, beside
+the sharded keys; ckptkit reads them the same way, as entries marked ``sidecar="common.pt"``, so that a FULL
+output holds what megatron's own load returns and a DCP output writes them back into ``common.pt``.
+
+Megatron also stores its save plans in ``.metadata`` (``Metadata.all_local_plans``, torch's ``SavePlan``
+records): :data:`PLAN_GLOBALS` admits them as plain records for the DCP reader, which ignores them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..codecs.pickle_read import EnumStandIn, allow_plain_records, keep_call
+from ..codecs.torchzip_read import read_archive
+from ..codecs.torchzip_write import archive_parts
+from ..core.dtypes import DType
+from ..core.manifest import Manifest, ObjectEntry, TensorEntry, TensorRef, key_of
+from ..core.plan import Part, Region
+from ..core.tree import flatten, unflatten
+from ..errors import FormatError
+from .base import cast_for, regions_in
+
+__all__ = ["COMMON", "COMMON_GLOBALS", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS", "args_config", "common_parts",
+           "extra_states", "is_megatron", "read_common", "read_config"]
+
+COMMON = "common.pt"
+CONFIG = "metadata.json"
+_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+           "common_backend_version": 1}
+CONFIG_BYTES = json.dumps(_CONFIG).encode()
+"""``metadata.json`` as megatron-core 0.16 writes it for ``torch_dist`` (``json.dump`` of its
+``CheckpointingConfig``)."""
+
+_PLANNER = "torch.distributed.checkpoint.planner"
+_WRITE_ITEM_TYPES = {"TENSOR": 1, "SHARD": 2, "BYTE_IO": 3}
+PLAN_GLOBALS = {
+    **allow_plain_records(_PLANNER, "SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData"),
+    (_PLANNER, "WriteItemType"): EnumStandIn(_WRITE_ITEM_TYPES, keep_call(_PLANNER, "WriteItemType")),
+}
+"""torch's save-plan records (frozen dataclasses, no ``__setstate__``) as Megatron leaves them in ``.metadata``."""
+
+_ATTN_BACKENDS = {"flash": 1, "fused": 2, "unfused": 3, "local": 4, "auto": 5}
+_ENUMS = "megatron.core.transformer.enums"
+COMMON_GLOBALS = {
+    **allow_plain_records("argparse", "Namespace"),
+    # Megatron-LM's args name the attention backend by this enum; a member, looked up by value, is data.
+    (_ENUMS, "AttnBackend"): EnumStandIn(_ATTN_BACKENDS, keep_call(_ENUMS, "AttnBackend")),
+}
+_MAX_CONFIG = 1 << 20
+
+
+def read_config(root: Path) -> str | None:
+    """A line for ``inspect`` saying which backends ``root/metadata.json`` names; None where there is none.
+
+    Raises:
+        FormatError: the file is not JSON of megatron-core's config, or names a backend other than
+            ``torch_dist`` (or a common backend other than ``torch``).
+    """
+    path = root / CONFIG
+    if not path.is_file():
+        return None
+    try:
+        if path.stat().st_size > _MAX_CONFIG:
+            raise ValueError(f"{path.stat().st_size} bytes")
+        config = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:
+        raise FormatError(f"{path}: not megatron-core's checkpoint config JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise FormatError(f"{path}: expected a JSON object naming sharded_backend, found {type(config).__name__}")
+    sharded, common = config.get("sharded_backend"), config.get("common_backend", "torch")
+    if sharded != "torch_dist" or common != "torch":
+        raise FormatError(f"{path}: megatron-core checkpoint with sharded_backend {sharded!r:.40} and common_backend "
+                          f"{common!r:.40}; ckptkit reads 'torch_dist' with 'torch' only")
+    return f"megatron-core torch_dist (version {config.get('sharded_backend_version')!r:.20})"
+
+
+def read_common(root: Path) -> tuple[list[TensorEntry], list[ObjectEntry], str]:
+    """``root/common.pt``'s entries at the top level, as ``dist_checkpointing.load`` merges them, marked
+    ``sidecar="common.pt"``; and a line for ``inspect``.
+
+    Raises:
+        FormatError: ``common.pt`` is missing, damaged, or not a dict.
+        UnsafeCheckpointError: its pickle names a class outside the allow-list.
+    """
+    path = root / COMMON
+    if not path.is_file():
+        raise FormatError(f"{root}: {CONFIG} names a megatron-core checkpoint, but {COMMON} is missing")
+    tree = read_archive(str(path), extra_globals=COMMON_GLOBALS)
+    if not isinstance(tree, dict):
+        raise FormatError(f"{path}: megatron-core's common state is a dict, found {type(tree).__name__}")
+    tensors: list[TensorEntry] = []
+    objects: list[ObjectEntry] = []
+    for p, leaf in flatten(tree, lambda v: isinstance(v, TensorRef)) if tree else ():
+        if isinstance(leaf, TensorRef):
+            tensors.append(dataclasses.replace(leaf.as_entry(p), sidecar=COMMON))
+        else:
+            objects.append(ObjectEntry(key_of(p), p, leaf, sidecar=COMMON))
+    names = ", ".join(sorted(map(str, tree))[:8]) or "empty"
+    return tensors, objects, f"megatron-core's common state: {len(tree)} entries ({names})"
+
+
+_ARGS = {  # Megatron-LM's argument -> HF config.json's field, for the head and layer counts a preset needs
+    "num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
+    "kv_channels": "head_dim", "ffn_hidden_size": "intermediate_size", "num_experts": "num_experts",
+    "moe_ffn_hidden_size": "moe_intermediate_size", "padded_vocab_size": "vocab_size",
+}
+
+
+def args_config(root: Path) -> dict | None:
+    """The model's counts from ``common.pt``'s ``args`` (Megatron-LM's run arguments), under HF ``config.json``'s
+    field names; None where ``root`` is no megatron-core checkpoint or its common state holds no ``args``.
+
+    Raises:
+        FormatError, UnsafeCheckpointError: as :func:`read_common`.
+    """
+    if read_config(root) is None:
+        return None
+    args = next((o.value for o in read_common(root)[1] if o.path == ("args",)), None)
+    if args is None or not hasattr(args, "num_attention_heads"):
+        return None
+    fields = vars(args)
+    config = {hf: fields[name] for name, hf in _ARGS.items() if fields.get(name) is not None}
+    groups = fields.get("num_query_groups") if fields.get("group_query_attention") else None
+    config["num_key_value_heads"] = groups or fields.get("num_attention_heads")
+    if "untie_embeddings_and_output_weights" in fields:
+        config["tie_word_embeddings"] = not fields["untie_embeddings_and_output_weights"]
+    return config
+
+
+_LINEAR = re.compile(r"(decoder\.layers\..*\.linear_(?:qkv|proj|fc1|fc2))\.weight")
+_EXPERTS = ".experts.experts."
+
+
+def extra_states(tensors: Sequence[TensorEntry]) -> list[ObjectEntry]:
+    """The ``_extra_state`` entries megatron-core's loader asks for beside ``tensors`` (named as in a
+    ``torch_dist`` checkpoint): one per linear layer of each layer (and expert), as ``ShardedObject``s keyed
+    ``<module>._extra_state/shard_<index>_<count>`` with the layer (``n``) or layer and expert (``n.e``) index.
+    Their value is what megatron-core saves for a layer with no FP8 state."""
+    out = []
+    for t in tensors:
+        m = _LINEAR.fullmatch(t.key)
+        if m is None:
+            continue
+        dims = t.shape[:2] if _EXPERTS in t.key else t.shape[:1]
+        count = ".".join(map(str, dims))
+        for index in itertools.product(*map(range, dims)):
+            key = f"{m.group(1)}._extra_state/shard_{'.'.join(map(str, index))}_{count}"
+            out.append(ObjectEntry(key, (key,), [None]))
+    return out
+
+
+def is_megatron(manifest: Manifest) -> bool:
+    """Whether ``manifest`` was read from a megatron-core ``torch_dist`` checkpoint."""
+    return any(k == CONFIG for k, _ in manifest.details) or any(e.sidecar == COMMON for e in manifest.entries)
+
+
+def common_parts(manifest: Manifest, cast: DType | None) -> tuple[Part, ...]:
+    """``common.pt``: the entries read from one, nested again (an empty dict where there were none)."""
+    items = [(t.path, Region.whole(t, cast_for(t.dtype, cast))) for t in manifest.tensors if t.sidecar == COMMON]
+    items += [(o.path, regions_in(o.value, cast)) for o in manifest.objects if o.sidecar == COMMON]
+    return archive_parts(unflatten(items) if items else {})

@@ -1,0 +1,258 @@
+"""Tiny GPTModels of megatron-core's own class, built on CPU ranks over gloo and saved with its own
+``dist_checkpointing.save`` (the ``torch_dist`` backend); and megatron-core's own load and forward of them.
+
+megatron-core runs on CPU given four patches, each applied inside the spawned ranks only:
+- for the save, ``torch.cuda.synchronize`` (``strategies/filesystem_async.py``) and
+  ``torch.cuda.current_device`` (``strategies/state_dict_saver.py``) are redirected to the CPU; nothing else of
+  Megatron's code is touched;
+- for the forward, an explicit causal attention mask is passed, and the RNG tracker's ``fork`` (a CUDA RNG
+  context) is a no-op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+VOCAB = 64
+SEQ = 8
+
+# family -> (TransformerConfig fields, layer-spec fields)
+FAMILIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    # Llama 3: RMSNorm, SwiGLU, RoPE, GQA (4 heads in 2 query groups), no biases, untied output layer.
+    "llama": ({}, {}),
+    # Qwen3: Llama plus RMSNorm over each head's q and k.
+    "qwen3": ({}, {"qk_layernorm": True}),
+    # Qwen3-MoE: Qwen3 with 4 experts, top-2 routing, no shared expert.
+    "qwen3_moe": ({"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48,
+                   "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
+                   "moe_token_dispatcher_type": "allgather"},
+                  {"qk_layernorm": True, "num_experts": 4}),
+}
+
+
+def _config(family: str, tp: int):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields, _ = FAMILIES[family]
+    return TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+        kv_channels=8, normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, tensor_model_parallel_size=tp,
+        use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False, **fields)
+
+
+def build(family: str, tp: int, seed: int = 0):
+    """The GPTModel of ``family`` on this rank (parallel state already set up), weights drawn from ``seed``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    _, spec_fields = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = GPTModel(config=_config(family, tp), vocab_size=VOCAB, max_sequence_length=SEQ * 2,
+                     transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", **spec_fields),
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=10000)
+    # Every weight random, norms included: a mapping that swapped two norms would not show with ones.
+    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+def _init(rank: int, world: int, tp: int) -> None:
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+def _done() -> None:
+    from megatron.core import parallel_state
+
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def _cpu_save():
+    """The two CUDA calls of megatron-core's torch_dist save path, sent to the CPU for the save only."""
+    sync, current = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = sync, current
+
+
+def megatron_lm_args(family: str, tp: int) -> argparse.Namespace:
+    """The run's arguments as Megatron-LM keeps them in a checkpoint (a few of its many fields, under its names)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    fields, _ = FAMILIES[family]
+    config = _config(family, tp)
+    return argparse.Namespace(
+        num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
+        num_attention_heads=config.num_attention_heads, group_query_attention=True,
+        num_query_groups=config.num_query_groups, kv_channels=config.kv_channels, padded_vocab_size=VOCAB,
+        max_position_embeddings=SEQ * 2, normalization="RMSNorm", norm_epsilon=config.layernorm_epsilon,
+        swiglu=True, untie_embeddings_and_output_weights=True, position_embedding_type="rope", rotary_base=10000,
+        qk_layernorm=FAMILIES[family][1].get("qk_layernorm", False), num_experts=config.num_moe_experts,
+        moe_ffn_hidden_size=config.moe_ffn_hidden_size, moe_router_topk=config.moe_router_topk,
+        tensor_model_parallel_size=tp, params_dtype=torch.float32, attention_backend=AttnBackend.auto,
+        **{k: v for k, v in fields.items() if k not in vars(config)})
+
+
+def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool) -> None:
+    """Build ``family`` at ``tp`` and save it to ``out`` with ``dist_checkpointing.save`` (torch_dist);
+    ``with_args``: beside the model, the common state Megatron-LM saves (its ``args``, ``iteration``,
+    ``checkpoint_version``), which goes into ``common.pt``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    _init(rank, world, tp)
+    model = build(family, tp)
+    state = model.sharded_state_dict()
+    if with_args:
+        state = {**state, "args": megatron_lm_args(family, tp), "checkpoint_version": 3.0, "iteration": 0}
+    os.makedirs(out, exist_ok=True)
+    with _cpu_save():
+        dist_checkpointing.save(state, out,
+                                sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
+    _stop_writer_manager()
+    _done()
+
+
+def _stop_writer_manager() -> None:
+    """The save's writer starts a ``multiprocessing`` Manager for its results queue and leaves it running;
+    these ranks end with ``os._exit``, which would orphan it (holding the test's output pipes open)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = filesystem_async._results_queue
+    if queue is not None:
+        queue._manager.shutdown()
+        filesystem_async._results_queue = None
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+@contextlib.contextmanager
+def _cpu_forward():
+    from megatron.core.tensor_parallel import random
+
+    tracker = random.get_cuda_rng_tracker()
+    fork, current = tracker.fork, torch.cuda.current_device
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()  # a CUDA RNG context, with no dropout to seed
+    # RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device() on its first call.
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        tracker.fork, torch.cuda.current_device = fork, current
+
+
+def load(rank: int, world: int, family: str, tp: int, ckpt: str, forward: bool, result: str) -> None:
+    """megatron-core's own ``dist_checkpointing.load`` of ``ckpt`` into a fresh ``family`` model at ``tp``;
+    saves to ``result``/rank{rank}.pt this rank's parts of every parameter (:func:`assemble` joins them) and the
+    logits over the whole vocabulary (tensors cannot go back through the spawn queue once a rank has exited)."""
+    from megatron.core import dist_checkpointing
+
+    _init(rank, world, tp)
+    model = build(family, tp, seed=1)  # weights unlike the saved ones: a tensor not loaded shows
+    state = dist_checkpointing.load(model.sharded_state_dict(), ckpt)
+    common = {k: state.pop(k) for k in list(state) if k not in model.state_dict()}  # common.pt's, merged in
+    model.load_state_dict(state)
+    out: dict[str, Any] = {"params": _local(model), "common": common}
+    if forward:
+        ids = tokens()
+        mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]  # True: masked out
+        position_ids = torch.arange(SEQ)[None].expand_as(ids)
+        model.eval()
+        with torch.no_grad(), _cpu_forward():
+            logits = model(ids, position_ids, mask)
+        out["logits"] = _gather_vocab(logits) if tp > 1 else logits
+    torch.save(out, Path(result) / f"rank{rank}.pt")
+    _done()
+
+
+def _local(model) -> dict[str, list[tuple]]:
+    """This rank's parts of every parameter in its sharded state dict, as megatron-core saves them: for each key,
+    (global shape, global offset, data) per part, the data with the leading axes the sharded tensor prepends (a
+    layer-stacked tensor's layer). A factory (SwiGLU's ``linear_fc1``, which saves gate and up as two parts of
+    one key) is built into its parts."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors
+
+    out: dict[str, list[tuple]] = {}
+    pending = list(model.sharded_state_dict().values())
+    while pending:
+        sh = pending.pop()
+        if isinstance(sh, ShardedTensorFactory):
+            built, _ = extract_sharded_tensors(sh.build())
+            pending += built.values() if isinstance(built, dict) else built
+        elif isinstance(sh, ShardedTensor) and not sh.key.endswith("_extra_state"):
+            data = sh.data.detach()
+            local = (1,) * (len(sh.global_shape) - data.dim()) + tuple(data.shape)
+            out.setdefault(sh.key, []).append((tuple(sh.global_shape), tuple(sh.global_offset),
+                                               data.reshape(local).clone()))
+        elif isinstance(sh, (list, tuple, dict)):
+            pending += sh.values() if isinstance(sh, dict) else sh
+    return out
+
+
+def assemble(parts: list[dict[str, list[tuple]]]) -> dict[str, torch.Tensor]:
+    """Whole tensors from every rank's :func:`_local` parts (NaN where no rank held a part)."""
+    out: dict[str, torch.Tensor] = {}
+    for rank_parts in parts:
+        for key, pieces in rank_parts.items():
+            for shape, offset, data in pieces:
+                full = out.setdefault(key, torch.full(shape, float("nan"), dtype=data.dtype))
+                full[tuple(slice(o, o + n) for o, n in zip(offset, data.shape, strict=True))] = data
+    return out
+
+
+def _gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def loaded(tmp: Path, family: str, tp: int, ckpt: Path, forward: bool = False) -> dict[str, Any]:
+    """megatron-core's own load of ``ckpt`` at ``tp`` over 2 ranks: ``{"params": whole tensors, "common": the
+    entries its load merged in beside the model's, "logits": ...}``."""
+    from _spawn import spawn
+
+    result = tmp / f"loaded-{family}-tp{tp}"
+    result.mkdir()
+    spawn(load, 2, family, tp, str(ckpt), forward, str(result))
+    # (weights_only=False: the common state holds megatron-core's own classes; these files are the test's own.)
+    ranks = [torch.load(result / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    out: dict[str, Any] = {"params": assemble([r["params"] for r in ranks]), "common": ranks[0]["common"]}
+    if forward:
+        assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
+        out["logits"] = ranks[0]["logits"]
+    return out
+
+
+def saved(tmp: Path, family: str, tp: int, with_args: bool = True) -> Path:
+    """A ``family`` checkpoint saved by megatron-core at ``tp`` over 2 ranks (see :func:`save`)."""
+    from _spawn import spawn
+
+    out = tmp / f"{family}-tp{tp}"
+    spawn(save, 2, family, tp, str(out), with_args)
+    return out
