@@ -80,7 +80,7 @@ def assert_refused(result, message: str, out: Path) -> None:
 @pytest.mark.parametrize("state, config, args, message", [
     # the config's expert count disagrees with the stacked tensors
     (qwen3_moe_titan(), {**CONFIG, "num_experts": 8}, [],
-     "'layers.0.moe.routed_experts.inner_experts.w1_EFD' stacks 4 tensors along dim 0, but "),
+     "'layers.0.moe.routed_experts.inner_experts.w1_EFD' of shape [4, 6, 8] stacks experts along dim 0, but "),
     # a key the table does not know is refused, never passed through
     ({**qwen3_moe_titan(), "layers.0.moe.shared_expert.w1.weight": torch.zeros(2, 8)}, CONFIG, [],
      "1 keys are not torchtitan names it knows: 'layers.0.moe.shared_expert.w1.weight'"),
