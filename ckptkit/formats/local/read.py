@@ -238,7 +238,7 @@ class _ShardedReader:
         name = str(path[-1])
         unit = next(u for u in self.layout.units if any(p.fqn == name for p in u.params) or
                     any(a == name for a, _ in u.shared))
-        flat = self.ranks[0][(*self.parent, unit.key)]
+        flat = self.ranks[0][self.parent + (unit.key,)]
         if not (self.layout.use_orig_params and isinstance(leaf, TensorRef) and len(leaf.shape) == 1
                 and leaf.dtype == flat.dtype):
             found = f"{leaf.dtype} {list(leaf.shape)}" if isinstance(leaf, TensorRef) else type(leaf).__name__
