@@ -487,3 +487,32 @@ def test_read_part_leaves_unwanted_tensors_without_chunks_so_writing_them_fails(
     assert not (tmp_path / "hf").exists()
     execute(HfIO().plan(dataclasses.replace(partial, tensors=partial.tensors[1:2]), HfOptions()), tmp_path / "hf")
     assert_same_tree(load_hf(tmp_path / "hf"), {"t1": state["t1"]})
+
+
+def test_convert_and_reshard_carry_bytesio_leaves_as_the_bytes_torch_saved(tmp_path):
+    # io.BytesIO is DCP's own leaf type for bytes, and Transformer Engine's _extra_state in a model's state dict.
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    extra = io.BytesIO()
+    torch.save({"scale": torch.ones(2)}, extra)
+    state = {"w": torch.randn(4, 2), "layer._extra_state": extra, "raw": io.BytesIO(b"hello")}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+
+    def same_bytes(loaded: dict) -> None:
+        assert torch.equal(loaded["w"], state["w"])
+        for key in ("layer._extra_state", "raw"):
+            assert isinstance(loaded[key], io.BytesIO) and loaded[key].getvalue() == state[key].getvalue(), key
+
+    convert(tmp_path / "dcp", tmp_path / "full.pt", to="full")
+    same_bytes(torch.load(tmp_path / "full.pt", weights_only=False))  # as torch.load reads a BytesIO
+    reshard(tmp_path / "dcp", tmp_path / "dcp2", world_size=2)
+    target = {"w": torch.zeros(4, 2), "layer._extra_state": io.BytesIO(), "raw": io.BytesIO()}
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp2"), no_dist=True)
+    same_bytes(target)
+    convert(tmp_path / "full.pt", tmp_path / "back", to="sharded", world_size=2)
+    target = {"w": torch.zeros(4, 2), "layer._extra_state": io.BytesIO(), "raw": io.BytesIO()}
+    dcp.load(target, checkpoint_id=str(tmp_path / "back"), no_dist=True)
+    same_bytes(target)
+    assert verify(tmp_path / "dcp", tmp_path / "back").ok
