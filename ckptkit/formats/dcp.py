@@ -217,9 +217,10 @@ class DcpIO(FormatIO):
                 raise FormatError(f"{meta_path}: {key!r} has unknown storage metadata {kind}")
             headers.append((TensorEntry(key, path_, _tensor_dtype(sm.properties, meta_path, key),
                                         _counts(sm.size, key, "size"), ()), sm))
+        opened, objects = _open_whole_entries(objects)
         chosen = None
         if wanted is not None and not (root / META).is_file():  # (meta.pt's entries join later: read them all)
-            chosen = set(wanted(Manifest(Format.SHARDED, str(root), tuple(bare for bare, _ in headers),
+            chosen = set(wanted(Manifest(Format.SHARDED, str(root), (*(bare for bare, _ in headers), *opened),
                                          tuple(objects))))
         archives = ArchiveCache()
         for bare, sm in headers:
@@ -255,6 +256,7 @@ class DcpIO(FormatIO):
             entry = TensorEntry(key, path_, dtype, shape, tuple(chunks))
             entry.validate()
             tensors.append(entry)
+        tensors += opened
         # A rank that holds no chunk writes an empty file that .metadata never names: count the files too.
         on_disk = {p.name for p in root.iterdir() if _RANK_FILE.search(p.name)}
         ranks = [int(m.group(1)) for f in rank_files | on_disk if (m := _RANK_FILE.search(f))]
@@ -314,6 +316,28 @@ class DcpIO(FormatIO):
         if any(e.sidecar == META for e in manifest.entries) or options.meta_groups is not None:
             files.append(FilePlan(META, _meta_parts(manifest, options)))
         return WritePlan(tuple(files), commit=METADATA)
+
+
+def _open_whole_entries(objects: list[ObjectEntry]) -> tuple[list[TensorEntry], list[ObjectEntry]]:
+    """The tensors inside entries DCP stored whole, as entries of their own, and the other entries.
+
+    A planner with ``flatten_state_dict=False`` stores ``{"model": model.state_dict(), ...}`` as one bytes entry
+    per top-level key: ``model``'s tensors lie in its ``torch.save`` bytes, where torch's loader finds them.
+    Opened, they stream like any other tensor and the model rule sees them. An entry that holds no tensor stays
+    whole (its bytes are copied verbatim); one that cannot be decoded too, for the writer to name its fault."""
+    tensors: list[TensorEntry] = []
+    kept: list[ObjectEntry] = []
+    for o in objects:
+        try:
+            leaves = list(flatten(object_value(o), lambda v: isinstance(v, TensorRef), o.path))
+        except CheckpointError:
+            leaves = []
+        if not any(isinstance(leaf, TensorRef) for _, leaf in leaves):
+            kept.append(o)
+            continue
+        tensors += [leaf.as_entry(p) for p, leaf in leaves if isinstance(leaf, TensorRef)]
+        kept += [ObjectEntry(key_of(p), p, leaf) for p, leaf in leaves if not isinstance(leaf, TensorRef)]
+    return tensors, kept
 
 
 def _chunk_edges(root: Path, md: Any, storage: dict) -> Iterator[tuple[str, int, int]]:
