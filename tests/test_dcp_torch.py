@@ -580,9 +580,8 @@ def test_export_hf_and_convert_open_entries_a_planner_stored_whole(group, tmp_pa
 
 
 def test_every_command_reads_torch_hf_storage_writer_shards_as_the_sharded_checkpoint_they_are(group, tmp_path):
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     ws, root, _ = group
     if ws != 2:
