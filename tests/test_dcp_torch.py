@@ -601,3 +601,26 @@ def test_every_command_reads_torch_hf_storage_writer_shards_as_the_sharded_check
     assert_same_tree(load_hf(tmp_path / "hf"), reference)
     assert_same_tree(load_hf(tmp_path / "hf2"), reference)
     assert verify(src, tmp_path / "full.pt").ok
+
+
+def test_convert_keeps_a_step_0_optimizer_s_empty_state_through_dcp(tmp_path):
+    # AdamW before its first step: {"state": {}, "param_groups": [...]}. torch's DCP stores no empty dict.
+    import torch.distributed.checkpoint as dcp
+
+    def fresh() -> dict:
+        lin = torch.nn.Linear(3, 2)
+        return {"model": lin.state_dict(), "optimizer": torch.optim.AdamW(lin.parameters()).state_dict(),
+                "scaler": {}, "hist": []}
+
+    state = fresh()
+    torch.save(state, tmp_path / "src.pt")
+    convert(tmp_path / "src.pt", tmp_path / "dcp2", to="sharded", world_size=2)
+    reshard(tmp_path / "dcp2", tmp_path / "dcp3", world_size=3)
+    convert(tmp_path / "dcp3", tmp_path / "back.pt", to="full")
+    back = load_full(tmp_path / "back.pt")
+    assert_same_tree(back, state)
+    torch.optim.AdamW(torch.nn.Linear(3, 2).parameters()).load_state_dict(back["optimizer"])  # no KeyError
+    target = fresh()  # torch's own loader, as a resumed run calls it, still takes the output
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp3"), no_dist=True)
+    assert_same_tree(target, state)
+    assert verify(tmp_path / "src.pt", tmp_path / "dcp3").ok

@@ -213,6 +213,16 @@ def test_local_with_the_wrong_wrap_policy_lists_the_differences(saved, tmp_path)
                 local=LocalOptions(model=MODEL, auto_wrap="none"))
 
 
+def test_empty_containers_survive_local_and_sharded_and_back(tmp_path):
+    state = {"model": tiny().state_dict(), "scaler": {}, "extra": {"seen": {}, "hist": []}}
+    torch.save(state, tmp_path / "src.pt")
+    convert(tmp_path / "src.pt", tmp_path / "l2", to="local", world_size=2, **local())
+    convert(tmp_path / "l2", tmp_path / "dcp", to="sharded", world_size=2)
+    convert(tmp_path / "dcp", tmp_path / "l3", to="local", world_size=3, **local())
+    convert(tmp_path / "l3", tmp_path / "back.pt", to="full")
+    assert_same_tree(load_full(tmp_path / "back.pt"), state)
+
+
 def test_local_refuses_a_layout_that_gives_a_parameter_the_name_of_a_buffer(saved, uop, tmp_path):
     convert(saved[uop] / "full_plain.pt", tmp_path / "l2", to="local", world_size=2,
             **local(use_orig_params=uop))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..codecs.dcp_metadata import ChunkRecord, MetadataPickle, ObjectRecord, TensorRecord
+from ..codecs.dcp_metadata import EMPTY_MARK, ChunkRecord, MetadataPickle, ObjectRecord, TensorRecord
 from ..codecs.pickle_read import (
     MEMORY_FORMATS,
     Call,
@@ -217,6 +217,7 @@ class DcpIO(FormatIO):
                 raise FormatError(f"{meta_path}: {key!r} has unknown storage metadata {kind}")
             headers.append((TensorEntry(key, path_, _tensor_dtype(sm.properties, meta_path, key),
                                         _counts(sm.size, key, "size"), ()), sm))
+        objects += _empty_containers(paths, md.state_dict_metadata)
         opened, objects = _open_whole_entries(objects)
         chosen = None
         if wanted is not None and not (root / META).is_file():  # (meta.pt's entries join later: read them all)
@@ -303,19 +304,39 @@ class DcpIO(FormatIO):
                 sizes[rank] = start + head.nbytes + region.nbytes + tail.nbytes
                 chunks.append(ChunkRecord(offsets, box, names[rank], start, sizes[rank] - start))
             tensors.append(TensorRecord(t.key, cast or t.dtype, t.shape, chunks))
-        # torch never writes an empty container into DCP, and its loader trips over one (it falls back to a
-        # pre-2.4 key scheme), so they are left out here too; convert() reports them.
-        objects = [o for o in manifest.objects if not is_empty_container(o) and o.sidecar is None]
+        # torch's DCP never writes an empty dict (its traversal finds no leaf in one; an empty list is a leaf),
+        # and its loader trips over one as an entry (it falls back to a pre-2.4 key scheme): they are recorded
+        # in planner_data alone, where torch does not look.
+        objects = [o for o in manifest.objects if not _empty_dict(o) and o.sidecar is None]
+        empty = {o.key: (*dcp_path(o.path), {}) for o in manifest.objects if _empty_dict(o) and o.sidecar is None}
         blobs = [ObjectRecord(o.key, *put(0, (Region.whole(bytes_entry(o.blob, o.key)),) if o.blob
                                           else archive_parts(regions_in(o.value, options.cast))))
                  for o in objects]
         entries: list[TensorEntry | ObjectEntry] = [*(t for t in manifest.tensors if not t.sidecar), *objects]
-        metadata = MetadataPickle().dumps(tensors, blobs, {e.key: dcp_path(e.path) for e in entries})
+        metadata = MetadataPickle().dumps(tensors, blobs, {**{e.key: dcp_path(e.path) for e in entries}, **empty})
         files = [FilePlan(f"__{r}_0.distcp", tuple(parts[r])) for r in range(n)]
         files.append(FilePlan(METADATA, (Bytes(metadata),)))
         if any(e.sidecar == META for e in manifest.entries) or options.meta_groups is not None:
             files.append(FilePlan(META, _meta_parts(manifest, options)))
         return WritePlan(tuple(files), commit=METADATA)
+
+
+def _empty_dict(o: ObjectEntry) -> bool:
+    return is_empty_container(o) and isinstance(o.value, dict)
+
+
+def _empty_containers(paths: dict, entries: dict) -> list[ObjectEntry]:
+    """The empty dicts ``planner_data`` records beside the entries (see :data:`EMPTY_MARK`). Any other
+    path there that names no entry is ignored, as torch's loaders ignore it."""
+    found = []
+    for key, path in paths.items():
+        if key in entries or not isinstance(path, tuple) or not path or type(path[-1]) is not EMPTY_MARK or path[-1]:
+            continue
+        where = from_dcp_path(path[:-1])
+        if not all(type(k) in (str, int) for k in path[:-1]) or key_of(where) != key:
+            raise ValueError(f"key {key!r:.60} records an empty dict at {list(path)!r:.80}, not at its path")
+        found.append(ObjectEntry(key, where, {}))
+    return found
 
 
 def _open_whole_entries(objects: list[ObjectEntry]) -> tuple[list[TensorEntry], list[ObjectEntry]]:
