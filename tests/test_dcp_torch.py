@@ -186,6 +186,45 @@ def _save_placements(mesh, root: Path) -> None:
     dcp.save({k: distribute_tensor(v, mesh, placements[k]) for k, v in t.items()}, checkpoint_id=str(root / "placed"))
 
 
+def unflattened_states() -> dict[str, dict]:
+    """What a planner with ``flatten_state_dict=False`` stores whole under each top-level key: a model state dict
+    with dotted keys beside a top-level tensor, and a nested one alone."""
+    lin = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for i, p in enumerate(lin.parameters()):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    return {"flat": {"model": lin.state_dict(), "top_tensor": torch.arange(4.0), "step": 4},
+            "nested": {"model": {"enc": {"weight": lin.weight.detach().clone()}, "dec": {"bias": torch.arange(3)}},
+                       "step": 4}}
+
+
+def _save_unflattened(root: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    for name, state in unflattened_states().items():
+        dcp.save(state, checkpoint_id=str(root / f"unflattened-{name}"),
+                 planner=DefaultSavePlanner(flatten_state_dict=False))
+
+
+def hf_shard_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {"a.weight": torch.randn(5, 3, generator=g), "b.weight": torch.randn(4, 6, generator=g).bfloat16(),
+            "c": torch.arange(3)}
+
+
+def _save_hf_shards(mesh, root: Path) -> None:
+    """torch's HF storage writer without consolidation: one safetensors file per rank, uneven Shard(0) rows, a
+    Shard(1) split and a replica, with each chunk's offsets in the header."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    placements = {"a.weight": [Shard(0)], "b.weight": [Shard(1)], "c": [Replicate()]}
+    state = {k: distribute_tensor(v, mesh, placements[k]) for k, v in hf_shard_state().items()}
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(path=str(root / "hf-shards"), save_distributed=True))
+
+
 def _group_main(rank: int, ws: int, root_dir: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -197,6 +236,8 @@ def _group_main(rank: int, ws: int, root_dir: str) -> dict:
         results["fsdp2"] = _fsdp2(rank, ws, mesh, root)
     if ws == 2:
         results["fsdp1"] = _fsdp1(rank, root)
+        _save_unflattened(root)
+        _save_hf_shards(mesh, root)
     return results
 
 
@@ -487,3 +528,99 @@ def test_read_part_leaves_unwanted_tensors_without_chunks_so_writing_them_fails(
     assert not (tmp_path / "hf").exists()
     execute(HfIO().plan(dataclasses.replace(partial, tensors=partial.tensors[1:2]), HfOptions()), tmp_path / "hf")
     assert_same_tree(load_hf(tmp_path / "hf"), {"t1": state["t1"]})
+
+
+def test_convert_and_reshard_carry_bytesio_leaves_as_the_bytes_torch_saved(tmp_path):
+    # io.BytesIO is DCP's own leaf type for bytes, and Transformer Engine's _extra_state in a model's state dict.
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    extra = io.BytesIO()
+    torch.save({"scale": torch.ones(2)}, extra)
+    state = {"w": torch.randn(4, 2), "layer._extra_state": extra, "raw": io.BytesIO(b"hello")}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+
+    def same_bytes(loaded: dict) -> None:
+        assert torch.equal(loaded["w"], state["w"])
+        for key in ("layer._extra_state", "raw"):
+            assert isinstance(loaded[key], io.BytesIO) and loaded[key].getvalue() == state[key].getvalue(), key
+
+    convert(tmp_path / "dcp", tmp_path / "full.pt", to="full")
+    same_bytes(torch.load(tmp_path / "full.pt", weights_only=False))  # as torch.load reads a BytesIO
+    reshard(tmp_path / "dcp", tmp_path / "dcp2", world_size=2)
+    target = {"w": torch.zeros(4, 2), "layer._extra_state": io.BytesIO(), "raw": io.BytesIO()}
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp2"), no_dist=True)
+    same_bytes(target)
+    convert(tmp_path / "full.pt", tmp_path / "back", to="sharded", world_size=2)
+    target = {"w": torch.zeros(4, 2), "layer._extra_state": io.BytesIO(), "raw": io.BytesIO()}
+    dcp.load(target, checkpoint_id=str(tmp_path / "back"), no_dist=True)
+    same_bytes(target)
+    assert verify(tmp_path / "dcp", tmp_path / "back").ok
+
+
+@pytest.mark.parametrize("name", ["flat", "nested"])
+def test_export_hf_and_convert_open_entries_a_planner_stored_whole(group, tmp_path, name):
+    # DefaultSavePlanner(flatten_state_dict=False) stores each top-level value whole: "model" is one bytes entry
+    # holding the model's tensors, which torch's loader returns as a dict of tensors.
+    ws, root, _ = group
+    if ws != 2:
+        pytest.skip("saved by the 2-rank group")
+    src, state = root / f"unflattened-{name}", unflattened_states()[name]
+    reference = load_dcp(src, tmp_path / "torch.pt")
+    assert_same_tree(reference, state)
+    convert(src, tmp_path / "full.pt", to="full")
+    assert_same_tree(load_full(tmp_path / "full.pt"), reference)
+    reshard(src, tmp_path / "dcp3", world_size=3)
+    assert_same_tree(load_dcp(tmp_path / "dcp3", tmp_path / "torch3.pt"), reference)
+    model = flat_tensors(reference["model"])
+    for report in (export_hf(src, tmp_path / "hf"), convert(src, tmp_path / "hf2", to="hf")):
+        assert "model taken from top-level key 'model'" in report.notes
+        assert_same_tree(load_hf(Path(report.destination)), model)
+
+
+def test_every_command_reads_torch_hf_storage_writer_shards_as_the_sharded_checkpoint_they_are(group, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    ws, root, _ = group
+    if ws != 2:
+        pytest.skip("saved by the 2-rank group")
+    src = root / "hf-shards"
+    reference = {k: torch.zeros_like(v) for k, v in hf_shard_state().items()}
+    dcp.load(reference, storage_reader=HuggingFaceStorageReader(str(src)), no_dist=True)
+    assert_same_tree(reference, hf_shard_state())
+    summary = inspect(src)
+    assert (summary.format.value, summary.world_size) == ("hf-shards", 2)
+    convert(src, tmp_path / "full.pt", to="full")
+    assert_same_tree(load_full(tmp_path / "full.pt"), reference)
+    reshard(src, tmp_path / "dcp3", world_size=3)
+    assert_same_tree(load_dcp(tmp_path / "dcp3", tmp_path / "torch3.pt"), reference)
+    export_hf(src, tmp_path / "hf")
+    convert(src, tmp_path / "hf2", to="hf")
+    assert_same_tree(load_hf(tmp_path / "hf"), reference)
+    assert_same_tree(load_hf(tmp_path / "hf2"), reference)
+    assert verify(src, tmp_path / "full.pt").ok
+
+
+def test_convert_keeps_a_step_0_optimizer_s_empty_state_through_dcp(tmp_path):
+    # AdamW before its first step: {"state": {}, "param_groups": [...]}. torch's DCP stores no empty dict.
+    import torch.distributed.checkpoint as dcp
+
+    def fresh() -> dict:
+        lin = torch.nn.Linear(3, 2)
+        return {"model": lin.state_dict(), "optimizer": torch.optim.AdamW(lin.parameters()).state_dict(),
+                "scaler": {}, "hist": []}
+
+    state = fresh()
+    torch.save(state, tmp_path / "src.pt")
+    convert(tmp_path / "src.pt", tmp_path / "dcp2", to="sharded", world_size=2)
+    reshard(tmp_path / "dcp2", tmp_path / "dcp3", world_size=3)
+    convert(tmp_path / "dcp3", tmp_path / "back.pt", to="full")
+    back = load_full(tmp_path / "back.pt")
+    assert_same_tree(back, state)
+    torch.optim.AdamW(torch.nn.Linear(3, 2).parameters()).load_state_dict(back["optimizer"])  # no KeyError
+    target = fresh()  # torch's own loader, as a resumed run calls it, still takes the output
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp3"), no_dist=True)
+    assert_same_tree(target, state)
+    assert verify(tmp_path / "src.pt", tmp_path / "dcp3").ok

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import collections
 import errno
 import json
@@ -89,6 +90,28 @@ def test_inspect_refuses_metadata_naming_os_system(tmp_path, dcp_ckpt):
             run()
     assert not marker.exists()
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize(("value", "found", "says"), [
+    # a dtype torch writes that ckptkit lacks: ckptkit's gap, said so
+    (torch.zeros(2, 2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2), r"torch\.float4_e2m1fn_x2",
+     r"torch\.float4_e2m1fn_x2 is a torch dtype that ckptkit does not support yet \(torch writes it; ckptkit "
+     r"cannot read it\)"),
+    # one of torch's own classes
+    (torch.nn.Linear(2, 2), r"torch\.nn\.modules\.linear\.Linear",
+     r"it belongs to torch, and ckptkit does not support it here \(a gap in ckptkit, not a fault of the "
+     r"checkpoint\)"),
+    # the user's own code
+    (argparse.Namespace(lr=0.1), r"argparse\.Namespace",
+     r"it comes from 'argparse', not torch, and ckptkit never runs code from a checkpoint; save that entry as plain "
+     r"data"),
+])
+def test_convert_refusal_names_what_it_found_and_whose_support_is_missing(tmp_path, value, found, says):
+    torch.save({"w": torch.ones(2), "x": value}, tmp_path / "a.pt")
+    with pytest.raises(UnsafeCheckpointError, match=rf"a\.pt: the pickle asks for {found}, which is not on "
+                                                    rf"ckptkit's allow-list: {says}") as e:
+        convert(tmp_path / "a.pt", tmp_path / "out", to="sharded")
+    assert "custom classes" not in str(e.value)
 
 
 def test_convert_refuses_torch_save_file_with_code(tmp_path):

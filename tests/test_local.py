@@ -8,6 +8,7 @@ models at another world size.
 
 from __future__ import annotations
 
+import json
 import pickletools
 import shutil
 import zipfile
@@ -210,6 +211,31 @@ def test_local_with_the_wrong_wrap_policy_lists_the_differences(saved, tmp_path)
                                           r"is in the rank files but not in the layout"):
         convert(saved[False] / "model", tmp_path / "out.pt", to="full",
                 local=LocalOptions(model=MODEL, auto_wrap="none"))
+
+
+def test_empty_containers_survive_local_and_sharded_and_back(tmp_path):
+    state = {"model": tiny().state_dict(), "scaler": {}, "extra": {"seen": {}, "hist": []}}
+    torch.save(state, tmp_path / "src.pt")
+    convert(tmp_path / "src.pt", tmp_path / "l2", to="local", world_size=2, **local())
+    convert(tmp_path / "l2", tmp_path / "dcp", to="sharded", world_size=2)
+    convert(tmp_path / "dcp", tmp_path / "l3", to="local", world_size=3, **local())
+    convert(tmp_path / "l3", tmp_path / "back.pt", to="full")
+    assert_same_tree(load_full(tmp_path / "back.pt"), state)
+
+
+def test_local_refuses_a_layout_that_gives_a_parameter_the_name_of_a_buffer(saved, uop, tmp_path):
+    convert(saved[uop] / "full_plain.pt", tmp_path / "l2", to="local", world_size=2,
+            **local(use_orig_params=uop))
+    sidecar = tmp_path / "l2" / LAYOUT_FILE
+    layout = json.loads(sidecar.read_text())
+    param = next(p for u in layout["units"] for p in u["params"] if p["fqn"] == "norm.bias")
+    param["fqn"] = "steps"  # the model's int64 buffer
+    layout["param_order"] = ["steps" if n == "norm.bias" else n for n in layout.get("param_order", [])]
+    sidecar.write_text(json.dumps(layout))
+    with pytest.raises(FormatError, match=r"rank0\.pt: the flat layout names parameter 'steps' of unit '_flat_param' "
+                                          r"after buffer 'steps' \(int64 \[3\]\) in the rank files"):
+        convert(tmp_path / "l2", tmp_path / "out.pt", to="full")
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_local_rank_files_by_name_and_by_pattern(saved, tmp_path):

@@ -407,14 +407,14 @@ def read_output(to: str, out: Path, scratch: Path) -> dict:
 
 def expected_in(to: str, want: dict) -> dict:
     """The part of the input an output of form ``to`` holds: HF keeps the model part only, under its own names
-    (these inputs keep it in a ``model`` section, or are a model state dict); DCP leaves empty containers out
-    (torch's loader trips over them), as the conversion report says."""
+    (these inputs keep it in a ``model`` section, or are a model state dict); torch's DCP loader returns no
+    empty dict (ckptkit records them where torch does not look, as the conversion report says)."""
     if to == "hf":
         tensors = {k: v for k, v in want.items() if isinstance(v, torch.Tensor)}
         model = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
         return model or tensors
     if to == "sharded":
-        return {k: v for k, v in want.items() if not (isinstance(v, (dict, list)) and not v)}
+        return {k: v for k, v in want.items() if not (isinstance(v, dict) and not v)}
     return want
 
 

@@ -348,12 +348,15 @@ def test_verify_compares_objects_and_nan_bits(tmp_path):
     assert verify(tmp_path / "a.pt", tmp_path / "a.pt").ok
 
 
-def test_convert_empty_containers_kept_in_full_left_out_of_sharded_with_a_note(tmp_path):
+def test_convert_empty_containers_kept_in_every_form_with_a_note_on_the_dicts_torch_passes_over(tmp_path):
     state = {"model": {"w": torch.arange(6.0).reshape(3, 2)}, "scaler": {}, "hooks": []}
     torch.save(state, tmp_path / "src.pt")
     convert(tmp_path / "src.pt", tmp_path / "back.pt", to="full")
     assert_same_tree(load_full(tmp_path / "back.pt"), state)  # FULL -> FULL loses nothing
     report = convert(tmp_path / "src.pt", tmp_path / "dcp", to="sharded", world_size=2)
-    # torch's DCP never stores an empty container (its loader trips over one), so neither does ckptkit's.
-    assert any("empty containers not written" in n and "scaler" in n and "hooks" in n for n in report.notes)
-    assert_same_tree(load_dcp(tmp_path / "dcp", tmp_path / "c.pt"), {"model": state["model"]})
+    # torch's DCP stores an empty list as an entry but no empty dict: ckptkit records that in .metadata's
+    # planner data, which torch's loaders pass over, and says so.
+    assert any("empty dicts recorded in .metadata's planner data" in n and "scaler" in n for n in report.notes)
+    assert_same_tree(load_dcp(tmp_path / "dcp", tmp_path / "c.pt"), {"model": state["model"], "hooks": []})
+    convert(tmp_path / "dcp", tmp_path / "again.pt", to="full")
+    assert_same_tree(load_full(tmp_path / "again.pt"), state)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -74,12 +75,12 @@ def _load_all_forms(rank: int, world: int, root: str, kind: str) -> list:
 
     for form in sorted(p.name for p in pathlib.Path(root).iterdir() if p.is_dir()):
         model, opt = _build(kind)
-        result = ckptkit.load(f"{root}/{form}", model, optimizer=None if form == "hf" else opt)
+        result = ckptkit.load(f"{root}/{form}", model, optimizer=opt)
         got = _full_state(model, opt)
         if rank == 0:
             problem = tree_difference(got["model"], ref["model"], "model")
-            if form != "hf":  # hf holds weights only
-                problem = problem or tree_difference(got["optim"]["state"], ref["optim"]["state"], "optim.state")
+            # hf: the weights in safetensors, the optimizer in the training state beside them
+            problem = problem or tree_difference(got["optim"]["state"], ref["optim"]["state"], "optim.state")
             out.append((form, problem, result.step, result.extra_state))
     return out
 
@@ -96,12 +97,44 @@ def test_save_load_any_form_any_wrapper_any_world_size(tmp_path, saved_by, save_
         results = run_ranks(_load_all_forms, ws, str(tmp_path), kind)[0]
         for form, problem, step, extra in results:
             assert problem is None, f"{saved_by}@{save_ws} -> {kind}@{ws}: {form}: {problem}"
-            if form == "hf":
-                assert (step, extra) == (None, None)
-            elif form == "async":
+            if form == "async":
                 assert step == 2 and extra is None
             else:
                 assert step == 2 and extra == {"seed": 7}
+
+
+def test_save_hf_keeps_the_training_state_beside_the_weights_and_load_resumes_it_bit_for_bit(tmp_path):
+    from safetensors.torch import load_file
+
+    model = _plain_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in (3, 4):
+        _train(model, opt, step, steps=1)
+        sched.step()
+        ckptkit.save(tmp_path, model, optimizer=opt, scheduler=sched, extra_state={"seed": step}, form="hf",
+                     step=step, keep_last=1)
+    step_dir = tmp_path / "step-00000004"
+    assert [s.step for s in rotation.complete_steps(tmp_path)] == [4]
+    assert (tmp_path / "latest").read_text().strip() == step_dir.name
+    weights = load_file(step_dir / "model.safetensors")  # the weights, as safetensors reads them
+    assert_same_tree(weights, {k: v for k, v in model.state_dict().items() if k in weights})
+    assert ckptkit.verify(step_dir).ok  # the checksums ckptkit.json records, training state beside them
+    fresh = _plain_model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=1, gamma=0.5)
+    result = ckptkit.load(tmp_path, fresh, optimizer=fresh_opt, scheduler=fresh_sched)
+    assert (result.path, result.step, result.extra_state, result.optimizer_loaded) == (step_dir, 4, {"seed": 4}, True)
+    assert_same_tree(fresh_opt.state_dict()["state"], opt.state_dict()["state"])
+    # torch's set_state_dict gives the betas back as a list, in every form: compared as lists
+    assert json.dumps(fresh_opt.state_dict()["param_groups"]) == json.dumps(opt.state_dict()["param_groups"])
+    assert fresh_sched.state_dict() == sched.state_dict()
+    assert_same_tree(fresh.state_dict(), model.state_dict())
+
+
+def test_load_returns_the_step_of_an_hf_save_without_training_state(tmp_path):
+    ckptkit.save(tmp_path, _plain_model(), form="hf", step=5)
+    assert ckptkit.load(tmp_path, _plain_model()).step == 5
 
 
 def test_save_rotation_keeps_the_newest_complete_steps(tmp_path):

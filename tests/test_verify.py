@@ -135,3 +135,14 @@ def test_verify_alone_refuses_the_options_of_a_comparison(tmp_path):
     with pytest.raises(UsageError, match=r"^--atol, --rename compare two checkpoints; with one, all of it is checked$"):
         verify(tmp_path / "a.pt", atol=0.1, renames=["a=b"])
     assert verify(tmp_path / "a.pt").ok  # read through: no ckptkit.json
+
+
+def test_verify_reports_differing_zero_dim_float_tensors_with_exit_1(tmp_path):
+    # AdamW's ``step`` is a 0-dim float tensor: two checkpoints at different steps differ there.
+    torch.save({"s": torch.tensor(3.5)}, tmp_path / "a.pt")
+    torch.save({"s": torch.tensor(4.5)}, tmp_path / "b.pt")
+    found = verify(tmp_path / "a.pt", tmp_path / "b.pt").differences[0]
+    assert (found.key, found.mismatched, found.first_index, found.value_a, found.value_b) == ("s", 1, (), 3.5, 4.5)
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path / "a.pt"), str(tmp_path / "b.pt")])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "s: 1 of 1 elements differ bit for bit" in result.output

@@ -23,13 +23,20 @@ from typing import NamedTuple
 
 from ..core.dtypes import DType
 
-__all__ = ["ChunkRecord", "MetadataPickle", "ObjectRecord", "TensorRecord"]
+__all__ = ["EMPTY_MARK", "ChunkRecord", "MetadataPickle", "ObjectRecord", "TensorRecord"]
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 _PACK_I = struct.Struct("<I").pack
 _PACK_i = struct.Struct("<i").pack
 _PACK_H = struct.Struct("<H").pack
+
+
+EMPTY_MARK = dict
+"""The type of the last element of a ``planner_data`` path that records an empty dict rather than names an
+entry: ``{"optimizer.state": ("optimizer", "state", {})}`` says the state dict held ``optimizer.state = {}``
+(AdamW's before its first step). torch's DCP stores no empty dict, and its loaders read ``planner_data`` only
+for the keys of ``state_dict_metadata``, which these are not; ckptkit's reader restores them from it."""
 
 
 class ChunkRecord(NamedTuple):  # tuples, not dataclasses: a reshard makes one per chunk
@@ -85,7 +92,7 @@ class MetadataPickle:
         for key, path in planner_data.items():
             out += const(key) + b"("
             for part in path:  # written out, not memoized (see the module's docstring)
-                out += _int(part) if type(part) is int else _unicode(part)
+                out += _int(part) if type(part) is int else b"}" if type(part) is EMPTY_MARK else _unicode(part)
             out += b"t"
         out += b"u" + const("storage_data") + b"}("
         entry = self._entry

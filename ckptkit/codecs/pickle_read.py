@@ -23,9 +23,9 @@ from typing import Any
 from ..core.gc_pause import gc_paused
 from ..errors import FormatError, UnsafeCheckpointError
 
-__all__ = ["MEMORY_FORMATS", "Call", "EnumStandIn", "Record", "Ref", "SafeUnpickler", "allow_plain_records",
-           "allow_records", "allow_slotted_records", "check_opcodes", "check_tree", "keep_call", "make_record",
-           "record_class", "ref", "safe_getattr", "strided_layout"]
+__all__ = ["MEMORY_FORMATS", "BytesIOData", "Call", "EnumStandIn", "Record", "Ref", "SafeUnpickler",
+           "allow_plain_records", "allow_records", "allow_slotted_records", "check_opcodes", "check_tree", "keep_call",
+           "make_record", "record_class", "ref", "refusal", "safe_getattr", "strided_layout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +72,29 @@ class Record:
 
     def __repr__(self) -> str:
         return f"{self._pickle_name.name}({self.__dict__})"
+
+
+class BytesIOData(Record):
+    """``io.BytesIO`` as data: DCP's own leaf type for bytes, and Transformer Engine's ``_extra_state``. It keeps
+    the state ``BytesIO.__setstate__`` takes (the bytes, the position, the instance dict), so that writing it
+    back gives torch the same ``BytesIO``; it never becomes one here."""
+
+    _pickle_name = ref("_io", "BytesIO")
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) == 3 and isinstance(state[0], (bytes, bytearray))
+                and isinstance(state[1], int) and state[1] >= 0 and (state[2] is None or isinstance(state[2], dict))):
+            raise FormatError(f"io.BytesIO with state {state!r:.80}, not (bytes, position, dict or None) as "
+                              "BytesIO.__setstate__ takes it")
+        self.state = state
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is BytesIOData and self.state == other.state
+
+    @property
+    def value(self) -> bytes:
+        """The bytes it holds, as ``BytesIO.getvalue()`` gives them."""
+        return bytes(self.state[0])
 
 
 def _set_state(self: Any, state: Any) -> None:
@@ -294,6 +317,24 @@ def check_tree(value: Any, where: str, *, budget: int, depth: int = 100, refuse:
         stack.extend((child, level + 1) for child in children)
 
 
+_TORCH_DTYPE = re.compile(r"(float|bfloat|int|uint|complex|bits|qint|quint)\d\w*")
+
+
+def refusal(module: str, name: str) -> str:
+    """Why ``module.name`` is not read: the pickle asks for it and it is not on the allow-list. Says whose
+    class it is, and so whether ckptkit or the checkpoint's own code is what stands in the way."""
+    found = f"the pickle asks for {module}.{name}, which is not on ckptkit's allow-list"
+    if module == "torch" and _TORCH_DTYPE.fullmatch(name):
+        return (f"{found}: torch.{name} is a torch dtype that ckptkit does not support yet (torch writes it; "
+                "ckptkit cannot read it)")
+    owner = module.split(".", 1)[0]
+    if owner in ("torch", "megatron", "deepspeed", "lightning", "pytorch_lightning", "transformers"):
+        return (f"{found}: it belongs to {owner}, and ckptkit does not support it here (a gap in ckptkit, not a "
+                "fault of the checkpoint); ckptkit never runs code from a checkpoint")
+    return (f"{found}: it comes from {owner!r}, not torch, and ckptkit never runs code from a checkpoint; save that "
+            "entry as plain data (dicts, lists, numbers, strings, tensors) to convert it")
+
+
 class SafeUnpickler(pickle.Unpickler):
     """Resolves globals through ``allowed`` only; any other global is refused, naming it and the file.
 
@@ -316,10 +357,7 @@ class SafeUnpickler(pickle.Unpickler):
         try:
             return self._allowed[(module, name)]
         except KeyError:
-            raise UnsafeCheckpointError(
-                f"{self._where}: the pickle asks for {module}.{name}, which is not on ckptkit's allow-list; "
-                "ckptkit never runs code from a checkpoint (re-save the state without custom classes)"
-            ) from None
+            raise UnsafeCheckpointError(f"{self._where}: {refusal(module, name)}") from None
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is None:

@@ -22,7 +22,7 @@ from ..core.dtypes import DType
 from ..core.manifest import Span, TensorRef
 from ..errors import FormatError
 from ..io.sources import opened
-from .pickle_read import SafeUnpickler, check_tree, keep_call, strided_layout
+from .pickle_read import BytesIOData, SafeUnpickler, check_tree, keep_call, strided_layout
 
 __all__ = ["ARCHIVE_MAGIC", "OBJECT_GLOBALS", "TENSOR", "WRAPPER_SUBCLASS", "ArchiveCache", "Tag", "archive_edges",
            "is_archive", "load_blob", "read_archive", "subclass_rebuild"]
@@ -290,6 +290,7 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("torch", "Tensor"): TENSOR,
     ("collections", "OrderedDict"): collections.OrderedDict,
+    ("_io", "BytesIO"): BytesIOData,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "complex"): complex,
@@ -306,9 +307,10 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 # What torch.load(weights_only=True) unpickles, as DCP's reader loads every chunk (torch's
-# _weights_only_unpickler, 2.13): OBJECT_GLOBALS less three it refuses, and fewer opcodes than Python's.
+# _weights_only_unpickler, 2.13): OBJECT_GLOBALS less four it refuses, and fewer opcodes than Python's.
 _WEIGHTS_ONLY_GLOBALS = {k: v for k, v in OBJECT_GLOBALS.items()
-                         if k not in {("builtins", "frozenset"), ("builtins", "slice"), ("torch", "UntypedStorage")}}
+                         if k not in {("builtins", "frozenset"), ("builtins", "slice"), ("torch", "UntypedStorage"),
+                                       ("_io", "BytesIO")}}
 _WEIGHTS_ONLY_OPCODES = frozenset({
     "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "MARK",
     "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE", "NEWFALSE", "NEWTRUE", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT",

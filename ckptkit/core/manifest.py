@@ -29,6 +29,7 @@ class Format(str, enum.Enum):
     SHARDED = "sharded"
     LOCAL = "local"
     HF = "hf"
+    HF_SHARDS = "hf-shards"
     VERL = "verl"
     DEEPSPEED = "deepspeed"
 

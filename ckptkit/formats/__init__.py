@@ -16,13 +16,15 @@ from .base import FormatIO, LocalOptions, Target, is_empty_container, object_val
 __all__ = ["WRITABLE", "FormatIO", "LocalOptions", "Located", "Target", "detect", "io_for", "is_empty_container",
            "locate", "object_value", "read"]
 
-# Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides. Other
+# Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides. torch's
+# unconsolidated HF storage writer shards are safetensors files told apart by their headers, before HF. Other
 # frameworks' layouts (verl, DeepSpeed) are told by their file names, before FULL (their files are torch.save
 # archives too) and LOCAL, which comes last: telling its rank files apart from other numbered files means
 # opening them. Each is imported when first needed: a command loads the formats it meets (start-up time is
 # part of every conversion's time).
 _ALL: tuple[tuple[Format, str, str], ...] = (
-    (Format.SHARDED, "dcp", "DcpIO"), (Format.HF, "hf", "HfIO"), (Format.VERL, "verl", "VerlIO"),
+    (Format.SHARDED, "dcp", "DcpIO"), (Format.HF_SHARDS, "hf_shards", "HfShardsIO"), (Format.HF, "hf", "HfIO"),
+    (Format.VERL, "verl", "VerlIO"),
     (Format.DEEPSPEED, "deepspeed", "DeepSpeedIO"), (Format.FULL, "full", "FullIO"), (Format.LOCAL, "local", "LocalIO"))
 
 WRITABLE: tuple[Format, ...] = (Format.SHARDED, Format.HF, Format.FULL, Format.LOCAL)

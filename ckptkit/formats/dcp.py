@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..codecs.dcp_metadata import ChunkRecord, MetadataPickle, ObjectRecord, TensorRecord
+from ..codecs.dcp_metadata import EMPTY_MARK, ChunkRecord, MetadataPickle, ObjectRecord, TensorRecord
 from ..codecs.pickle_read import (
     MEMORY_FORMATS,
     Call,
@@ -233,9 +233,11 @@ class DcpIO(FormatIO):
                 raise FormatError(f"{meta_path}: {key!r} has unknown storage metadata {kind}")
             headers.append((TensorEntry(key, path_, _tensor_dtype(sm.properties, meta_path, key),
                                         _counts(sm.size, key, "size"), ()), sm))
+        objects += _empty_containers(paths, md.state_dict_metadata)
+        opened, objects = _open_whole_entries(objects)
         chosen = None
         if wanted is not None and not (root / META).is_file():  # (meta.pt's entries join later: read them all)
-            chosen = set(wanted(Manifest(Format.SHARDED, str(root), tuple(bare for bare, _ in headers),
+            chosen = set(wanted(Manifest(Format.SHARDED, str(root), (*(bare for bare, _ in headers), *opened),
                                          tuple(objects))))
         archives = ArchiveCache()
         for bare, sm in headers:
@@ -271,6 +273,7 @@ class DcpIO(FormatIO):
             entry = TensorEntry(key, path_, dtype, shape, tuple(chunks))
             entry.validate()
             tensors.append(entry)
+        tensors += opened
         # A rank that holds no chunk writes an empty file that .metadata never names: count the files too.
         on_disk = {p.name for p in root.iterdir() if _RANK_FILE.search(p.name)}
         ranks = [int(m.group(1)) for f in rank_files | on_disk if (m := _RANK_FILE.search(f))]
@@ -318,14 +321,16 @@ class DcpIO(FormatIO):
                 sizes[rank] = start + head.nbytes + region.nbytes + tail.nbytes
                 chunks.append(ChunkRecord(offsets, box, names[rank], start, sizes[rank] - start))
             tensors.append(TensorRecord(t.key, cast or t.dtype, t.shape, chunks))
-        # torch never writes an empty container into DCP, and its loader trips over one (it falls back to a
-        # pre-2.4 key scheme), so they are left out here too; convert() reports them.
-        objects = [o for o in manifest.objects if not is_empty_container(o) and o.sidecar is None]
+        # torch's DCP never writes an empty dict (its traversal finds no leaf in one; an empty list is a leaf),
+        # and its loader trips over one as an entry (it falls back to a pre-2.4 key scheme): they are recorded
+        # in planner_data alone, where torch does not look.
+        objects = [o for o in manifest.objects if not _empty_dict(o) and o.sidecar is None]
+        empty = {o.key: (*dcp_path(o.path), {}) for o in manifest.objects if _empty_dict(o) and o.sidecar is None}
         blobs = [ObjectRecord(o.key, *put(0, (Region.whole(bytes_entry(o.blob, o.key)),) if o.blob
                                           else archive_parts(regions_in(o.value, options.cast))))
                  for o in objects]
         entries: list[TensorEntry | ObjectEntry] = [*(t for t in manifest.tensors if not t.sidecar), *objects]
-        metadata = MetadataPickle().dumps(tensors, blobs, {e.key: dcp_path(e.path) for e in entries})
+        metadata = MetadataPickle().dumps(tensors, blobs, {**{e.key: dcp_path(e.path) for e in entries}, **empty})
         files = [FilePlan(f"__{r}_0.distcp", tuple(parts[r])) for r in range(n)]
         files.append(FilePlan(METADATA, (Bytes(metadata),)))
         if any(e.sidecar == META for e in manifest.entries) or options.meta_groups is not None:
@@ -334,6 +339,46 @@ class DcpIO(FormatIO):
             files.append(FilePlan(megatron.COMMON, megatron.common_parts(manifest, options.cast)))
             files.append(FilePlan(megatron.CONFIG, (Bytes(megatron.CONFIG_BYTES),)))
         return WritePlan(tuple(files), commit=METADATA)
+
+
+def _empty_dict(o: ObjectEntry) -> bool:
+    return is_empty_container(o) and isinstance(o.value, dict)
+
+
+def _empty_containers(paths: dict, entries: dict) -> list[ObjectEntry]:
+    """The empty dicts ``planner_data`` records beside the entries (see :data:`EMPTY_MARK`). Any other
+    path there that names no entry is ignored, as torch's loaders ignore it."""
+    found = []
+    for key, path in paths.items():
+        if key in entries or not isinstance(path, tuple) or not path or type(path[-1]) is not EMPTY_MARK or path[-1]:
+            continue
+        where = from_dcp_path(path[:-1])
+        if not all(type(k) in (str, int) for k in path[:-1]) or key_of(where) != key:
+            raise ValueError(f"key {key!r:.60} records an empty dict at {list(path)!r:.80}, not at its path")
+        found.append(ObjectEntry(key, where, {}))
+    return found
+
+
+def _open_whole_entries(objects: list[ObjectEntry]) -> tuple[list[TensorEntry], list[ObjectEntry]]:
+    """The tensors inside entries DCP stored whole, as entries of their own, and the other entries.
+
+    A planner with ``flatten_state_dict=False`` stores ``{"model": model.state_dict(), ...}`` as one bytes entry
+    per top-level key: ``model``'s tensors lie in its ``torch.save`` bytes, where torch's loader finds them.
+    Opened, they stream like any other tensor and the model rule sees them. An entry that holds no tensor stays
+    whole (its bytes are copied verbatim); one that cannot be decoded too, for the writer to name its fault."""
+    tensors: list[TensorEntry] = []
+    kept: list[ObjectEntry] = []
+    for o in objects:
+        try:
+            leaves = list(flatten(object_value(o), lambda v: isinstance(v, TensorRef), o.path))
+        except CheckpointError:
+            leaves = []
+        if not any(isinstance(leaf, TensorRef) for _, leaf in leaves):
+            kept.append(o)
+            continue
+        tensors += [leaf.as_entry(p) for p, leaf in leaves if isinstance(leaf, TensorRef)]
+        kept += [ObjectEntry(key_of(p), p, leaf) for p, leaf in leaves if not isinstance(leaf, TensorRef)]
+    return tensors, kept
 
 
 def _chunk_edges(root: Path, md: Any, storage: dict) -> Iterator[tuple[str, int, int]]:

@@ -210,9 +210,10 @@ def _not_held(manifest: Manifest, fmt: Format) -> tuple[str, ...]:
     if fmt is Format.HF and manifest.objects:
         return (f"{len(manifest.objects)} non-tensor entries not written (safetensors holds tensors only): "
                 + ", ".join(o.key for o in manifest.objects[:5]) + (" ..." if len(manifest.objects) > 5 else ""),)
-    empty = [o.key for o in manifest.objects if is_empty_container(o) and not o.sidecar]
+    empty = [o.key for o in manifest.objects if is_empty_container(o) and isinstance(o.value, dict) and not o.sidecar]
     if fmt is Format.SHARDED and empty:
-        return (f"empty containers not written (torch's DCP does not store them): {', '.join(empty[:5])}",)
+        return (f"empty dicts recorded in .metadata's planner data, which ckptkit reads back and torch's loaders "
+                f"pass over (torch's DCP stores none): {', '.join(empty[:5])}",)
     return ()
 
 

@@ -158,7 +158,8 @@ def _bits(t):
     """Each element's bytes along a last dimension, for a bit-for-bit element compare."""
     import torch
 
-    return t.contiguous().view(torch.uint8).reshape(*t.shape, t.element_size())
+    # torch views a 0-dim tensor as bytes only after it has a dimension to widen (AdamW's ``step``).
+    return t.contiguous().reshape(-1).view(torch.uint8).reshape(*t.shape, t.element_size())
 
 
 def compare_tensors(a: TensorEntry, b: TensorEntry, files: Files, budget: int, *, atol: float | None = None,

@@ -23,7 +23,7 @@ from ..ops import checksums
 from ..ops.names import strip_wrapper_names
 from ..ops.select import ModelSelection, optimizer_sections, select_model
 from .fsdp1_offload import settle_offloaded_fsdp1
-from .save import SIDE_KEYS, local_path, single_process_quiet
+from .save import SIDE_KEYS, TRAINING_STATE, local_path, single_process_quiet
 
 __all__ = ["LoadResult", "load"]
 
@@ -117,12 +117,15 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     # without moving it to the shard it trains from (see fsdp1_offload).
     settle_offloaded_fsdp1(model)
     optimizer = optimizer if load_optimizer else None
-    side = _read_all(manifest, SIDE_KEYS) if fmt is not Format.HF else {}
+    # An HF folder's top-level keys are weights: its training state, if any, is the DCP saved beside them.
+    training = _training_state(ckpt) if fmt is Format.HF else manifest
+    side = _read_all(training, SIDE_KEYS) if training is not None else {}
     msd, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
     osd: dict[str, Any] = dict(optim_state)  # {"state": {param name: {slot: value}}, "param_groups": [...]}
     sel = select_model(manifest)
     model_src = _model_sources(manifest, sel, model, msd, strict)
-    optim_src = _optimizer_sources(manifest, sel, osd, strict) if optimizer is not None else None
+    optim_src = (_optimizer_sources(training, sel, osd, strict)
+                 if optimizer is not None and training is not None else None)
     with Files() as files:
         if fmt is Format.SHARDED:
             # DCP reads each rank's part of every tensor into the tensors get_state_dict gave, keyed as saved.
@@ -143,7 +146,20 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
     if scheduler is not None and load_scheduler and "scheduler" in side:
         scheduler.load_state_dict(side["scheduler"])
-    return LoadResult(ckpt, side.get("step"), side.get("extra"), optim_src is not None)
+    step = side["step"] if "step" in side else _recorded_step(ckpt)
+    return LoadResult(ckpt, step, side.get("extra"), optim_src is not None)
+
+
+def _training_state(ckpt: Path) -> Manifest | None:
+    """The training state a ``form="hf"`` save wrote beside the weights, if there is one."""
+    directory = ckpt / TRAINING_STATE
+    return detect(directory).read(directory) if directory.is_dir() else None
+
+
+def _recorded_step(ckpt: Path) -> int | None:
+    """The step ``ckptkit.save`` recorded in ``ckptkit.json``, for a checkpoint that holds none itself."""
+    record = checksums.read_record(ckpt)
+    return record.step if record is not None else None
 
 
 def _resolve(path: Path) -> Path:

@@ -36,10 +36,13 @@ from ..io.remote import as_path, is_url
 from ..ops import checksums
 from ..ops.checksums import MANIFEST, Recorder
 
-__all__ = ["FULL_FILE", "MANIFEST", "SIDE_KEYS", "SaveHandle", "save", "single_process_quiet"]
+__all__ = ["FULL_FILE", "MANIFEST", "SIDE_KEYS", "TRAINING_STATE", "SaveHandle", "save", "single_process_quiet"]
 
 FULL_FILE = "checkpoint.pt"
 _FORMS = ("full", "sharded", "hf", "local")
+TRAINING_STATE = "training_state"
+"""The DCP directory that a ``form="hf"`` save writes beside the safetensors weights: the optimizer, scheduler,
+extra state and step, which safetensors cannot hold."""
 SIDE_KEYS = ("scheduler", "extra", "step")
 """Top-level keys a save writes beside ``model`` and ``optim``."""
 
@@ -170,7 +173,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
 
     ``form`` is ``sharded`` (DCP), ``full`` (one ``torch.save`` file from rank 0), ``hf`` (safetensors
     weights, plus every file but weights of the model directory ``hf_assets``, as ``export-hf --hf-assets``
-    copies them) or ``local`` (FSDP1 only: each rank's
+    copies them; the optimizer, scheduler, extra state and step go beside them into a DCP ``training_state/``
+    directory, which :func:`ckptkit.load` resumes from) or ``local`` (FSDP1 only: each rank's
     LOCAL_STATE_DICT and the flat layout that lets ckptkit read it at any world size).
 
     With ``step``, ``path`` is a run directory: the checkpoint goes to ``path/step-NNNNNNNN``, ``latest`` moves
@@ -265,6 +269,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
                 for key, t in snapshot["model"].items():
                     recorder.tensor(key, t)
                 _write_hf(snapshot["model"], staging.path, hf_assets)
+                training = {k: v for k, v in snapshot.items() if k != "model"}
+                if training:  # safetensors holds weights only: the rest goes beside them, for load() to resume
+                    dcp.save(training, checkpoint_id=str(staging.path / TRAINING_STATE), no_dist=True)
 
         snapshot = _cpu_copy(state) if rank == 0 else {}
         if async_save:

@@ -224,13 +224,27 @@ class _ShardedReader:
             elif _is_flat(path, leaf):
                 self._unit(layout.unit(path[-1]))
             elif path[:-1] == parent and path[-1] in views:
-                continue  # use_orig_params: a view of this rank's part of a flat parameter, read through that
+                self._check_view(path, leaf, files[0])  # a view of this rank's part of a flat parameter
             elif isinstance(leaf, ShardedTensorData):
                 self.tensors.append(self._sharded(path))
             elif isinstance(leaf, TensorRef):
                 self.tensors.append(leaf.as_entry(path))
             else:
                 self.objects.append(ObjectEntry(key_of(path), path, leaf))
+
+    def _check_view(self, path: Path_, leaf: Any, file: Path) -> None:
+        """``leaf`` under a name the layout gives a parameter must be ``use_orig_params``' 1-D view of the flat
+        parameter; anything else is a buffer of that name, which reading through the layout would replace."""
+        name = str(path[-1])
+        unit = next(u for u in self.layout.units if any(p.fqn == name for p in u.params) or
+                    any(a == name for a, _ in u.shared))
+        flat = self.ranks[0][self.parent + (unit.key,)]
+        if not (self.layout.use_orig_params and isinstance(leaf, TensorRef) and len(leaf.shape) == 1
+                and leaf.dtype == flat.dtype):
+            found = f"{leaf.dtype} {list(leaf.shape)}" if isinstance(leaf, TensorRef) else type(leaf).__name__
+            raise FormatError(f"{file}: the flat layout names parameter {key_of(path)!r} of unit {unit.key!r} after "
+                              f"buffer {key_of(path)!r} ({found}) in the rank files; a parameter and a buffer cannot "
+                              "share a name")
 
     def _unit(self, unit: FlatUnit) -> None:
         path = (*self.parent, unit.key)
