@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import collections
+import datetime
 import errno
 import json
 import pickle
@@ -102,8 +102,8 @@ def test_inspect_refuses_metadata_naming_os_system(tmp_path, dcp_ckpt):
      r"it belongs to torch, and ckptkit does not support it here \(a gap in ckptkit, not a fault of the "
      r"checkpoint\)"),
     # the user's own code
-    (argparse.Namespace(lr=0.1), r"argparse\.Namespace",
-     r"it comes from 'argparse', not torch, and ckptkit never runs code from a checkpoint; save that entry as plain "
+    (datetime.timedelta(seconds=1), r"datetime\.timedelta",
+     r"it comes from 'datetime', not torch, and ckptkit never runs code from a checkpoint; save that entry as plain "
      r"data"),
 ])
 def test_convert_refusal_names_what_it_found_and_whose_support_is_missing(tmp_path, value, found, says):
