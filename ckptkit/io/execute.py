@@ -39,6 +39,7 @@ from ..core.split import Slice, split_work
 from ..errors import CheckpointError, FormatError, UsageError
 from .compute import block_budget
 from .moves import Literal, Moves, Read, Unit, units
+from .options import DEFAULT_MAX_MEMORY
 from .publish import Staging, check_destination, stage
 from .remote import RemotePath, is_url
 from .sources import Files, read_into, read_region
@@ -50,7 +51,6 @@ __all__ = ["DEFAULT_MAX_MEMORY", "GROUP_TIMEOUT", "all_ranks", "allocate", "exec
 P = ParamSpec("P")
 R = TypeVar("R")
 
-DEFAULT_MAX_MEMORY = 1 << 30
 _COPY_PIECE = 1 << 30  # copy_file_range moves at most this much per call; larger counts are split
 _GATHER_BLOCK = 8 << 20  # the write buffer's size
 
