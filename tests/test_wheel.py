@@ -77,10 +77,11 @@ def test_build_makes_an_sdist_and_a_wheel_with_complete_metadata(dist):
     assert any(r.startswith("torch>=") for r in meta.get_all("Requires-Dist"))
     assert meta.get_payload().startswith("# ckptkit")  # README.md is the long description
     assert "ckptkit/py.typed" in names
+    assert f"ckptkit-{VERSION}.dist-info/licenses/LICENSE" in names  # the Apache-2.0 text the metadata names
     assert "ckptkit/cli.py" in names and not any(n.startswith("tests/") for n in names)
     with tarfile.open(next(dist.glob(f"ckptkit-{VERSION}.tar.gz"))) as t:
         sdist = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    assert {"pyproject.toml", "README.md", "CHANGELOG.md", "mkdocs.yml", "docs/index.md"} <= sdist
+    assert {"pyproject.toml", "README.md", "CHANGELOG.md", "LICENSE", "mkdocs.yml", "docs/index.md"} <= sdist
 
 
 def test_installed_wheel_runs_version_inspect_and_a_conversion(installed, tmp_path):
