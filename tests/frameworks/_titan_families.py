@@ -52,8 +52,20 @@ def _qwen3(moe: bool):
     return config, Qwen3StateDictAdapter, hf
 
 
-def _deepseek_v3():
+def _model_config(model, layers, embedding_init, norm_init, output_init):
+    """``model.Config`` with the embedding, final norm and output head every family builds the same way, each
+    initialised as the family's own module does."""
     from torchtitan.models.common import Embedding, Linear, RMSNorm
+
+    return model.Config(
+        vocab_size=VOCAB, dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=embedding_init),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm_init),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=output_init(DIM)),
+        layers=layers)
+
+
+def _deepseek_v3():
     from torchtitan.models.common.rope import ComplexRoPE
     from torchtitan.models.deepseek_v3 import (
         _EMBEDDING_INIT,
@@ -70,12 +82,7 @@ def _deepseek_v3():
         num_shared_experts=1, router_top_k=2, router_score_func="softmax", attn_backend="flex",
         moe_comm_backend="standard", non_blocking_capacity_factor=None,
         rope=ComplexRoPE.Config(dim=8, max_seq_len=64, theta=10000.0))
-    config = DeepSeekV3Model.Config(
-        vocab_size=VOCAB, dim=DIM,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
-        layers=layers)
+    config = _model_config(DeepSeekV3Model, layers, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init)
     hf = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=VOCAB, hidden_size=DIM,
               intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
@@ -87,7 +94,6 @@ def _deepseek_v3():
 
 
 def _gpt_oss():
-    from torchtitan.models.common import Embedding, Linear, RMSNorm
     from torchtitan.models.common.rope import CosSinRoPE
     from torchtitan.models.gpt_oss import (
         _EMBEDDING_INIT,
@@ -102,12 +108,7 @@ def _gpt_oss():
         fuse_qkv=True, dim=DIM, n_layers=2, hidden_dim=48, num_experts=4, top_k=2, load_balance_coeff=1e-3,
         attn_backend="flex", moe_comm_backend="standard", rope=CosSinRoPE.Config(dim=64, max_seq_len=64,
                                                                               theta=150000.0))
-    config = GptOssModel.Config(
-        vocab_size=VOCAB, dim=DIM,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
-        layers=layers)
+    config = _model_config(GptOssModel, layers, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init)
     hf = dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], vocab_size=VOCAB, hidden_size=DIM,
               intermediate_size=48, num_hidden_layers=2, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
               num_local_experts=4, num_experts_per_tok=2, sliding_window=128, max_position_embeddings=64,
