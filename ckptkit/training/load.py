@@ -15,8 +15,7 @@ from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry, map_tens
 from ..core.plan import Region
 from ..core.tree import unflatten
 from ..errors import UsageError
-from ..formats import detect, object_value
-from ..io import publish as rotation
+from ..formats import detect, object_value, run_directory
 from ..io.execute import gloo_group
 from ..io.sources import Files, read_region
 from ..ops import checksums
@@ -165,11 +164,11 @@ def _recorded_step(ckpt: Path) -> int | None:
 def _resolve(path: Path) -> Path:
     """``path`` or the step its ``latest`` names, once a save killed midway has been recovered from (every rank
     recovers what its host left; the barrier keeps any rank from resolving before the owner's host has)."""
-    rotation.recover_run(path)
+    run_directory.recover_run(path)
     group = gloo_group()
     if group is not None:
         torch.distributed.barrier(group=group)
-    return rotation.resolve(path)
+    return run_directory.resolve(path)
 
 
 def _with_tied_aliases(model: torch.nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from ..io.execute import gloo_group
 from ..io.remote import as_path, is_url
 from ..ops import checksums
 from ..ops.checksums import MANIFEST, Recorder
+from . import rotation
 
 __all__ = ["FULL_FILE", "MANIFEST", "SIDE_KEYS", "TRAINING_STATE", "SaveHandle", "save", "single_process_quiet"]
 
@@ -209,7 +210,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
         raise UsageError(f"form must be one of {', '.join(_FORMS)}, got {form!r}")
     rank, world = _rank_world()
     root = local_path(path, "ckptkit.save")
-    final = publish.step_dir(root, step) if step is not None else root
+    final = rotation.step_dir(root, step) if step is not None else root
     group = gloo_group()
     staging = _stage(final, replace_checkpoint_only=step is None, group=group)
     recorder = Recorder()
@@ -309,13 +310,13 @@ def _publish(root: Path, final: Path, staging: publish.Staging, recorder: Record
         try:
             if form == "hf":
                 merged.keep_only(set(detect(staging.path).read(staging.path).keys))
-            save_number = publish.next_save(root) if step is not None else 1
+            save_number = rotation.next_save(root) if step is not None else 1
             checksums.write_record(staging.path, merged, form=form, world_size=world, step=step, save=save_number)
-            staging.commit(replace=True, marker=publish.marker_text(save=save_number, step=step))
+            staging.commit(replace=True, marker=rotation.marker_text(save=save_number, step=step))
             if step is not None:
-                publish.point_latest(root, final)
+                rotation.point_latest(root, final)
                 max_bytes = int(max_total_gb * 1e9) if max_total_gb is not None else None
-                publish.rotate(root, keep=final, keep_last=keep_last, max_total_bytes=max_bytes)
+                rotation.rotate(root, keep=final, keep_last=keep_last, max_total_bytes=max_bytes)
         except Exception as e:
             error = e
     if rank == 0 and (failed or error is not None):
