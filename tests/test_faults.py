@@ -22,6 +22,7 @@ import torch
 import ckptkit
 from _checks import assert_same_tree, hash_tree, leftovers, load_full
 from ckptkit.errors import ChecksumError, FormatError, IncompleteCheckpointError, UsageError
+from ckptkit.formats import run_directory
 from ckptkit.harness.model import TinyConfig, TinyTransformer
 from ckptkit.io import publish
 from ckptkit.ops.convert import convert
@@ -80,7 +81,7 @@ def test_save_rotation_keeps_the_save_just_made_when_resuming_from_an_earlier_st
     # one at step 300 stays, and latest names a directory that exists.
     ckptkit.save(tmp_path, plain_model(3.0), form="full", step=300)
     ckptkit.save(tmp_path, plain_model(1.0), form="full", step=100, keep_last=1)
-    assert [s.step for s in publish.complete_steps(tmp_path)] == [100]
+    assert [s.step for s in run_directory.complete_steps(tmp_path)] == [100]
     assert (tmp_path / "latest").read_text().strip() == "step-00000100"
     fresh = plain_model()
     assert ckptkit.load(tmp_path, fresh).step == 100 and norm_of(fresh) == 1.0
@@ -123,14 +124,14 @@ def test_resaving_the_latest_step_killed_midway_keeps_a_loadable_checkpoint(tmp_
     # renameat2 swapped the new copy in, in one step; the fallback's first rename was undone.
     assert norm_of(fresh) == (2.0 if mode == "renameat2" else 1.0)
     assert "cleaned up after runs that are gone" in capfd.readouterr().err
-    assert leftovers(tmp_path) == [] and [s.step for s in publish.complete_steps(tmp_path)] == [5]
+    assert leftovers(tmp_path) == [] and [s.step for s in run_directory.complete_steps(tmp_path)] == [5]
 
 
 # ------------------------------------------------------------------------------------ 3: checksums
 
 
 def _tensor_span(ckpt: Path, key: str):
-    ckpt = publish.resolve(ckpt)
+    ckpt = run_directory.resolve(ckpt)
     entry = ckptkit.inspect(ckpt)[key]
     return entry.chunks[0].span
 
@@ -731,7 +732,7 @@ def test_save_killed_at_random_points_keeps_the_newest_complete_save_loadable(tm
     fresh = plain_model()
     result = ckptkit.load(tmp_path, fresh)
     assert result.step in (last, last + 1) and norm_of(fresh) == float(result.step)
-    assert leftovers(tmp_path) == [] and len(publish.complete_steps(tmp_path)) <= 3
+    assert leftovers(tmp_path) == [] and len(run_directory.complete_steps(tmp_path)) <= 3
 
 
 def test_load_of_a_run_without_complete_steps_says_so(tmp_path):

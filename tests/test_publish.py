@@ -1,5 +1,6 @@
 """The publisher on its own: staging, the atomic commit (renameat2, and the fallback where a filesystem refuses
-it), recovery after runs that died, ``latest`` and rotation. Files are small and made here; no torch."""
+it), recovery after runs that died; and the run directories saves publish into, ``latest`` and rotation. Files
+are small and made here; no torch."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from ckptkit.errors import FormatError, IncompleteCheckpointError, UsageError
+from ckptkit.formats import run_directory
 from ckptkit.io import publish
+from ckptkit.training import rotation
 
 
 @pytest.fixture(params=["renameat2", "fallback"])
@@ -129,7 +132,7 @@ def test_stage_refuses_an_existing_destination_before_anything_is_written(tmp_pa
 
 def test_commit_marker_is_written_inside_before_the_rename(tmp_path, rename_mode):
     staging = publish.stage(tmp_path / "step-00000001", replace=True)
-    staging.commit(replace=True, marker=publish.marker_text(save=4, step=1))
+    staging.commit(replace=True, marker=rotation.marker_text(save=4, step=1))
     assert json.loads((tmp_path / "step-00000001" / publish.COMPLETE).read_text()) == {"save": 4, "step": 1}
 
 
@@ -232,10 +235,10 @@ def test_check_destination_allows_a_sibling(tmp_path):
 
 
 def make_step(root: Path, step: int, save: int | None, content: str = "w") -> Path:
-    path = publish.step_dir(root, step)
+    path = rotation.step_dir(root, step)
     path.mkdir(parents=True)
     (path / "weights").write_text(content)
-    (path / publish.COMPLETE).write_text(publish.marker_text(save=save, step=step) if save else "complete\n")
+    (path / publish.COMPLETE).write_text(rotation.marker_text(save=save, step=step) if save else "complete\n")
     return path
 
 
@@ -244,17 +247,17 @@ def test_complete_steps_order_saves_not_step_numbers(tmp_path):
     make_step(tmp_path, 100, save=2)
     make_step(tmp_path, 50, save=None)    # saved before save numbers: oldest
     (tmp_path / "step-00000007").mkdir()  # no marker: partial, ignored
-    assert [(s.step, s.save) for s in publish.complete_steps(tmp_path)] == [(50, None), (300, 1), (100, 2)]
-    assert publish.next_save(tmp_path) == 3
+    assert [(s.step, s.save) for s in run_directory.complete_steps(tmp_path)] == [(50, None), (300, 1), (100, 2)]
+    assert rotation.next_save(tmp_path) == 3
 
 
 def test_rotate_keeps_the_most_recent_saves_and_never_the_one_just_published(tmp_path):
     # Rotation keeps the most recent saves, not the highest steps, so a save resumed from an earlier step stays.
     make_step(tmp_path, 300, save=1)
     newest = make_step(tmp_path, 100, save=2)
-    assert publish.rotate(tmp_path, keep=newest, keep_last=1) == [tmp_path / "step-00000300"]
-    assert [s.step for s in publish.complete_steps(tmp_path)] == [100]
-    assert publish.rotate(tmp_path, keep=newest, max_total_bytes=0) == []  # never the one just published
+    assert rotation.rotate(tmp_path, keep=newest, keep_last=1) == [tmp_path / "step-00000300"]
+    assert [s.step for s in run_directory.complete_steps(tmp_path)] == [100]
+    assert rotation.rotate(tmp_path, keep=newest, max_total_bytes=0) == []  # never the one just published
     assert leftovers(tmp_path) == []
 
 
@@ -267,21 +270,21 @@ def test_rotate_never_follows_a_symbolic_link(tmp_path):
     (run / "step-00000001").symlink_to(outside / "step-00000001", target_is_directory=True)
     make_step(run, 2, save=2)
     newest = make_step(run, 3, save=3)
-    assert [s.step for s in publish.complete_steps(run)] == [2, 3]
-    publish.rotate(run, keep=newest, keep_last=1)
+    assert [s.step for s in run_directory.complete_steps(run)] == [2, 3]
+    rotation.rotate(run, keep=newest, keep_last=1)
     assert tree(outside) == {"step-00000001/weights": "keep me", f"step-00000001/{publish.COMPLETE}":
-                             publish.marker_text(save=1, step=1)}
+                             rotation.marker_text(save=1, step=1)}
     assert (run / "step-00000001").is_symlink()
 
 
 def test_point_latest_and_resolve(tmp_path):
     make_step(tmp_path, 1, save=1)
     step2 = make_step(tmp_path, 2, save=2)
-    assert publish.resolve(tmp_path) == step2  # no latest: the most recent save
-    publish.point_latest(tmp_path, tmp_path / "step-00000001")
-    assert publish.resolve(tmp_path) == tmp_path / "step-00000001"
+    assert run_directory.resolve(tmp_path) == step2  # no latest: the most recent save
+    rotation.point_latest(tmp_path, tmp_path / "step-00000001")
+    assert run_directory.resolve(tmp_path) == tmp_path / "step-00000001"
     assert (tmp_path / "latest").read_text() == "step-00000001\n" and leftovers(tmp_path) == []
-    assert publish.resolve(step2) == step2  # a checkpoint directory itself
+    assert run_directory.resolve(step2) == step2  # a checkpoint directory itself
 
 
 @pytest.mark.parametrize("make, error, message", [
@@ -312,7 +315,7 @@ def test_resolve_checks_latest_as_untrusted(tmp_path, make, error, message):
     run.mkdir()
     make(run)
     with pytest.raises(error, match=message):
-        publish.resolve(run)
+        run_directory.resolve(run)
 
 
 def test_host_name_is_made_safe_for_a_file_name(monkeypatch):

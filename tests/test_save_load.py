@@ -15,8 +15,8 @@ import torch
 import ckptkit
 from _checks import assert_same_tree, assert_tensor_identical, tree_difference
 from ckptkit.errors import UsageError
+from ckptkit.formats import run_directory
 from ckptkit.harness.launch import run_ranks
-from ckptkit.io import publish as rotation
 from fixtures_models import TinyNet, train_step
 
 FORMS = ("sharded", "full", "hf")
@@ -115,7 +115,7 @@ def test_save_hf_keeps_the_training_state_beside_the_weights_and_load_resumes_it
         ckptkit.save(tmp_path, model, optimizer=opt, scheduler=sched, extra_state={"seed": step}, form="hf",
                      step=step, keep_last=1)
     step_dir = tmp_path / "step-00000004"
-    assert [s.step for s in rotation.complete_steps(tmp_path)] == [4]
+    assert [s.step for s in run_directory.complete_steps(tmp_path)] == [4]
     assert (tmp_path / "latest").read_text().strip() == step_dir.name
     weights = load_file(step_dir / "model.safetensors")  # the weights, as safetensors reads them
     assert_same_tree(weights, {k: v for k, v in model.state_dict().items() if k in weights})
@@ -143,7 +143,7 @@ def test_save_rotation_keeps_the_newest_complete_steps(tmp_path):
         with torch.no_grad():
             model.norm.weight.fill_(step)
         ckptkit.save(tmp_path, model, form="full", step=step, keep_last=2)
-    assert [s.step for s in rotation.complete_steps(tmp_path)] == [3, 4]
+    assert [s.step for s in run_directory.complete_steps(tmp_path)] == [3, 4]
     assert (tmp_path / "latest").read_text().strip() == "step-00000004"
     fresh = _plain_model()
     assert ckptkit.load(tmp_path, fresh).step == 4
@@ -154,7 +154,7 @@ def test_save_rotation_by_size_never_removes_the_only_complete_step(tmp_path):
     model = _plain_model()
     for step in (1, 2):
         ckptkit.save(tmp_path, model, form="full", step=step, max_total_gb=1e-9)
-    assert [s.step for s in rotation.complete_steps(tmp_path)] == [2]
+    assert [s.step for s in run_directory.complete_steps(tmp_path)] == [2]
 
 
 _KILLED_SAVE = """
@@ -182,13 +182,13 @@ def test_save_killed_midway_leaves_previous_latest_loadable(tmp_path, capfd):
     assert proc.returncode == -signal.SIGKILL
     left = list(tmp_path.glob(".step-00000002.ckptkit-partial-*"))
     assert len(left) == 1 and left[0].is_dir()  # the dead save's staging directory, named by host and PID
-    assert [s.step for s in rotation.complete_steps(tmp_path)] == [1]
+    assert [s.step for s in run_directory.complete_steps(tmp_path)] == [1]
     assert (tmp_path / "latest").read_text().strip() == "step-00000001"
     fresh = _plain_model()
     assert ckptkit.load(tmp_path, fresh, verify_checksums=True).step == 1
     assert f"removed {left[0].name}" in capfd.readouterr().err  # load recovers first, and says so
     ckptkit.save(tmp_path, model, form="full", step=2)
-    assert [s.step for s in rotation.complete_steps(tmp_path)] == [1, 2]
+    assert [s.step for s in run_directory.complete_steps(tmp_path)] == [1, 2]
     assert not list(tmp_path.glob(".*ckptkit-*"))
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from ..core.manifest import Format, Manifest
 from ..errors import CheckpointError, FormatError, UsageError
-from ..io.publish import LATEST, is_run_directory, latest_step
 from ..io.remote import as_path
 from .base import FormatIO, LocalOptions, Target, is_empty_container, object_value
+from .run_directory import LATEST, is_run_directory, latest_step
 
 __all__ = ["WRITABLE", "FormatIO", "LocalOptions", "Located", "Target", "detect", "io_for", "is_empty_container",
            "locate", "object_value", "read"]
@@ -62,7 +62,7 @@ class Located:
 def locate(path: Path | str, local: LocalOptions | None = None) -> Located:
     """The checkpoint at ``path`` (a local path or a URL) and its reader. A run directory ``ckptkit.save`` wrote
     (``latest``, ``step-NNNNNNNN/``) gives the step ``ckptkit.load`` would read: the one ``latest`` names, once
-    what killed saves left there is recovered (:func:`ckptkit.io.publish.latest_step`).
+    what killed saves left there is recovered (:func:`ckptkit.formats.run_directory.latest_step`).
 
     Args:
         path: a checkpoint or a run directory.

@@ -15,8 +15,7 @@ from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry, map_tens
 from ..core.plan import Region
 from ..core.tree import unflatten
 from ..errors import UsageError
-from ..formats import detect, object_value
-from ..io import publish as rotation
+from ..formats import detect, object_value, run_directory
 from ..io.execute import gloo_group
 from ..io.sources import Files, read_region
 from ..ops import checksums
@@ -112,14 +111,24 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     manifest = detect(ckpt).read(ckpt)  # once: for DCP this reads every chunk's header
     if verify_checksums:
         checksums.verify_on_every_rank(ckpt, manifest, gloo_group())
-    fmt = manifest.format
     # Before anything touches the model: FSDP1 with parameter offloading takes a load into a fresh wrapper
     # without moving it to the shard it trains from (see fsdp1_offload).
     settle_offloaded_fsdp1(model)
-    optimizer = optimizer if load_optimizer else None
     # An HF folder's top-level keys are weights: its training state, if any, is the DCP saved beside them.
-    training = _training_state(ckpt) if fmt is Format.HF else manifest
+    training = _training_state(ckpt) if manifest.format is Format.HF else manifest
     side = _read_all(training, SIDE_KEYS) if training is not None else {}
+    optimizer_loaded = _load_state(ckpt, manifest, training, model, optimizer if load_optimizer else None, strict)
+    if scheduler is not None and load_scheduler and "scheduler" in side:
+        scheduler.load_state_dict(side["scheduler"])
+    step = side["step"] if "step" in side else _recorded_step(ckpt)
+    return LoadResult(ckpt, step, side.get("extra"), optimizer_loaded)
+
+
+def _load_state(ckpt: Path, manifest: Manifest, training: Manifest | None, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer | None, strict: bool) -> bool:
+    """Set the model's state from ``manifest``, and the optimizer's (unless None) from ``training`` where it
+    holds optimizer state that fits; returns whether it did."""
+    fmt = manifest.format
     msd, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
     osd: dict[str, Any] = dict(optim_state)  # {"state": {param name: {slot: value}}, "param_groups": [...]}
     sel = select_model(manifest)
@@ -144,10 +153,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
         optim_sd = _optimizer_state(optim_src, osd, files, fmt is Format.SHARDED) if optim_src else {}
     optimizers = [optimizer] if optimizer is not None and optim_src is not None else []
     set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
-    if scheduler is not None and load_scheduler and "scheduler" in side:
-        scheduler.load_state_dict(side["scheduler"])
-    step = side["step"] if "step" in side else _recorded_step(ckpt)
-    return LoadResult(ckpt, step, side.get("extra"), optim_src is not None)
+    return optim_src is not None
 
 
 def _training_state(ckpt: Path) -> Manifest | None:
@@ -165,11 +171,11 @@ def _recorded_step(ckpt: Path) -> int | None:
 def _resolve(path: Path) -> Path:
     """``path`` or the step its ``latest`` names, once a save killed midway has been recovered from (every rank
     recovers what its host left; the barrier keeps any rank from resolving before the owner's host has)."""
-    rotation.recover_run(path)
+    run_directory.recover_run(path)
     group = gloo_group()
     if group is not None:
         torch.distributed.barrier(group=group)
-    return rotation.resolve(path)
+    return run_directory.resolve(path)
 
 
 def _with_tied_aliases(model: torch.nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:

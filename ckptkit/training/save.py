@@ -35,6 +35,7 @@ from ..io.execute import gloo_group
 from ..io.remote import as_path, is_url
 from ..ops import checksums
 from ..ops.checksums import MANIFEST, Recorder
+from . import rotation
 
 __all__ = ["FULL_FILE", "MANIFEST", "SIDE_KEYS", "TRAINING_STATE", "SaveHandle", "save", "single_process_quiet"]
 
@@ -207,97 +208,129 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     """
     if form not in _FORMS:
         raise UsageError(f"form must be one of {', '.join(_FORMS)}, got {form!r}")
-    rank, world = _rank_world()
     root = local_path(path, "ckptkit.save")
-    final = publish.step_dir(root, step) if step is not None else root
+    final = rotation.step_dir(root, step) if step is not None else root
     group = gloo_group()
     staging = _stage(final, replace_checkpoint_only=step is None, group=group)
-    recorder = Recorder()
-
-    def finish(pending: Future | None = None, error: BaseException | None = None) -> None:
-        try:
-            if pending is not None:
-                pending.result()
-        except Exception as e:
-            error = e
-        _publish(root, final, staging, recorder, form, step, keep_last, max_total_gb, group, error)
-
-    def done(error: BaseException | None = None) -> SaveHandle:
-        handle = SaveHandle(final, lambda: finish(None, error))
-        handle.wait()
-        return handle
-
+    job = _Save(root, final, staging, Recorder(), form, step, keep_last, max_total_gb, group)
     try:
         side = {k: v for k, v in (("scheduler", scheduler.state_dict() if scheduler is not None else None),
                                   ("extra", extra_state), ("step", step)) if v is not None}
-        if form == "local":
-            # ShardedTensors cannot be staged by copying (see the sharded form): the files are written now.
-            _write_local(model, optimizer, side, staging.path, rank, recorder)
-            return done()
-        full = form in ("full", "hf")
-        # Offload only from an accelerator: FSDP1's CPU offload of CPU parameters crashes (torch 2.13, SIGSEGV).
-        on_device = any(p.device.type != "cpu" for p in model.parameters())
-        options = StateDictOptions(full_state_dict=full, cpu_offload=full and on_device)
-        msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
-        state: dict[str, Any] = {"model": msd, **({"optim": osd} if optimizer is not None else {}), **side}
-
-        if form == "sharded":
-            writer = checksums.checksum_writer(staging.path, recorder)
-            # torch's async stager cannot copy FSDP1's ShardedTensors (torch 2.13): those save synchronously.
-            sharded_tensors = any(type(v).__name__ == "ShardedTensor" for v in msd.values())
-            if async_save and not sharded_tensors:
-                if group is None:
-                    _quiet_async_single_process()
-                with single_process_quiet():
-                    response = dcp.async_save(state, storage_writer=writer, process_group=group)
-                # An AsyncSaveResponse comes back only from a stager that stages in the background.
-                future = response if isinstance(response, Future) else response.upload_completion
-                return SaveHandle(final, lambda: finish(future))
-            with single_process_quiet():
-                dcp.save(state, storage_writer=writer)
-            return done()
-
-        def write(snapshot: dict[str, Any]) -> None:
-            if rank != 0:
-                return
-            if form == "full":
-                for p, leaf in flatten(snapshot, lambda v: isinstance(v, torch.Tensor)):
-                    if isinstance(leaf, torch.Tensor):
-                        recorder.tensor(key_of(p), leaf)
-                torch.save(snapshot, staging.path / FULL_FILE)
-            else:
-                for key, t in snapshot["model"].items():
-                    recorder.tensor(key, t)
-                _write_hf(snapshot["model"], staging.path, hf_assets)
-                training = {k: v for k, v in snapshot.items() if k != "model"}
-                if training:  # safetensors holds weights only: the rest goes beside them, for load() to resume
-                    dcp.save(training, checkpoint_id=str(staging.path / TRAINING_STATE), no_dist=True)
-
-        snapshot = _cpu_copy(state) if rank == 0 else {}
-        if async_save:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-save") as pool:
-                pending = pool.submit(write, snapshot)  # leaving the block does not wait: shutdown(wait=False)
-                pool.shutdown(wait=False)
-            return SaveHandle(final, lambda: finish(pending))
-        write(snapshot)
-        return done()
+        return _write(job, model, optimizer, side, async_save=async_save, hf_assets=hf_assets)
     except Exception as e:
         # Through the publish step all the same: every rank then learns of it and raises, none waits forever.
-        return done(e)
+        return job.done(e)
     except BaseException:
         staging.abort()  # Ctrl-C, SystemExit: this process is going; a later save recovers the rest
         raise
 
 
-def _publish(root: Path, final: Path, staging: publish.Staging, recorder: Recorder, form: str, step: int | None,
-             keep_last: int | None, max_total_gb: float | None, group: Any, error: BaseException | None) -> None:
+@dataclass(frozen=True, slots=True)
+class _Save:
+    """One save under way: where it publishes, what its ranks record, and how it rotates afterwards."""
+
+    root: Path
+    final: Path
+    staging: publish.Staging
+    recorder: Recorder
+    form: str
+    step: int | None
+    keep_last: int | None
+    max_total_gb: float | None
+    group: Any
+
+    def finish(self, pending: Future | None = None, error: BaseException | None = None) -> None:
+        """Wait for the write in the background, if any, then publish (:func:`_publish`)."""
+        try:
+            if pending is not None:
+                pending.result()
+        except Exception as e:
+            error = e
+        _publish(self, error)
+
+    def done(self, error: BaseException | None = None) -> SaveHandle:
+        """The handle of a save whose files are written (or that failed with ``error``), published already."""
+        handle = SaveHandle(self.final, lambda: self.finish(None, error))
+        handle.wait()
+        return handle
+
+    def later(self, pending: Future) -> SaveHandle:
+        """The handle of an async save: ``wait()`` waits for ``pending``, then publishes."""
+        return SaveHandle(self.final, lambda: self.finish(pending))
+
+
+def _write(job: _Save, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, side: dict[str, Any], *,
+           async_save: bool, hf_assets: str | os.PathLike | None) -> SaveHandle:
+    """Every rank writes its part of ``job``'s form into the staging directory; the handle publishes."""
+    rank = _rank_world()[0]
+    if job.form == "local":
+        # ShardedTensors cannot be staged by copying (see the sharded form): the files are written now.
+        _write_local(model, optimizer, side, job.staging.path, rank, job.recorder)
+        return job.done()
+    full = job.form in ("full", "hf")
+    # Offload only from an accelerator: FSDP1's CPU offload of CPU parameters crashes (torch 2.13, SIGSEGV).
+    on_device = any(p.device.type != "cpu" for p in model.parameters())
+    options = StateDictOptions(full_state_dict=full, cpu_offload=full and on_device)
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
+    state: dict[str, Any] = {"model": msd, **({"optim": osd} if optimizer is not None else {}), **side}
+    if job.form == "sharded":
+        return _write_sharded(job, state, async_save=async_save)
+    snapshot = _cpu_copy(state) if rank == 0 else {}
+    if async_save:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-save") as pool:
+            # Leaving the block does not wait: shutdown(wait=False).
+            pending = pool.submit(_write_snapshot, job, snapshot, rank, hf_assets)
+            pool.shutdown(wait=False)
+        return job.later(pending)
+    _write_snapshot(job, snapshot, rank, hf_assets)
+    return job.done()
+
+
+def _write_sharded(job: _Save, state: dict[str, Any], *, async_save: bool) -> SaveHandle:
+    """A DCP save of ``state`` by every rank, recording checksums as it writes; async where torch can stage it."""
+    writer = checksums.checksum_writer(job.staging.path, job.recorder)
+    # torch's async stager cannot copy FSDP1's ShardedTensors (torch 2.13): those save synchronously.
+    sharded_tensors = any(type(v).__name__ == "ShardedTensor" for v in state["model"].values())
+    if async_save and not sharded_tensors:
+        if job.group is None:
+            _quiet_async_single_process()
+        with single_process_quiet():
+            response = dcp.async_save(state, storage_writer=writer, process_group=job.group)
+        # An AsyncSaveResponse comes back only from a stager that stages in the background.
+        future = response if isinstance(response, Future) else response.upload_completion
+        return job.later(future)
+    with single_process_quiet():
+        dcp.save(state, storage_writer=writer)
+    return job.done()
+
+
+def _write_snapshot(job: _Save, snapshot: dict[str, Any], rank: int, hf_assets: str | os.PathLike | None) -> None:
+    """Rank 0 writes the full state ``snapshot`` (a CPU copy): one ``torch.save`` file, or HF safetensors with
+    the training state beside them; other ranks write nothing."""
+    if rank != 0:
+        return
+    if job.form == "full":
+        for p, leaf in flatten(snapshot, lambda v: isinstance(v, torch.Tensor)):
+            if isinstance(leaf, torch.Tensor):
+                job.recorder.tensor(key_of(p), leaf)
+        torch.save(snapshot, job.staging.path / FULL_FILE)
+    else:
+        for key, t in snapshot["model"].items():
+            job.recorder.tensor(key, t)
+        _write_hf(snapshot["model"], job.staging.path, hf_assets)
+        training = {k: v for k, v in snapshot.items() if k != "model"}
+        if training:  # safetensors holds weights only: the rest goes beside them, for load() to resume
+            dcp.save(training, checkpoint_id=str(job.staging.path / TRAINING_STATE), no_dist=True)
+
+
+def _publish(job: _Save, error: BaseException | None) -> None:
     """After every rank has written: rank 0 writes ckptkit.json, publishes, then rotates; every rank raises if
     any rank failed, and the staging directory goes."""
     rank, world = _rank_world()
-    merged = recorder
+    merged = job.recorder
     if _distributed():
         every: list[Any] = [None] * world
-        dist.all_gather_object(every, None if error is not None else recorder, group=group)
+        dist.all_gather_object(every, None if error is not None else job.recorder, group=job.group)
         merged = Recorder()
         for r in every:
             if r is not None:
@@ -307,20 +340,21 @@ def _publish(root: Path, final: Path, staging: publish.Staging, recorder: Record
         failed = error is not None
     if rank == 0 and not failed:
         try:
-            if form == "hf":
-                merged.keep_only(set(detect(staging.path).read(staging.path).keys))
-            save_number = publish.next_save(root) if step is not None else 1
-            checksums.write_record(staging.path, merged, form=form, world_size=world, step=step, save=save_number)
-            staging.commit(replace=True, marker=publish.marker_text(save=save_number, step=step))
-            if step is not None:
-                publish.point_latest(root, final)
-                max_bytes = int(max_total_gb * 1e9) if max_total_gb is not None else None
-                publish.rotate(root, keep=final, keep_last=keep_last, max_total_bytes=max_bytes)
+            if job.form == "hf":
+                merged.keep_only(set(detect(job.staging.path).read(job.staging.path).keys))
+            save_number = rotation.next_save(job.root) if job.step is not None else 1
+            checksums.write_record(job.staging.path, merged, form=job.form, world_size=world, step=job.step,
+                                   save=save_number)
+            job.staging.commit(replace=True, marker=rotation.marker_text(save=save_number, step=job.step))
+            if job.step is not None:
+                rotation.point_latest(job.root, job.final)
+                max_bytes = int(job.max_total_gb * 1e9) if job.max_total_gb is not None else None
+                rotation.rotate(job.root, keep=job.final, keep_last=job.keep_last, max_total_bytes=max_bytes)
         except Exception as e:
             error = e
     if rank == 0 and (failed or error is not None):
-        staging.abort()
-    _outcome(error, group)
+        job.staging.abort()
+    _outcome(error, job.group)
 
 
 def _write_local(model: torch.nn.Module, optimizer: Any, side: dict[str, Any], stage: Path, rank: int,
