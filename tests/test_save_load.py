@@ -208,6 +208,36 @@ def test_save_async_writes_what_sync_writes(tmp_path, form):
     assert report.tensors > 0
 
 
+@pytest.mark.parametrize("form", ["full", "hf"])
+def test_save_async_returns_while_the_write_is_still_under_way(tmp_path, monkeypatch, form):
+    import threading
+
+    from ckptkit.training import save as save_module
+
+    returned, blocked = threading.Event(), []
+    write = save_module._write_snapshot
+
+    def held_write(*args):  # the write cannot finish before save() has returned
+        blocked.append(not returned.wait(10))
+        write(*args)
+
+    monkeypatch.setattr(save_module, "_write_snapshot", held_write)
+    model = _plain_model()
+    handle = ckptkit.save(tmp_path / "ck", model, form=form, async_save=True)
+    returned.set()
+    handle.wait()
+    assert blocked == [False], "save() waited for the write it was asked to leave in the background"
+    if form == "full":
+        saved = torch.load(tmp_path / "ck" / save_module.FULL_FILE, weights_only=True)["model"]
+    else:
+        from safetensors.torch import load_file
+
+        saved = load_file(tmp_path / "ck" / "model.safetensors")
+    assert saved.keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert_tensor_identical(saved[key], value)
+
+
 def test_load_strict_lists_missing_keys(tmp_path):
     model = _plain_model()
     ckptkit.save(tmp_path / "ck", model)

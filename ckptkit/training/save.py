@@ -277,10 +277,10 @@ def _write(job: _Save, model: torch.nn.Module, optimizer: torch.optim.Optimizer 
         return _write_sharded(job, state, async_save=async_save)
     snapshot = _cpu_copy(state) if rank == 0 else {}
     if async_save:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-save") as pool:
-            # Leaving the block does not wait: shutdown(wait=False).
-            pending = pool.submit(_write_snapshot, job, snapshot, rank, hf_assets)
-            pool.shutdown(wait=False)
+        # No ``with`` block: leaving one calls shutdown(wait=True), which would wait for the write right here.
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-save")
+        pending = pool.submit(_write_snapshot, job, snapshot, rank, hf_assets)
+        pool.shutdown(wait=False)  # the thread ends with the write; the handle's wait() collects its outcome
         return job.later(pending)
     _write_snapshot(job, snapshot, rank, hf_assets)
     return job.done()
