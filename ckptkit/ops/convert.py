@@ -11,26 +11,24 @@ with ``storage_options`` (``{"endpoint_url": ..., "profile": ...}`` for s3fs).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import re
 import time
-from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypedDict, TypeVar, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 from ..core.manifest import Format, FormName, Manifest
 from ..core.plan import FilePlan, WritePlan
 from ..errors import UsageError
 from ..formats import FormatIO, FormatOptions, LocalOptions, Target, locate, writer_for
 from ..formats.dcp import check_blobs
-from ..io.execute import all_ranks, execute_distributed
+from ..io.execute import execute_distributed
 from ..io.options import WriteOptions
 from ..io.parallel import execute_parallel, writers
 from ..io.progress import progress_bar
 from ..io.publish import check_destination
 from ..io.remote import as_path
 from ._model import key_mapping_for, model_part
+from ._options import WriteKeywords, on_all_ranks, storage_of, write_options
 from .mapping import KeyMapSource, Renames
 from .report import Changes, Report
 from .select import meta_groups
@@ -39,9 +37,6 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = ["Changes", "Report", "WriteKeywords", "convert", "parse_size", "reshard", "sources_of", "write"]
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -64,45 +59,6 @@ def parse_size(value: int | str | None, option: str = "--max-shard-size") -> int
     if m is None:
         raise UsageError(f"{option}: expected a size like 5GB, 512MiB or 1000000, got {value!r}")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
-
-
-class WriteKeywords(TypedDict, total=False):
-    """The fields of :class:`ckptkit.io.options.WriteOptions`, as keywords of ``convert``, ``reshard`` and
-    ``export_hf``."""
-
-    overwrite: bool
-    max_memory: int
-    fsync: bool
-    progress: bool
-    dry_run: bool
-    storage_options: Mapping[str, Any] | None
-    workers: int | str
-    distributed: bool
-
-
-def _write_options(options: WriteOptions | None, keywords: WriteKeywords) -> WriteOptions:
-    """``options`` (default: the defaults) with the fields given as keywords replaced."""
-    return dataclasses.replace(options or WriteOptions(), **keywords)
-
-
-def _on_all_ranks(fn: Callable[P, R]) -> Callable[P, R]:
-    """:func:`ckptkit.io.execute.all_ranks` for a function that takes ``distributed`` as a keyword or in its
-    ``options`` (a :class:`WriteOptions`)."""
-    ranked = all_ranks(fn)
-
-    @functools.wraps(fn)
-    def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        options = kwargs.get("options")
-        if "distributed" not in kwargs and isinstance(options, WriteOptions) and options.distributed:
-            kwargs["distributed"] = True  # what all_ranks looks at; the same value as the options'
-        return ranked(*args, **kwargs)
-
-    return run
-
-
-def _storage(options: WriteOptions) -> dict | None:
-    """The ``storage_options`` to open URLs with; None keeps a filesystem's own."""
-    return dict(options.storage_options) if options.storage_options is not None else None
 
 
 _UNCHANGED = Changes()
@@ -185,7 +141,7 @@ def _a(name: str) -> str:
     return f"{'an' if name == 'hf' or name[0] in 'aeiou' else 'a'} {name}"
 
 
-@_on_all_ranks
+@on_all_ranks
 def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal["megatron"],
             world_size: int | None = None, max_shard_size: int | str | None = None, local: LocalOptions | None = None,
             preset: str | None = None, renames: Renames = (), key_map: KeyMapSource = None, strict_map: bool = False,
@@ -233,9 +189,9 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
         UsageError: The request is inconsistent: ``dst`` exists without ``overwrite``, lies inside ``src``,
             or an option value is unknown.
     """
-    options = _write_options(options, write_keywords)
+    options = write_options(options, write_keywords)
     io = writer_for(to, local)
-    src, dst = as_path(src, _storage(options)), as_path(dst, _storage(options))
+    src, dst = as_path(src, storage_of(options)), as_path(dst, storage_of(options))
     mapping = key_mapping_for(io, to, src, hf_assets, preset, renames, key_map, strict_map)
     found = locate(src, local)
     manifest = found.reader.read(found.path)
@@ -264,7 +220,7 @@ def _world_size(asked: int | None, manifest: Manifest, io: FormatIO) -> tuple[in
     return ws, (f"world size {ws}, the source's (--world-size N lays it out for N ranks)",)
 
 
-@_on_all_ranks
+@on_all_ranks
 def reshard(src: Path | str, dst: Path | str, *, world_size: int, local: LocalOptions | None = None,
             options: WriteOptions | None = None, **write_keywords: Unpack[WriteKeywords]) -> Report:
     """Re-lay-out a sharded checkpoint for ``world_size`` ranks, in its own format; no GPU or process group.
@@ -288,8 +244,8 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, local: LocalOp
         CheckpointError: As :func:`convert` raises them.
         UsageError: ``src`` is not a sharded checkpoint (use :func:`convert`).
     """
-    options = _write_options(options, write_keywords)
-    src, dst = as_path(src, _storage(options)), as_path(dst, _storage(options))
+    options = write_options(options, write_keywords)
+    src, dst = as_path(src, storage_of(options)), as_path(dst, storage_of(options))
     found = locate(src, local)
     reader = found.reader
     io, notes = writer_for(reader.format if reader.writable else Format.SHARDED), _read_from(found.note)

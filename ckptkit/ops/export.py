@@ -41,8 +41,9 @@ from ..io.options import WriteOptions
 from ..io.remote import as_path
 from ..io.sources import Files
 from ._model import map_model
+from ._options import WriteKeywords, on_all_ranks, storage_of, write_options
 from .assets import find_assets
-from .convert import WriteKeywords, _on_all_ranks, _storage, _write_options, parse_size, write
+from .convert import parse_size, write
 from .hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
 from .mapping import KeyMapping, KeyMapSource, Renames, key_mapping
 from .report import Changes, Report
@@ -117,7 +118,7 @@ def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: lis
     return assets, f"config.json: dtype and torch_dtype set to {dtype}, the dtype written{said}"
 
 
-@_on_all_ranks
+@on_all_ranks
 def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: CastName = "keep",
               max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
               strip_wrappers: bool = True, hf_assets: Path | str | None = None, preset: str | None = "auto",
@@ -160,15 +161,15 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         CheckpointError: As :func:`convert` raises them.
         UsageError: ``keep_fp32`` comes without a cast, or the checkpoint holds training state alone.
     """
-    options = _write_options(options, write_keywords)
+    options = write_options(options, write_keywords)
     cast = parse_cast(dtype)
     keep_patterns = _patterns(keep_fp32, "--keep-fp32")
     if keep_patterns and cast is None:
         raise UsageError("--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype bf16 or fp16")
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
-    src, dst = as_path(src, _storage(options)), as_path(dst, _storage(options))
+    src, dst = as_path(src, storage_of(options)), as_path(dst, storage_of(options))
     part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets)
-    part = _with_assets(part, _storage(options), cast, options.max_memory)
+    part = _with_assets(part, storage_of(options), cast, options.max_memory)
     layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size))
     casts = tuple((t.key, to.name) for t in part.tensors if (to := layout.cast_of(t)) is not None)
     return write(Manifest(part.source.format, part.source.root, part.tensors), writer_for(Format.HF), dst, layout,

@@ -2,7 +2,8 @@
 
 The package holds one idea a module: :mod:`.discover` (which files are the rank files), :mod:`.layout`
 (the flat-parameter layout, torch-free), :mod:`.derive` (the layout read from FSDP itself), :mod:`.read`,
-:mod:`.optim` (per-rank optimizer state) and :mod:`.write`.
+:mod:`.optim` (per-rank optimizer state) and :mod:`.write`. It offers :class:`LocalIO` (the reader and writer),
+its :class:`LocalWriteOptions`, the :class:`LocalManifest` it reads, and :func:`is_rank_file`.
 """
 
 from __future__ import annotations
