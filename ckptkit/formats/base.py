@@ -73,7 +73,7 @@ class Target:
     Only what any format may be asked is here. Each format's own choices live in its options type (a
     :class:`FormatOptions`: ``HfOptions``, ``FullOptions``, ``DcpOptions``, ``LocalWriteOptions``), which
     :meth:`FormatIO.options` builds from a Target and the manifest; a command that writes one known format
-    (``export_hf``: HF with ``keep_fp32``) builds that format's options itself. A LOCAL writer takes its
+    (``export_hf``: HF with a cast and ``keep_fp32``) builds that format's options itself. A LOCAL writer takes its
     :class:`LocalOptions` when it is made (``LocalIO(local)``), as its reader does.
     """
 
@@ -85,8 +85,6 @@ class Target:
     """Ranks the output is laid out for, by a format with :attr:`FormatIO.ranked`."""
     max_shard_size: int | None = None
     """Largest output file in bytes, by a format that splits its files; None writes one file."""
-    cast: DType | None = None
-    """Floating tensors are cast to this dtype; others keep theirs."""
     state_groups: tuple[str, ...] | None = None
     """Top-level groups that are neither the model nor optimizer state, for a format with
     :attr:`FormatIO.keeps_state_apart`; None: only what the source kept apart."""

@@ -292,7 +292,7 @@ class DcpIO(FormatIO):
         return Manifest(Format.SHARDED, str(root), tuple(tensors), tuple(objects), world, tuple(details))
 
     def options(self, target: Target, manifest: Manifest) -> DcpOptions:
-        return DcpOptions(cast=target.cast, world_size=target.world_size, meta_groups=target.state_groups,
+        return DcpOptions(world_size=target.world_size, meta_groups=target.state_groups,
                           megatron=target.to == "megatron" or megatron.is_megatron(manifest))
 
     def not_held(self, manifest: Manifest) -> tuple[str, ...]:

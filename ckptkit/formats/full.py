@@ -97,7 +97,7 @@ class FullIO(FormatIO):
 
     def options(self, target: Target, manifest: Manifest) -> FullOptions:
         single = target.max_shard_size is None and Path(target.destination).suffix in SUFFIXES
-        return FullOptions(cast=target.cast, max_shard_size=target.max_shard_size, single_file=single)
+        return FullOptions(max_shard_size=target.max_shard_size, single_file=single)
 
     def plan(self, manifest: Manifest, options: FullOptions) -> WritePlan:
         regions = {t.key: Region.whole(t, cast_for(t.dtype, options.cast)) for t in manifest.tensors}

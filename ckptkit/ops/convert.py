@@ -176,7 +176,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
         hf_assets: An HF model directory whose ``config.json`` gives a preset its head and expert counts
             (default: the source's own).
         options: How the output is written (:class:`ckptkit.WriteOptions`): overwrite, dry run, processes.
-        **write_keywords: Fields of ``options`` as keywords (``overwrite=True``, ``workers=4``), replacing its.
+        **write_keywords: Fields of ``options`` as keywords (``overwrite=True``, ``workers=4``); they win.
 
     Returns:
         What was written (or, with ``dry_run``, would be): files and sizes, keys renamed and left out, notes.
@@ -235,7 +235,7 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, local: LocalOp
         world_size: Ranks of the output.
         local: How to read a LOCAL checkpoint.
         options: How the output is written (:class:`ckptkit.WriteOptions`).
-        **write_keywords: Fields of ``options`` as keywords, replacing its.
+        **write_keywords: Fields of ``options`` as keywords; they win.
 
     Returns:
         What was written (or, with ``dry_run``, would be): files and sizes, notes.

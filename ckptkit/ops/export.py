@@ -151,7 +151,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         keep_fp32: Regular expressions of HF names kept in float32 under a cast.
         local: How to read a LOCAL checkpoint.
         options: How the output is written (:class:`ckptkit.WriteOptions`).
-        **write_keywords: Fields of ``options`` as keywords, replacing its.
+        **write_keywords: Fields of ``options`` as keywords; they win.
 
     Returns:
         What was written (or, with ``dry_run``, would be): files and sizes, keys renamed, left out and cast,

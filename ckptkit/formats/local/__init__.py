@@ -62,7 +62,7 @@ class LocalIO(FormatIO):
             layout = derive_layout(local.model, local.auto_wrap, world_size=target.world_size,
                                    use_orig_params=bool(local.use_orig_params), param_dtype=local.param_dtype)
         names = local.rank_files or (manifest.rank_files if isinstance(manifest, LocalManifest) else DEFAULT_RANK_FILES)
-        return LocalWriteOptions(cast=target.cast, world_size=target.world_size, layout=layout, rank_files=names)
+        return LocalWriteOptions(world_size=target.world_size, layout=layout, rank_files=names)
 
     def plan(self, manifest: Manifest, options: LocalWriteOptions) -> WritePlan:
         if options.layout is None:
