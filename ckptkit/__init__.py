@@ -19,13 +19,14 @@ from .errors import (
     UsageError,
 )
 from .formats import LocalOptions
+from .io.options import WriteOptions
 from .ops.convert import Report, convert, reshard
 from .ops.export import export_hf
 
 __all__ = [
     "load", "save", "CheckpointError", "ChecksumError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError",
     "LocalOptions", "Manifest", "ObjectEntry", "Report", "Span", "TensorEntry", "UnsafeCheckpointError", "UsageError",
-    "VerifyReport", "convert", "export_hf", "inspect", "reshard", "verify",
+    "VerifyReport", "WriteOptions", "convert", "export_hf", "inspect", "reshard", "verify",
 ]
 
 

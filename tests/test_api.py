@@ -77,3 +77,39 @@ def test_progress_bar_is_tqdm_auto_in_a_notebook(monkeypatch):
     with progress_bar(10, "hf", False) as update:           # --quiet: no bar
         update(5)
     assert len(chosen) == 1
+
+
+def test_write_options_object_and_keywords_write_the_same_bytes(tmp_path):
+    # The write tail as one object, or as keywords of the call (which replace the object's fields): one output.
+    torch.save({"model": {"w": torch.arange(12.0).reshape(4, 3)}, "step": 1}, tmp_path / "src.pt")
+    by_keywords = ckptkit.convert(tmp_path / "src.pt", tmp_path / "a", to="sharded", world_size=2, fsync=True)
+    options = ckptkit.WriteOptions(fsync=True, dry_run=True)
+    by_object = ckptkit.convert(tmp_path / "src.pt", tmp_path / "b", to="sharded", world_size=2, options=options,
+                                dry_run=False)
+    assert not by_keywords.dry_run and not by_object.dry_run
+    assert by_object.written == by_keywords.written
+    for name, _ in by_keywords.written:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    dry = ckptkit.export_hf(tmp_path / "src.pt", tmp_path / "hf", options=options)
+    assert dry.dry_run and not (tmp_path / "hf").exists()
+
+
+def test_write_options_distributed_in_the_object_runs_on_all_ranks(tmp_path):
+    # distributed=True given inside WriteOptions reaches the all-ranks guard as the keyword does: without a process
+    # group, the call is refused before anything is read or written.
+    torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "src.pt")
+    for call in (lambda: ckptkit.reshard(tmp_path / "src.pt", tmp_path / "r", world_size=2,
+                                         options=ckptkit.WriteOptions(distributed=True)),
+                 lambda: ckptkit.export_hf(tmp_path / "src.pt", tmp_path / "h",
+                                           options=ckptkit.WriteOptions(distributed=True))):
+        with pytest.raises(ckptkit.UsageError, match="distributed=True writes from every rank"):
+            call()
+    assert not (tmp_path / "r").exists() and not (tmp_path / "h").exists()
+
+
+def test_write_keywords_name_every_write_option():
+    import dataclasses
+
+    from ckptkit.ops.convert import WriteKeywords
+
+    assert set(WriteKeywords.__annotations__) == {f.name for f in dataclasses.fields(ckptkit.WriteOptions)}

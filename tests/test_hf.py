@@ -451,6 +451,18 @@ def test_export_hf_keep_fp32_regex(tmp_path):
         export_hf(tmp_path / "src.pt", tmp_path / "x", dtype="fp16", keep_fp32=["("])
 
 
+def test_export_hf_report_casts_are_the_dtypes_safetensors_holds(tmp_path):
+    # One rule decides the casts for the file and for the report: a kept key stored in half precision is widened
+    # to float32, the others narrowed to the cast, integers left alone.
+    state = {"norm.weight": torch.randn(4, dtype=torch.float16), "proj.weight": torch.randn(4, 4),
+             "embed.weight": torch.randn(4, 4, dtype=torch.bfloat16), "steps": torch.arange(3)}
+    torch.save(state, tmp_path / "src.pt")
+    report = export_hf(tmp_path / "src.pt", tmp_path / "hf", dtype="bf16", keep_fp32=["norm"])
+    out = load_hf(tmp_path / "hf")
+    changed = {k: str(v.dtype).removeprefix("torch.") for k, v in out.items() if v.dtype != state[k].dtype}
+    assert dict(report.cast) == changed == {"norm.weight": "float32", "proj.weight": "bfloat16"}
+
+
 # ------------------------------------------------------------------------------------ dry runs
 
 

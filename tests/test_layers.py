@@ -51,7 +51,8 @@ MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 def layer(module: str) -> str:
     parts = module.split(".")
-    if module in ("ckptkit", "ckptkit.__main__", "ckptkit.cli", "ckptkit.demo", "ckptkit._startup"):
+    if module in ("ckptkit", "ckptkit.__main__", "ckptkit.cli", "ckptkit._cli_options", "ckptkit.demo",
+                  "ckptkit._startup"):
         return "top"
     if parts[1] in LAYERS:
         return parts[1]
@@ -172,7 +173,9 @@ def test_formats_registry_names_each_format_its_reader_and_writer_declares():
     # The registry lists the formats without importing them (start-up time): it must say what the classes say.
     from ckptkit import formats
 
-    for fmt, module, name in formats._ALL:
+    for fmt, module, name, names in formats._ALL:
         cls = formats._load(module, name)
         assert cls.format is fmt and (fmt in formats.WRITABLE) == cls.writable, (module, name)
-    assert sorted(f.value for f, _, _ in formats._ALL) == sorted(f.value for f in formats.Format)  # one reader each
+        assert cls.names == names and bool(names) == cls.writable, (module, name)
+    assert sorted(f.value for f, _, _, _ in formats._ALL) == sorted(f.value for f in formats.Format)  # one reader each
+    assert sorted(formats.TO) == sorted(n for *_, names in formats._ALL for n in names)  # --to lists every name

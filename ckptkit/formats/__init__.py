@@ -1,4 +1,10 @@
-"""The checkpoint formats, each a reader and a writer behind :class:`FormatIO`."""
+"""The checkpoint formats, each a reader and a writer behind :class:`FormatIO`.
+
+Offers :func:`detect` and :func:`locate` (the reader of a path), :func:`io_for` (a format's reader and
+writer), :func:`writer_for` (the writer a ``convert --to`` name asks for), :data:`WRITABLE` and :data:`TO`
+(what is written, and by which names), :class:`Target` and :class:`LocalOptions` (what an output is asked
+to be), and the entry helpers :func:`object_value` and :func:`is_empty_container`.
+"""
 
 from __future__ import annotations
 
@@ -10,25 +16,31 @@ from typing import Any
 from ..core.manifest import Format, Manifest
 from ..errors import CheckpointError, FormatError, UsageError
 from ..io.remote import as_path
-from .base import FormatIO, LocalOptions, Target, is_empty_container, object_value
+from .base import FormatIO, FormatOptions, LocalOptions, Target, is_empty_container, object_value
 from .run_directory import LATEST, is_run_directory, latest_step
 
-__all__ = ["WRITABLE", "FormatIO", "LocalOptions", "Located", "Target", "detect", "io_for", "is_empty_container",
-           "locate", "object_value", "read"]
+__all__ = ["TO", "WRITABLE", "FormatIO", "FormatOptions", "LocalOptions", "Located", "Target", "detect", "io_for",
+           "is_empty_container", "locate", "object_value", "read", "writer_for"]
 
 # Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides. torch's
 # unconsolidated HF storage writer shards are safetensors files told apart by their headers, before HF. Other
 # frameworks' layouts (verl, DeepSpeed) are told by their file names, before FULL (their files are torch.save
 # archives too) and LOCAL, which comes last: telling its rank files apart from other numbered files means
 # opening them. Each is imported when first needed: a command loads the formats it meets (start-up time is
-# part of every conversion's time).
-_ALL: tuple[tuple[Format, str, str], ...] = (
-    (Format.SHARDED, "dcp", "DcpIO"), (Format.HF_SHARDS, "hf_shards", "HfShardsIO"), (Format.HF, "hf", "HfIO"),
-    (Format.VERL, "verl", "VerlIO"),
-    (Format.DEEPSPEED, "deepspeed", "DeepSpeedIO"), (Format.FULL, "full", "FullIO"), (Format.LOCAL, "local", "LocalIO"))
+# part of every conversion's time). So each row repeats the names its class answers to (FormatIO.names; a test
+# holds them equal), for the command line's --to to list without importing every format.
+_ALL: tuple[tuple[Format, str, str, tuple[str, ...]], ...] = (
+    (Format.SHARDED, "dcp", "DcpIO", ("sharded", "megatron")), (Format.HF_SHARDS, "hf_shards", "HfShardsIO", ()),
+    (Format.HF, "hf", "HfIO", ("hf",)), (Format.VERL, "verl", "VerlIO", ()),
+    (Format.DEEPSPEED, "deepspeed", "DeepSpeedIO", ()), (Format.FULL, "full", "FullIO", ("full",)),
+    (Format.LOCAL, "local", "LocalIO", ("local",)))
 
-WRITABLE: tuple[Format, ...] = (Format.SHARDED, Format.HF, Format.FULL, Format.LOCAL)
+WRITABLE: tuple[Format, ...] = tuple(fmt for fmt, _, _, names in _ALL if names)
 """The formats ckptkit writes (``convert --to``); the others it reads only."""
+
+_BY_FORM = sorted((row for row in _ALL if row[3]), key=lambda row: list(Format).index(row[0]))
+TO: tuple[str, ...] = (*(names[0] for *_, names in _BY_FORM), *(n for *_, names in _BY_FORM for n in names[1:]))
+"""The names ``convert --to`` takes: each written format's own, in :class:`Format` order, then the others."""
 
 
 def _load(module: str, name: str) -> Any:
@@ -42,10 +54,27 @@ def io_for(fmt: Format | str) -> FormatIO:
     except ValueError:
         choices = ", ".join(f.value for f in sorted(WRITABLE, key=list(Format).index))
         raise UsageError(f"unknown format {fmt!r}; expected one of {choices}") from None
-    for known, module, name in _ALL:
+    for known, module, name, _ in _ALL:
         if known == fmt:
             return _load(module, name)()
     raise CheckpointError(f"no reader/writer for format {fmt.value!r}")
+
+
+def writer_for(to: Format | str, local: LocalOptions | None = None) -> FormatIO:
+    """The writer of the format that answers to the name ``to`` (:data:`TO`); ``local`` says how a LOCAL one
+    lays its rank files out.
+
+    Raises:
+        UsageError: ``to`` names no format, or one ckptkit reads but does not write (when it plans).
+    """
+    for fmt, module, name, names in _ALL:
+        if to in names:
+            return _made(fmt, _load(module, name), local)
+    return io_for(to)
+
+
+def _made(fmt: Format, cls: Any, local: LocalOptions | None) -> FormatIO:
+    return cls(local) if fmt is Format.LOCAL else cls()
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +115,10 @@ def locate(path: Path | str, local: LocalOptions | None = None) -> Located:
 def _reader(path: Path, local: LocalOptions | None) -> FormatIO | None:
     if not path.exists():
         return None
-    for fmt, module, name in _ALL:
+    for fmt, module, name, _ in _ALL:
         cls = _load(module, name)
         if cls.detect(path):
-            return cls(local) if fmt is Format.LOCAL else cls()
+            return _made(fmt, cls, local)
     if local is not None and local.rank_files is not None and path.is_dir():
         # The pattern names the rank files; reading says what is wrong with them.
         return _load("local", "LocalIO")(local)

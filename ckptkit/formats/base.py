@@ -2,8 +2,10 @@
 
 Call order: 1. ``detect(path)`` picks the format; 2. ``read(path)`` builds the :class:`Manifest` (headers and
 metadata only, no tensor bytes); 3. ``options(target, manifest)`` turns a format-neutral :class:`Target`
-into the writer's own options type; 4. ``plan(manifest, options)`` lays the output out as a
-:class:`WritePlan`, a pure function; 5. the executor streams the plan into a staging directory.
+into the writer's own options type (a :class:`FormatOptions`); 4. ``plan(manifest, options)`` lays the
+output out as a :class:`WritePlan`, a pure function; 5. the executor streams the plan into a staging
+directory. What a format can hold and how it is named (``writable``, ``names``, ``ranked``, ...) are class
+attributes of its :class:`FormatIO`, which commands ask instead of the format's name.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ..core.manifest import Format, Manifest, ObjectEntry, Path_, TensorRef, key
 from ..core.plan import Region, WritePlan
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
 
-__all__ = ["RANK", "FormatIO", "LocalOptions", "ReadOnlyIO", "Target", "WriteOptions", "rank_pattern", "cast_for",
+__all__ = ["RANK", "FormatIO", "LocalOptions", "ReadOnlyIO", "Target", "FormatOptions", "rank_pattern", "cast_for",
            "index_json", "is_empty_container", "plain_object", "read_index", "regions_in", "split_files"]
 
 
@@ -66,27 +68,26 @@ def rank_pattern(pattern: str) -> re.Pattern:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Target:
-    """What a conversion asks of its output, whatever the format: each format's :meth:`FormatIO.options`
-    takes what applies to it."""
+    """What a conversion asks of its output, whatever the format it names.
 
-    world_size: int = 1
-    """Ranks the output is laid out for (SHARDED, LOCAL)."""
-    max_shard_size: int | None = None
-    """Largest output file in bytes (HF, FULL); None writes one file."""
-    cast: DType | None = None
-    """Floating tensors are cast to this dtype; others keep theirs."""
-    keep_fp32: frozenset[str] = frozenset()
-    """Keys of floating tensors written in float32 whatever ``cast`` says (HF: ``--keep-fp32``)."""
+    Only what any format may be asked is here. Each format's own choices live in its options type (a
+    :class:`FormatOptions`: ``HfOptions``, ``FullOptions``, ``DcpOptions``, ``LocalWriteOptions``), which
+    :meth:`FormatIO.options` builds from a Target and the manifest; a command that writes one known format
+    (``export_hf``: HF with a cast and ``keep_fp32``) builds that format's options itself. A LOCAL writer takes its
+    :class:`LocalOptions` when it is made (``LocalIO(local)``), as its reader does.
+    """
+
+    to: str = ""
+    """The name the output was asked for by (``convert --to``): one of :attr:`FormatIO.names`."""
     destination: str = ""
-    """Where the output goes: FULL writes one ``torch.save`` file when it names one (``model.pt``)."""
-    local: LocalOptions = LocalOptions()
-    """LOCAL: rank file names and how to derive the flat layout."""
-    meta_groups: tuple[str, ...] | None = None
-    """SHARDED: top-level groups also written into Lightning's ``meta.pt``, which makes the directory a
-    Lightning sharded checkpoint; None writes ``meta.pt`` only for entries read from one."""
-    megatron: bool = False
-    """SHARDED: write megatron-core's ``common.pt`` and ``metadata.json`` beside the DCP files, so that its
-    ``dist_checkpointing.load`` takes the output (as it does for any output of a checkpoint read from one)."""
+    """Where the output goes, as the user named it."""
+    world_size: int = 1
+    """Ranks the output is laid out for, by a format with :attr:`FormatIO.ranked`."""
+    max_shard_size: int | None = None
+    """Largest output file in bytes, by a format that splits its files; None writes one file."""
+    state_groups: tuple[str, ...] | None = None
+    """Top-level groups that are neither the model nor optimizer state, for a format with
+    :attr:`FormatIO.keeps_state_apart`; None: only what the source kept apart."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -94,7 +95,7 @@ class Target:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class WriteOptions:
+class FormatOptions:
     """What every format's writer takes; each format's options type adds its own fields."""
 
     cast: DType | None = None
@@ -102,9 +103,22 @@ class WriteOptions:
 
 
 class FormatIO(abc.ABC):
+    """A format's reader and writer, and what it can hold: commands ask these capabilities rather than the
+    format's name."""
+
     format: Format
     writable: ClassVar[bool] = True
     """False for another framework's own layout, which ckptkit reads but does not write (:class:`ReadOnlyIO`)."""
+    names: ClassVar[tuple[str, ...]] = ()
+    """The names ``convert --to`` writes this format by, its own first (``sharded``, ``megatron``)."""
+    ranked: ClassVar[bool] = False
+    """Laid out for a number of ranks (``--world-size``): a sharded checkpoint."""
+    hf_model: ClassVar[bool] = False
+    """Holds a model's weights alone, under Hugging Face's names: a conversion writes the model part, mapped
+    towards HF names (``preset="auto"`` by default)."""
+    keeps_state_apart: ClassVar[bool] = False
+    """Writes the training state that is neither model nor optimizer apart (Lightning's ``meta.pt``), given as
+    :attr:`Target.state_groups`."""
 
     @classmethod
     @abc.abstractmethod
@@ -122,8 +136,12 @@ class FormatIO(abc.ABC):
         return self.read(path)
 
     @abc.abstractmethod
-    def options(self, target: Target, manifest: Manifest) -> WriteOptions:
+    def options(self, target: Target, manifest: Manifest) -> FormatOptions:
         """This format's own options for writing ``manifest`` as ``target`` asks."""
+
+    def not_held(self, manifest: Manifest) -> tuple[str, ...]:
+        """Notes on entries of ``manifest`` this format cannot hold as they are, for the report."""
+        return ()
 
     @abc.abstractmethod
     def plan(self, manifest: Manifest, options: Any) -> WritePlan:
@@ -136,7 +154,7 @@ class ReadOnlyIO(FormatIO):
 
     writable = False
 
-    def options(self, target: Target, manifest: Manifest) -> WriteOptions:
+    def options(self, target: Target, manifest: Manifest) -> FormatOptions:
         raise self._not_written()
 
     def plan(self, manifest: Manifest, options: Any) -> WritePlan:

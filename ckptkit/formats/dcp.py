@@ -10,7 +10,7 @@ tensor (``torch.chunk`` sizes, so the last ranks may hold fewer rows or none).
 Lightning's sharded checkpoints add ``meta.pt`` (``torch.save`` of every entry that is neither a module nor an
 optimizer: step, epoch, loops, schedulers); Lightning recognises the directory by it. Its entries are read
 as a FULL file's are, marked ``sidecar="meta.pt"``, and written back there. A ``meta.pt`` that ckptkit wrote
-beside a DCP holding the same groups (:attr:`Target.meta_groups`) mirrors them; those copies are skipped on
+beside a DCP holding the same groups (:attr:`DcpOptions.meta_groups`) mirrors them; those copies are skipped on
 reading. One whose pickle is off the allow-list is carried as it is.
 """
 
@@ -48,7 +48,7 @@ from ..core.tree import dcp_path, flatten, from_dcp_path, unflatten
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError
 from ..io.sources import Files
 from . import _megatron as megatron
-from .base import FormatIO, Target, WriteOptions, cast_for, is_empty_container, object_value, regions_in
+from .base import FormatIO, FormatOptions, Target, cast_for, is_empty_container, object_value, regions_in
 
 __all__ = ["DcpIO", "DcpOptions", "check_blobs"]
 
@@ -124,11 +124,11 @@ def _tensor_dtype(props: Record, meta_path: Path, key: str) -> DType:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DcpOptions(WriteOptions):
+class DcpOptions(FormatOptions):
     world_size: int = 1
     """Ranks the output is laid out for: rank r's file holds row block r of every tensor."""
     meta_groups: tuple[str, ...] | None = None
-    """Top-level groups also written into ``meta.pt`` (see :attr:`Target.meta_groups`)."""
+    """Top-level groups also written into ``meta.pt`` (:attr:`Target.state_groups`)."""
     megatron: bool = False
     """Write megatron-core's ``common.pt`` and ``metadata.json`` too (:mod:`._megatron`), so that its
     ``dist_checkpointing.load`` takes the output."""
@@ -136,6 +136,9 @@ class DcpOptions(WriteOptions):
 
 class DcpIO(FormatIO):
     format = Format.SHARDED
+    names = ("sharded", "megatron")  # megatron: megatron-core's files beside the DCP ones
+    ranked = True
+    keeps_state_apart = True
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -289,8 +292,16 @@ class DcpIO(FormatIO):
         return Manifest(Format.SHARDED, str(root), tuple(tensors), tuple(objects), world, tuple(details))
 
     def options(self, target: Target, manifest: Manifest) -> DcpOptions:
-        return DcpOptions(cast=target.cast, world_size=target.world_size, meta_groups=target.meta_groups,
-                          megatron=target.megatron or megatron.is_megatron(manifest))
+        return DcpOptions(world_size=target.world_size, meta_groups=target.state_groups,
+                          megatron=target.to == "megatron" or megatron.is_megatron(manifest))
+
+    def not_held(self, manifest: Manifest) -> tuple[str, ...]:
+        empty = [o.key for o in manifest.objects
+                 if is_empty_container(o) and isinstance(o.value, dict) and not o.sidecar]
+        if not empty:
+            return ()
+        return (f"empty dicts recorded in .metadata's planner data, which ckptkit reads back and torch's loaders "
+                f"pass over (torch's DCP stores none): {', '.join(empty[:5])}",)
 
     def plan(self, manifest: Manifest, options: DcpOptions) -> WritePlan:
         with gc_paused():  # millions of parts and records, none in a cycle: see ckptkit.core.gc_pause

@@ -19,8 +19,8 @@ from ..errors import FormatError, UsageError
 from ._megatron import COMMON_GLOBALS
 from .base import (
     FormatIO,
+    FormatOptions,
     Target,
-    WriteOptions,
     cast_for,
     index_json,
     object_value,
@@ -42,7 +42,7 @@ def _is_tensor(v: object) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class FullOptions(WriteOptions):
+class FullOptions(FormatOptions):
     max_shard_size: int | None = None
     """Largest file in bytes: HF-style ``pytorch_model-*.bin`` shards with an index; None writes one file."""
     single_file: bool = True
@@ -51,6 +51,7 @@ class FullOptions(WriteOptions):
 
 class FullIO(FormatIO):
     format = Format.FULL
+    names = ("full",)
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -96,7 +97,7 @@ class FullIO(FormatIO):
 
     def options(self, target: Target, manifest: Manifest) -> FullOptions:
         single = target.max_shard_size is None and Path(target.destination).suffix in SUFFIXES
-        return FullOptions(cast=target.cast, max_shard_size=target.max_shard_size, single_file=single)
+        return FullOptions(max_shard_size=target.max_shard_size, single_file=single)
 
     def plan(self, manifest: Manifest, options: FullOptions) -> WritePlan:
         regions = {t.key: Region.whole(t, cast_for(t.dtype, options.cast)) for t in manifest.tensors}

@@ -10,29 +10,37 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..codecs.safetensors_header import file_parts, read_header
-from ..core.dtypes import by_name
-from ..core.manifest import Format, Manifest
+from ..core.dtypes import DType, by_name
+from ..core.manifest import Format, Manifest, TensorEntry
 from ..core.plan import Bytes, FilePlan, Region, WritePlan
 from ..errors import FormatError, UsageError
-from .base import FormatIO, Target, WriteOptions, cast_for, index_json, read_index, split_files
+from .base import FormatIO, FormatOptions, Target, cast_for, index_json, read_index, split_files
 
-__all__ = ["HfIO", "HfOptions"]
+__all__ = ["FLOAT32", "HfIO", "HfOptions"]
 
 FLOAT32 = by_name("float32")
+"""The dtype ``keep_fp32`` keeps tensors in under a cast."""
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class HfOptions(WriteOptions):
+class HfOptions(FormatOptions):
     max_shard_size: int | None = None
     """Largest safetensors file in bytes; None writes one file."""
     keep_fp32: frozenset[str] = frozenset()
     """Keys of floating tensors written in float32 whatever ``cast`` says."""
 
+    def cast_of(self, tensor: TensorEntry) -> DType | None:
+        """The dtype ``tensor`` is written in when that is not its own: the one rule of which keys are cast and
+        which stay in float32, for the plan and for the report alike."""
+        return cast_for(tensor.dtype, FLOAT32 if tensor.key in self.keep_fp32 else self.cast)
+
 
 class HfIO(FormatIO):
     format = Format.HF
+    names = ("hf",)
+    hf_model = True
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -69,12 +77,18 @@ class HfIO(FormatIO):
         return Manifest(Format.HF, str(path.absolute()), tuple(tensors), (), None, tuple(dict(details).items()))
 
     def options(self, target: Target, manifest: Manifest) -> HfOptions:
-        return HfOptions(cast=target.cast, max_shard_size=target.max_shard_size, keep_fp32=target.keep_fp32)
+        return HfOptions(max_shard_size=target.max_shard_size)
+
+    def not_held(self, manifest: Manifest) -> tuple[str, ...]:
+        if not manifest.objects:
+            return ()
+        return (f"{len(manifest.objects)} non-tensor entries not written (safetensors holds tensors only): "
+                + ", ".join(o.key for o in manifest.objects[:5]) + (" ..." if len(manifest.objects) > 5 else ""),)
 
     def plan(self, manifest: Manifest, options: HfOptions) -> WritePlan:
         regions: dict[str, Region] = {}
         for t in manifest.tensors:
-            region = Region.whole(t, cast_for(t.dtype, FLOAT32 if t.key in options.keep_fp32 else options.cast))
+            region = Region.whole(t, options.cast_of(t))
             if region.dtype.safetensors is None:
                 raise UsageError(f"tensor {t.key!r} has dtype {region.dtype}, which safetensors cannot store")
             regions[t.key] = region

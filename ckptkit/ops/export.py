@@ -1,31 +1,60 @@
-"""The model part of any checkpoint as a Hugging Face safetensors directory."""
+"""The model part of any checkpoint as a Hugging Face safetensors directory (:func:`export_hf`).
+
+The rules, in the order an export applies them:
+
+- The model part is found by :mod:`ckptkit.ops.select`'s rule (``model_key`` names it as a dotted path); a
+  checkpoint of training state alone is refused. Wrapper prefixes are stripped unless ``strip_wrappers=False``.
+- A key mapping then renames the keys as for :func:`ckptkit.convert` (``key_map``, ``renames``, ``preset``
+  towards HF names, ``strict_map``); ``preset="auto"`` picks the family's preset where the keys are
+  torchtitan's names of a known family (:mod:`ckptkit.ops.detect`), and None maps nothing.
+- Every file and folder of ``hf_assets`` but weights, training state, caches and hidden files is copied
+  (config, tokenizer, sentence-transformers modules, generation config, chat template, model card;
+  :mod:`ckptkit.ops.assets`), by default those the checkpoint carries (verl's ``huggingface/``).
+- ``lm_head.weight`` is left out only when the model ties it (the config's ``tie_word_embeddings``, else its
+  ``model_type``'s default) and it equals the input embedding.
+- A cast (``dtype``) touches floating tensors only. Under it, floating tensors whose key matches a regular
+  expression of ``keep_fp32`` (searched anywhere in the HF name), and those transformers keeps in float32 when
+  it loads the config's model class in that dtype (``_keep_in_fp32_modules`` under fp16,
+  ``_keep_in_fp32_modules_strict`` under fp16 and bf16), are written in float32: the rule is
+  :meth:`ckptkit.formats.hf.HfOptions.cast_of`, which the writer and the report share.
+- The copied config.json names the dtype written after a cast, or where it named another, as
+  ``save_pretrained`` does.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..core.dtypes import CastName, DType, by_name, parse_cast
+from ..core.dtypes import CastName, DType, parse_cast
 from ..core.manifest import Format, Manifest, TensorEntry
 from ..core.plan import Bytes, FilePlan
 from ..errors import FormatError, UsageError
-from ..formats import LocalOptions, Target, locate
-from ..formats.base import cast_for
-from ..io.execute import DEFAULT_MAX_MEMORY, all_ranks
+from ..formats import LocalOptions, locate, writer_for
+from ..formats.hf import FLOAT32, HfOptions
+from ..io.options import WriteOptions
 from ..io.remote import as_path
 from ..io.sources import Files
+from ._model import map_model
+from ._options import WriteKeywords, on_all_ranks, storage_of, write_options
 from .assets import find_assets
-from .convert import Changes, Report, map_model, parse_size, write
+from .convert import parse_size, write
 from .hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
-from .mapping import KeyMapSource, Renames, key_mapping
+from .mapping import KeyMapping, KeyMapSource, Renames, key_mapping
+from .report import Changes, Report
 from .select import model_keys, select_model
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["TIE_DEFAULTS", "export_hf", "tie_word_embeddings"]
 
 _EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight", "shared.weight")
-FLOAT32 = by_name("float32")
 
 
 def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict, str | None]:
@@ -89,133 +118,125 @@ def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: lis
     return assets, f"config.json: dtype and torch_dtype set to {dtype}, the dtype written{said}"
 
 
-@all_ranks
+@on_all_ranks
 def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: CastName = "keep",
               max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
               strip_wrappers: bool = True, hf_assets: Path | str | None = None, preset: str | None = "auto",
-              renames: Renames = (), key_map: KeyMapSource = None,
-              strict_map: bool = False, keep_fp32: Iterable[str] = (), overwrite: bool = False,
-              max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False, progress: bool = False,
-              distributed: bool = False, local: LocalOptions | None = None, dry_run: bool = False,
-              storage_options: dict | None = None, workers: int | str = 1) -> Report:
+              renames: Renames = (), key_map: KeyMapSource = None, strict_map: bool = False,
+              keep_fp32: Iterable[str] = (), local: LocalOptions | None = None, options: WriteOptions | None = None,
+              **write_keywords: Unpack[WriteKeywords]) -> Report:
     """Write the model tensors of ``src`` as HF safetensors at ``dst`` (with the index file when sharded).
 
-    ``dtype`` is ``keep`` or one of ``bf16``/``fp16``/``fp32`` (or ``bfloat16``/``float16``/``float32``); a cast
-    touches floating tensors only. Under a cast, floating tensors whose key matches a regular expression of
-    ``keep_fp32`` (searched anywhere in the HF name), and those transformers keeps in float32 when it loads the
-    config's model class in that dtype (``_keep_in_fp32_modules`` under fp16, ``_keep_in_fp32_modules_strict``
-    under fp16 and bf16), are written in float32; config.json names the cast dtype, as ``save_pretrained``
-    does for such a model.
-
-    The model part is found by :mod:`ckptkit.ops.select`'s rule (``model_key`` names it explicitly, as a
-    dotted path); a checkpoint of training state alone is refused. Wrapper prefixes are stripped unless
-    ``strip_wrappers=False``. A key mapping then renames the keys, as for :func:`ckptkit.convert` (``key_map``,
-    ``renames``, ``preset`` towards HF names, ``strict_map``); ``preset="auto"`` (the default) picks the
-    family's preset where the keys are torchtitan's names of a known family (:mod:`ckptkit.ops.detect`), and
-    None maps nothing. ``hf_assets`` names a model directory whose every file and folder but weights, training
-    state, caches and hidden files is copied (config, tokenizer, sentence-transformers modules, generation
-    config, chat template, model card; :mod:`ckptkit.ops.assets`), by default the one the checkpoint carries
-    (verl's ``huggingface/``); ``lm_head.weight`` is left out only when
-    the model ties it (the config's ``tie_word_embeddings``, else its ``model_type``'s default) and it equals
-    the input embedding. The copied config.json names the dtype written after a cast, or where it named another.
-
-    ``dry_run`` plans and reports the output (files and sizes, keys renamed, left out and cast, assets copied)
-    without writing anything.
-
-    In a save hook, call it from rank 0 alone, or with ``distributed=True`` from every rank of the default
-    process group: each rank then writes its share of the output files and rank 0 publishes the result; an
-    error on any rank fails every rank, and no DST is written. ``workers`` processes of one machine split the
-    files the same way.
-
-    ``src`` may be a run directory of :func:`ckptkit.save` (its ``latest`` step is read, as for
-    :func:`ckptkit.convert`). ``src``, ``dst`` and ``hf_assets`` may be URLs; ``storage_options`` go to their
-    filesystem (see :func:`ckptkit.convert`).
+    The model part is found, stripped of wrapper prefixes and renamed towards HF names as :func:`convert` maps
+    keys; the files of ``hf_assets`` are copied beside it, ``lm_head.weight`` is left out where the model ties
+    it, and a cast keeps in float32 what ``keep_fp32`` and the model class say (the rules: :mod:`ckptkit.ops.export`).
+    In a save hook, call it from rank 0 alone, or with ``distributed=True`` from every rank. ``src`` may be a run
+    directory of :func:`ckptkit.save` (its ``latest`` step is read); ``src``, ``dst`` and ``hf_assets`` may be URLs.
 
     Args:
-        src: The checkpoint to read: a file, a directory or a URL.
+        src: The checkpoint to read: a file, a directory, a run directory or a URL.
         dst: The HF folder to write; must not exist unless ``overwrite``.
-        model_key: Where the model sits, as a dotted path; ``auto`` finds it.
+        model_key: Where the model sits, as a dotted path; ``auto`` finds it (:mod:`ckptkit.ops.select`).
         dtype: ``keep``, or the cast of floating tensors: ``bf16``, ``fp16``, ``fp32`` (or their long names).
         max_shard_size: Largest safetensors file (``"5GB"``, ``"1GiB"`` or bytes); None: one file.
         strip_prefixes: Further leading key prefixes to strip.
         strip_wrappers: Strip ``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.`` and
             ``_checkpoint_wrapped_module.``.
-        hf_assets: An HF model directory whose config, generation config and tokenizer files are copied.
-        preset: A named key mapping towards HF names (``torchtitan-llama``, ``meta-llama``, ...).
+        hf_assets: An HF model directory whose config, tokenizer and other files are copied (default: the one the
+            checkpoint carries, verl's ``huggingface/``).
+        preset: A key mapping towards HF names; ``auto`` picks the family's for torchtitan's names, None none.
         renames: ``'REGEX=REPLACEMENT'`` renames, applied in order.
         key_map: Old key to new key (None leaves the key out), as a dict or a JSON file.
         strict_map: Refuse keys that neither ``key_map`` nor ``renames`` maps.
         keep_fp32: Regular expressions of HF names kept in float32 under a cast.
-        overwrite: Replace an existing ``dst``, atomically on a local filesystem.
-        max_memory: Bytes of tensor data held in memory at once (casts, the tied-weight check).
-        fsync: Make the output durable across power loss before it is published.
-        progress: Show a progress bar.
-        distributed: Every rank of the default process group calls this, and each writes its share.
         local: How to read a LOCAL checkpoint.
-        dry_run: Plan and report, write nothing.
-        storage_options: Keyword arguments of the filesystem of a URL.
-        workers: Processes of this machine that write the output files.
+        options: How the output is written (:class:`ckptkit.WriteOptions`).
+        **write_keywords: Fields of ``options`` as keywords; they win.
 
     Returns:
         What was written (or, with ``dry_run``, would be): files and sizes, keys renamed, left out and cast,
         assets copied, notes.
 
     Raises:
-        FormatError: A file of ``src`` is not what its format promises, or ``src`` is no checkpoint ckptkit
-            knows.
-        IncompleteCheckpointError: A rank file, chunk or shard of ``src`` is missing, or chunks overlap.
-        UnsafeCheckpointError: A pickle in ``src`` names a global outside the allow-list.
-        UsageError: The request is inconsistent: ``dst`` exists without ``overwrite``, lies inside ``src``,
-            ``keep_fp32`` comes without a cast, the checkpoint holds training state
-            alone, or an option value is unknown.
+        CheckpointError: As :func:`convert` raises them.
+        UsageError: ``keep_fp32`` comes without a cast, or the checkpoint holds training state alone.
     """
+    options = write_options(options, write_keywords)
     cast = parse_cast(dtype)
     keep_patterns = _patterns(keep_fp32, "--keep-fp32")
     if keep_patterns and cast is None:
         raise UsageError("--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype bf16 or fp16")
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
-    src, dst = as_path(src, storage_options), as_path(dst, storage_options)
-    # Only the model's chunks are read (DCP): the rest, optimizer state above all, is never written here.
-    found = locate(src, local)
-    manifest = found.reader.read_part(found.path, model_keys(model_key, tuple(strip_prefixes), strip_wrappers))
-    sel = select_model(manifest, model_key, tuple(strip_prefixes), strip_wrappers)
-    notes = [found.note] if found.note else []
-    notes += sel.notes
-    tensors = list(sel.tensors)
+    src, dst = as_path(src, storage_of(options)), as_path(dst, storage_of(options))
+    part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets)
+    part = _with_assets(part, storage_of(options), cast, options.max_memory)
+    layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size))
+    casts = tuple((t.key, to.name) for t in part.tensors if (to := layout.cast_of(t)) is not None)
+    return write(Manifest(part.source.format, part.source.root, part.tensors), writer_for(Format.HF), dst, layout,
+                 dataclasses.replace(options, progress=options.progress and not options.distributed), src=src,
+                 extra_files=part.assets, notes=part.notes + cast_notes,
+                 changes=Changes(part.renamed, part.dropped, casts, part.permuted))
+
+
+@dataclass(frozen=True)
+class _Part:
+    """The model part an export writes, and what happened to it on the way."""
+
+    source: Manifest
+    tensors: tuple[TensorEntry, ...]
+    notes: tuple[str, ...]
+    hf_assets: Path | str | None
+    renamed: tuple[tuple[str, str], ...] = ()
+    dropped: tuple[tuple[str, str], ...] = ()
+    permuted: tuple[str, ...] = ()
     assets: tuple[FilePlan, ...] = ()
     config: dict | None = None
-    renamed: tuple[tuple[str, str], ...] = ()
-    permuted: tuple[str, ...] = ()
-    dropped: list[tuple[str, str]] = []
+
+
+def _model_part(src: Path, local: LocalOptions | None, model_key: str, strip_prefixes: tuple[str, ...],
+                strip_wrappers: bool, mapping: KeyMapping, hf_assets: Path | str | None) -> _Part:
+    """The model's tensors of ``src`` under ``mapping``'s names; ``hf_assets`` defaults to the checkpoint's."""
+    # Only the model's chunks are read (DCP): the rest, optimizer state above all, is never written here.
+    found = locate(src, local)
+    manifest = found.reader.read_part(found.path, model_keys(model_key, strip_prefixes, strip_wrappers))
+    sel = select_model(manifest, model_key, strip_prefixes, strip_wrappers)
+    notes = ((found.note,) if found.note else ()) + sel.notes
     if hf_assets is None and manifest.hf_assets is not None:
         hf_assets = manifest.hf_assets
-        notes.append(f"config and tokenizer from the checkpoint's {Path(hf_assets).name}/")
-    if mapping:
-        mapped = map_model(tuple(tensors), mapping, found.path, hf_assets, to_hf=True)
-        tensors, renamed, dropped, permuted = (list(mapped.tensors), mapped.renamed, list(mapped.dropped),
-                                               mapped.permuted)
-        notes += mapped.notes
-    if hf_assets is not None:
-        assets, config, left_note = _assets(as_path(hf_assets, storage_options))
-        kept = {t.key for t in tensors}
-        tensors, tie_note = _untie(tensors, config, max_memory)
-        dropped += [(k, "tied to the input embedding") for k in kept - {t.key for t in tensors}]
-        assets, dtype_note = _with_written_dtype(assets, config, tensors, cast)
-        notes += [n for n in (tie_note, dtype_note) if n]
-        notes.append("copied " + ", ".join(p.relpath for p in assets))
-        notes += [left_note] if left_note else []
-    keep, keep_note = _kept_in_fp32(tensors, keep_patterns, config, cast)
-    casts = tuple((t.key, to.name) for t in tensors
-                  if (to := cast_for(t.dtype, FLOAT32 if t.key in keep else cast)) is not None)
+        notes += (f"config and tokenizer from the checkpoint's {Path(hf_assets).name}/",)
+    if not mapping:
+        return _Part(manifest, sel.tensors, notes, hf_assets)
+    mapped = map_model(sel.tensors, mapping, found.path, hf_assets, to_hf=True)
+    return _Part(manifest, mapped.tensors, notes + mapped.notes, hf_assets, mapped.renamed, mapped.dropped,
+                 mapped.permuted)
+
+
+def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int) -> _Part:
+    """``part`` with the files of its ``hf_assets`` to copy, untied as their config says, the config naming the
+    dtype written."""
+    if part.hf_assets is None:
+        return part
+    assets, config, left_note = _assets(as_path(part.hf_assets, storage))
+    tensors, tie_note = _untie(list(part.tensors), config, max_memory)
+    kept = {t.key for t in tensors}
+    untied = [(t.key, "tied to the input embedding") for t in part.tensors if t.key not in kept]
+    assets, dtype_note = _with_written_dtype(assets, config, tensors, cast)
+    notes = [n for n in (tie_note, dtype_note) if n] + ["copied " + ", ".join(p.relpath for p in assets)]
+    notes += [left_note] if left_note else []
+    return dataclasses.replace(part, tensors=tuple(tensors), notes=part.notes + tuple(notes),
+                               dropped=part.dropped + tuple(untied), assets=assets, config=config)
+
+
+def _hf_options(part: _Part, keep_patterns: tuple[re.Pattern, ...], cast: DType | None,
+                max_shard_size: int | None) -> tuple[HfOptions, tuple[str, ...]]:
+    """The HF writer's options for ``part``: the cast, and the keys kept in float32 under it; with notes."""
+    keep, keep_note = _kept_in_fp32(list(part.tensors), keep_patterns, part.config, cast)
+    layout = HfOptions(cast=cast, max_shard_size=max_shard_size, keep_fp32=frozenset(keep))
+    notes: tuple[str, ...] = ()
     if cast:
-        n = sum(1 for t in tensors if t.dtype.is_floating and t.dtype != cast and t.key not in keep)
-        notes.append(f"cast {n} floating tensors to {cast}; others kept their dtype")
-    notes += [keep_note] if keep_note else []
-    model = Manifest(manifest.format, manifest.root, tuple(tensors))
-    target = Target(max_shard_size=parse_size(max_shard_size), cast=cast, keep_fp32=frozenset(keep))
-    return write(model, Format.HF, dst, target, overwrite=overwrite, max_memory=max_memory, fsync=fsync,
-                 progress=progress and not distributed, extra_files=assets, notes=tuple(notes), distributed=distributed,
-                 src=src, dry_run=dry_run, changes=Changes(renamed, tuple(dropped), casts, permuted), workers=workers)
+        n = sum(1 for t in part.tensors if t.key not in keep and layout.cast_of(t) is not None)
+        notes += (f"cast {n} floating tensors to {cast}; others kept their dtype",)
+    return layout, notes + ((keep_note,) if keep_note else ())
 
 
 def _patterns(values: Iterable[str], option: str) -> tuple[re.Pattern, ...]:

@@ -1,0 +1,232 @@
+"""The command line's options: the ones commands share, as decorators, and how ``--help`` lists them.
+
+Each option is listed under a heading of ``--help`` (:class:`Option`'s ``section``): a command's own options
+first, then the common ones, LOCAL-only ones last. :func:`writing_options` gives a writing command its common
+options as one :class:`ckptkit.io.options.WriteOptions`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect as _pyinspect
+import json
+from pathlib import Path
+
+import click
+
+__all__ = ["COMMON", "DEBUG", "LOCAL", "MAPPING", "PARALLEL", "SECTIONS", "Command", "Option", "assets_dir",
+           "debug_option", "help_text", "local_from", "local_options", "mapping_options", "memory_option", "option",
+           "quiet_option", "size", "storage_option", "writing_options"]
+
+MAPPING = "Key mapping (applied in this order)"
+PARALLEL = "Parallel writing"
+COMMON = "Common options"
+LOCAL = "LOCAL checkpoints (FSDP1 LOCAL_STATE_DICT)"
+SECTIONS = (None, MAPPING, PARALLEL, COMMON, LOCAL)
+"""Headings in --help order; None is the command's own options. A heading not listed goes before COMMON."""
+DEBUG = "ckptkit.debug"
+"""Where ``--debug`` after the command is kept: the context's ``meta``, which the group's context shares."""
+
+
+
+def size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    from .ops.convert import parse_size
+
+    return parse_size(value, "--" + (param.name or "").replace("_", "-"))
+
+
+class Option(click.Option):
+    """An option that ``--help`` lists under the heading ``section`` (None: the command's own options)."""
+
+    def __init__(self, *args, section: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.section = section
+
+
+def option(*decls: str, section: str | None = None, **kwargs):
+    return click.option(*decls, cls=Option, section=section, **kwargs)
+
+
+def help_text(command: click.Command) -> str:
+    """The first paragraph of a command's help, whole: the command list shows it untruncated."""
+    return " ".join(_pyinspect.cleandoc(command.help or "").split("\n\n")[0].split())
+
+
+class Command(click.Command):
+    """``--help`` with options grouped under their headings and an Examples section after them."""
+
+    def __init__(self, *args, examples: tuple[str, ...] = (), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.examples = examples
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        groups: dict[str | None, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None or isinstance(param, click.Argument):
+                continue
+            section = COMMON if param is self.get_help_option(ctx) else getattr(param, "section", None)
+            groups.setdefault(section, []).append(record)
+        rank = {s: i for i, s in enumerate(SECTIONS)}
+        for section in sorted(groups, key=lambda s: rank.get(s, rank[COMMON] - 0.5)):
+            with formatter.section(section or "Options"):
+                formatter.write_dl(groups[section])
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_epilog(ctx, formatter)
+        if self.examples:
+            with formatter.section("Examples"):
+                for line in self.examples:  # verbatim: commands must not be re-wrapped
+                    formatter.write(f"{'':>{formatter.current_indent}}{line}\n")
+
+
+def _set_debug(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.meta[DEBUG] = True  # ``meta`` is shared by the group's context, which reports errors
+
+
+debug_option = option("--debug", is_flag=True, expose_value=False, callback=_set_debug, section=COMMON,
+                 envvar="CKPTKIT_DEBUG", help="Show tracebacks.")
+quiet_option = option("--quiet", "-q", is_flag=True, section=COMMON, envvar="CKPTKIT_QUIET",
+                 help="No progress bar or report.")
+_overwrite = option("--overwrite", is_flag=True, section=COMMON, help="Replace DST if it exists.")
+memory_option = option("--max-memory", default="1GiB", show_default=True, metavar="SIZE", callback=size,
+                  section=COMMON, envvar="CKPTKIT_MAX_MEMORY",
+                  help="Budget for tensor bytes held in memory (dtype casts, verify): 1GiB, 500MB, 1000000.")
+_fsync = option("--fsync", is_flag=True, section=COMMON, envvar="CKPTKIT_FSYNC",
+                 help="fsync every written file before the final rename (durable across power loss; slower).")
+def _worker_count(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
+    value = str(value).strip().lower()
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise click.BadParameter(f"expected auto or a number of processes of at least 1, got {value!r}")
+    return n
+
+
+_workers = option("--workers", default="auto", show_default=True, callback=_worker_count, metavar="N|auto",
+                   section=PARALLEL, envvar="CKPTKIT_WORKERS",
+                   help="Processes on this machine that write the output, each its share (about equal bytes; a "
+                        "large file is cut into byte ranges), --max-memory shared out among them; this process "
+                        "writes one share and publishes. auto: as many as pay for the plan's bytes and tensors on "
+                        "the cores this process may use (1 for a small job); the report says how many and why. "
+                        "Several machines: run the "
+                        "command under torchrun (torchrun --nnodes M --nproc-per-node K ... -m ckptkit COMMAND ...): "
+                        "each rank writes its share, rank 0 publishes; DST must be on a filesystem they all share.")
+_dry_run = option("--dry-run", is_flag=True, section=COMMON,
+                   help="Print the plan (files and sizes, keys renamed, left out and cast, assets copied) and "
+                        "write nothing.")
+
+
+def _presets_help() -> str:
+    from .ops.presets import PRESETS
+
+    return ("A model family's adapter (names, stacked experts, transforms): auto (the default for HF output): "
+            "the family's, detected from config.json's model_type and the keys; none: no mapping; "
+            + "; ".join(f"{p.name}: {p.summary}" for p in PRESETS.values()) + ".")
+
+
+def _preset_names() -> list[str]:
+    from .ops.presets import PRESETS
+
+    return ["auto", "none", *PRESETS]
+
+
+_MAPPING = (
+    option("--key-map", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="FILE.json",
+            section=MAPPING, help="A JSON object of old key to new key (null leaves the key out)."),
+    option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT", section=MAPPING,
+            help="Rename keys by re.sub (repeatable, applied in order), e.g. '^net\\.=model.' or "
+                 "'\\.attn\\.=.self_attn.'; \\1 refers to a group."),
+    option("--preset", type=click.Choice(_preset_names()), section=MAPPING, help=_presets_help()),
+    option("--strict-map", is_flag=True, section=MAPPING,
+            help="Refuse keys that neither --key-map nor a --rename maps (a --preset always refuses keys it does "
+                 "not know)."),
+)
+
+
+def _storage_options(ctx: click.Context, param: click.Parameter, value: str | None) -> dict | None:
+    if value is None:
+        return None
+    try:
+        options = json.loads(value)
+    except ValueError as e:
+        raise click.BadParameter(f"expected a JSON object, got {value!r} ({e})", param_hint="--storage-options") from e
+    if not isinstance(options, dict):
+        raise click.BadParameter(f"expected a JSON object, got {value!r}", param_hint="--storage-options")
+    return options
+
+
+storage_option = option(
+    "--storage-options", metavar="JSON", callback=_storage_options, section=COMMON,
+    envvar="CKPTKIT_STORAGE_OPTIONS",
+    help="For s3://, gs://, az://, hf:// paths: keyword arguments of their fsspec filesystem, e.g. "
+         "'{\"endpoint_url\": \"http://127.0.0.1:9000\"}' or '{\"profile\": \"prod\"}' for s3fs (default: "
+         "AWS_ENDPOINT_URL, AWS_PROFILE, ... as each library reads them).")
+
+
+def assets_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from .io.remote import is_url
+
+    if value is not None and not is_url(value) and not Path(value).is_dir():
+        raise click.BadParameter(f"directory {value!r} does not exist", param_hint="--hf-assets")
+    return value
+
+
+_LOCAL = (
+    option("--rank-files", metavar="PATTERN", section=LOCAL,
+            help="Rank file names with {rank} for the rank, e.g. 'shard_{rank}.pt' "
+                 "(default: found by name; output: the source's, or rank{rank}.pt)."),
+    option("--model", metavar="PKG.MODULE:FACTORY", section=LOCAL,
+            help="Builds the FSDP1 model, to derive the flat-parameter layout where no "
+                 "flat_layout.json has it."),
+    option("--auto-wrap", default="none", show_default=True, metavar="POLICY", section=LOCAL,
+            help="FSDP auto-wrap policy of --model: none, size:<min_num_params> or "
+                 "block:<module.path:Class>."),
+    option("--use-orig-params/--no-use-orig-params", default=None, section=LOCAL,
+            help="Whether FSDP wraps --model with use_orig_params (default: told by the saved sizes; "
+                 "off for output)."),
+    option("--param-dtype", type=click.Choice(["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),
+            section=LOCAL,
+            help="The dtype FSDP computes --model in: MixedPrecision(param_dtype=...), else the "
+                 "parameters' dtype at wrap time. With use_orig_params FSDP aligns parameters to 16 bytes "
+                 "of it (default: the dtype --model builds)."),
+)
+
+
+def _apply(*options):
+    """One decorator of several, applied so that --help lists them in the order given."""
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return decorate
+
+
+local_options = _apply(*_LOCAL)
+mapping_options = _apply(*_MAPPING)
+def writing_options(command):
+    """The common options of every command that writes a checkpoint, given to ``command`` as one
+    :class:`ckptkit.io.options.WriteOptions`, ``options`` (progress and ranks are the run's to decide), and
+    ``quiet``."""
+    @functools.wraps(command)
+    def run(*args, workers, dry_run, overwrite, max_memory, fsync, storage_options, **kwargs):
+        from .io.options import WriteOptions
+
+        options = WriteOptions(overwrite=overwrite, max_memory=max_memory, fsync=fsync, dry_run=dry_run,
+                               storage_options=storage_options, workers=workers)
+        return command(*args, options=options, **kwargs)
+
+    return _apply(_workers, _dry_run, _overwrite, memory_option, _fsync, quiet_option, storage_option,
+                  debug_option)(run)
+
+
+def local_from(rank_files, model, auto_wrap, use_orig_params, param_dtype):
+    from .formats import LocalOptions
+
+    return LocalOptions(rank_files=rank_files, model=model, auto_wrap=auto_wrap, use_orig_params=use_orig_params,
+                        param_dtype=param_dtype)

@@ -1,0 +1,114 @@
+"""The model part a conversion writes: selected, and renamed by a key mapping (a preset's, megatron-core's)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..core.manifest import Manifest, ObjectEntry, TensorEntry
+from ..errors import UsageError
+from ..formats import FormatIO
+from ..formats._megatron import COMMON, extra_states
+from ..formats.dcp import check_blobs
+from ..io.remote import RemotePath
+from .detect import check_family, detect_family
+from .hfconfig import check_single_file, find_config
+from .mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
+from .presets import MEGATRON, preset
+from .report import Changes
+from .select import select_model
+
+__all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "key_mapping_for", "map_model", "megatron_preset", "model_part"]
+
+TO_MEGATRON = "megatron"
+"""The ``--to`` name of a megatron-core checkpoint: SHARDED, with megatron-core's names and files."""
+
+
+def key_mapping_for(io: FormatIO, to: str, src: Path, hf_assets: Path | str | None, preset: str | None,
+                    renames: Renames, key_map: KeyMapSource, strict: bool) -> KeyMapping:
+    """The key mapping of a conversion to ``io`` (asked for as ``to``): a model-only HF output maps towards HF
+    names by default (``preset="auto"``), a megatron-core one with its family's Megatron preset."""
+    if to == TO_MEGATRON:
+        preset = megatron_preset(src, hf_assets, preset)
+    elif preset is None and io.hf_model:
+        preset = "auto"
+    return key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict)
+
+
+def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, src: Path,
+               hf_assets: Path | str | None) -> tuple[Manifest, Changes, tuple[str, ...]]:
+    """What a conversion writes of ``manifest``: all of it; or, to a model-only output or under a key mapping,
+    the model part under the mapping's names. With the renames and drops made, and notes for the report."""
+    if not (io.hf_model or mapping):
+        return manifest, Changes(), ()
+    # A model file holds the model: the same part, under the same names, as export-hf writes. The entries it
+    # leaves out are decoded all the same (write() decodes only those it writes): convert reads everything,
+    # and refuses a checkpoint torch cannot load.
+    check_blobs(manifest)
+    sel = select_model(manifest)
+    tensors, notes, changes = sel.tensors, sel.notes, Changes()
+    if mapping:
+        mapped = map_model(tensors, mapping, src, hf_assets,
+                           to_hf=True if io.hf_model else False if to == TO_MEGATRON else None)
+        tensors, notes = mapped.tensors, notes + mapped.notes
+        changes = Changes(mapped.renamed, mapped.dropped, permuted=mapped.permuted)
+        if not io.hf_model:
+            notes += ("a key mapping renames the model's weights: the output holds the model part only",)
+    objects = (*extra_states(tensors), *MEGATRON_STEP_0) if to == TO_MEGATRON else ()
+    return Manifest(manifest.format, manifest.root, tensors, objects), changes, notes
+
+
+def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path | str,
+              hf_assets: Path | str | None, to_hf: bool | None) -> MappedKeys:
+    """The model's tensors under ``mapping``; a preset gets its head counts from the model's config
+    (:func:`ckptkit.ops.hfconfig.find_config`: ``hf_assets``, the source's own ``config.json``, Meta's
+    ``params.json`` beside it)."""
+    shape = None
+    notes: tuple[str, ...] = ()
+    if mapping.preset is not None:
+        remote = isinstance(src, RemotePath) or isinstance(hf_assets, RemotePath)  # read by name, as before
+        config = (find_config(Path(src), hf_assets) if not remote and (mapping.preset == "auto" or hf_assets)
+                  else None)
+        model_type = config.data.get("model_type") if config is not None and config.is_hf else None
+        where = str(config.path) if config is not None else "config.json"
+        keys = [t.key for t in tensors]
+        if mapping.preset == "auto":
+            found = detect_family(keys, model_type if isinstance(model_type, str) else None, where)
+            mapping = dataclasses.replace(mapping, preset=found.preset)
+            notes = (f"--preset auto: {found.preset} ({found.why})",) if found.preset else ()
+        if mapping.preset is not None:
+            chosen = preset(mapping.preset)
+            check_single_file(chosen, Path(src))
+            check_family(chosen, keys, model_type if isinstance(model_type, str) else None, where)
+            if config is None and chosen.needs_shape:
+                config = find_config(Path(src), hf_assets)
+            shape = config.shape() if config is not None else None
+    mapped = map_keys(tensors, mapping, shape=shape, to_hf=to_hf)
+    return dataclasses.replace(mapped, notes=notes + mapped.notes)
+
+
+MEGATRON_STEP_0 = tuple(ObjectEntry(k, (k,), v, sidecar=COMMON) for k, v in (("checkpoint_version", 3.0),
+                                                                              ("iteration", 0)))
+"""``common.pt`` of a model written for megatron-core: the state Megatron-LM's loader reads beside the model
+(its checkpoint format version, and the step, 0), and no run arguments or optimizer."""
+
+
+def megatron_preset(src: Path, hf_assets: Path | str | None, preset: str | None) -> str:
+    """The preset ``convert --to megatron`` maps with: ``preset`` (a ``megatron-*`` one), else the one for the
+    model's ``model_type`` (:data:`ckptkit.ops.presets.MEGATRON`).
+
+    Raises:
+        UsageError: another family's preset, or no preset and a config that names no family with a table.
+    """
+    if preset not in (None, "auto"):
+        if preset not in MEGATRON.values():
+            raise UsageError(f"--to megatron maps HF names to megatron-core's with a Megatron preset "
+                             f"({', '.join(MEGATRON.values())}), not --preset {preset}")
+        return preset
+    config = find_config(Path(src), hf_assets)
+    model_type = config.data.get("model_type") if config is not None else None
+    if not isinstance(model_type, str) or model_type not in MEGATRON:
+        where = str(config.path) if config is not None else f"{src}: no config.json, and"
+        raise UsageError(f"{where} model_type {model_type!r:.40} has no Megatron table; pass --preset "
+                         f"({', '.join(MEGATRON.values())})")
+    return MEGATRON[model_type]
