@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -15,11 +16,11 @@ from ..errors import UsageError
 from ..formats import LocalOptions, Target, io_for, is_empty_container, locate
 from ..formats._megatron import COMMON, extra_states
 from ..formats.dcp import check_blobs
-from ..io.execute import DEFAULT_MAX_MEMORY, all_ranks, execute_distributed
+from ..io.execute import all_ranks, execute_distributed
+from ..io.options import DEFAULT_MAX_MEMORY, WriteOptions
 from ..io.parallel import execute_parallel, writers
 from ..io.progress import count, human_size, progress_bar
-from ..io.publish import check_destination
-from ..io.remote import RemotePath, as_path
+from ..io.storage import storage_at
 from .detect import check_family, detect_family
 from .hfconfig import check_single_file, find_config
 from .mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
@@ -159,7 +160,8 @@ def sources_of(manifest: Manifest, src: Path | str | None = None) -> tuple[Path,
     """What an output must stay clear of: the input the user named and every file a conversion reads."""
     files = {c.span.file for t in manifest.tensors for c in t.chunks}
     files |= {o.blob.file for o in manifest.objects if o.blob is not None}
-    return tuple(as_path(p) for p in sorted({str(src) if src is not None else manifest.root, manifest.root, *files}))
+    named = str(src) if src is not None else manifest.root
+    return tuple(storage_at(p)[1] for p in sorted({named, manifest.root, *files}))
 
 
 def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, overwrite: bool,
@@ -177,24 +179,24 @@ def write(manifest: Manifest, fmt: Format, dst: Path | str, target: Target, *, o
                          "ranks split them: start more ranks (--nproc-per-node) instead")
     notes += _left_out(manifest, fmt)
     sources = sources_of(manifest, src)
-    check_destination(as_path(dst), overwrite=overwrite, sources=sources, dry_run=dry_run)
+    storage, out = storage_at(dst)
+    storage.check(out, overwrite=overwrite, sources=sources, dry_run=dry_run)
     # Decoded now, whatever the target: a DCP writer copies them verbatim, and a damaged one means a checkpoint
     # torch cannot load, which no output may hide.
     check_blobs(manifest)
     io = io_for(fmt)
     plan = io.plan(manifest, io.options(target, manifest))
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file, commit=plan.commit)
-    n, why = (1, "") if distributed else writers(workers, plan, dst, sources)
+    n, why = (1, "") if distributed else writers(workers, plan, storage, sources)
+    options = WriteOptions(overwrite=overwrite, max_memory=max_memory, fsync=fsync, workers=n)
     if distributed and not dry_run:
-        execute_distributed(plan, as_path(dst), overwrite=overwrite, sources=sources, max_memory=max_memory,
-                            fsync=fsync)
+        execute_distributed(plan, out, storage, options, sources)
     elif not dry_run:  # a dry run is planned and its destination checked: nothing to write
         with progress_bar(plan.total_bytes, f"{fmt.value}", progress) as update:
-            execute_parallel(plan, as_path(dst), workers=n, overwrite=overwrite, sources=sources,
-                             max_memory=max_memory, fsync=fsync, progress=update)
+            execute_parallel(plan, out, storage, options, update, sources)
     ws = target.world_size if fmt in (Format.SHARDED, Format.LOCAL) else None
     # A single-file output is DST itself, whatever name the plan gave its one file.
-    written = tuple((as_path(dst).name if plan.single_file else f.relpath, f.nbytes) for f in plan.files)
+    written = tuple((out.name if plan.single_file else f.relpath, f.nbytes) for f in plan.files)
     return Report(manifest.root, manifest.format, str(dst), fmt, len(manifest.tensors), len(manifest.objects),
                   plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes, written,
                   changes.renamed, changes.dropped, changes.cast, changes.permuted, dry_run, n, why)
@@ -225,7 +227,7 @@ def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path |
     shape = None
     notes: tuple[str, ...] = ()
     if mapping.preset is not None:
-        remote = isinstance(src, RemotePath) or isinstance(hf_assets, RemotePath)  # read by name, as before
+        remote = any(not isinstance(p, (str, os.PathLike, type(None))) for p in (src, hf_assets))  # read by name
         config = (find_config(Path(src), hf_assets) if not remote and (mapping.preset == "auto" or hf_assets)
                   else None)
         model_type = config.data.get("model_type") if config is not None and config.is_hf else None
@@ -359,7 +361,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     local = local or LocalOptions()
     if preset is None and fmt is Format.HF:
         preset = "auto"
-    src, dst = as_path(src, storage_options), as_path(dst, storage_options)
+    src, dst = storage_at(src, storage_options)[1], storage_at(dst, storage_options)[1]
     if megatron:
         preset = megatron_preset(src, hf_assets, preset)
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
@@ -447,7 +449,7 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, overwrite: boo
         UsageError: The request is inconsistent: ``dst`` exists without ``overwrite``, lies inside ``src``,
             or ``src`` is not a sharded checkpoint (use :func:`convert`).
     """
-    src, dst = as_path(src, storage_options), as_path(dst, storage_options)
+    src, dst = storage_at(src, storage_options)[1], storage_at(dst, storage_options)[1]
     found = locate(src, local)
     reader = found.reader
     fmt = reader.format

@@ -13,9 +13,10 @@ from ..core.plan import Bytes, FilePlan
 from ..errors import FormatError, UsageError
 from ..formats import LocalOptions, Target, locate
 from ..formats.base import cast_for
-from ..io.execute import DEFAULT_MAX_MEMORY, all_ranks
-from ..io.remote import as_path
+from ..io.execute import all_ranks
+from ..io.options import DEFAULT_MAX_MEMORY
 from ..io.sources import Files
+from ..io.storage import storage_at
 from .assets import find_assets
 from .convert import Changes, Report, map_model, parse_size, write
 from .hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
@@ -174,7 +175,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     if keep_patterns and cast is None:
         raise UsageError("--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype bf16 or fp16")
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
-    src, dst = as_path(src, storage_options), as_path(dst, storage_options)
+    src, dst = storage_at(src, storage_options)[1], storage_at(dst, storage_options)[1]
     # Only the model's chunks are read (DCP): the rest, optimizer state above all, is never written here.
     found = locate(src, local)
     manifest = found.reader.read_part(found.path, model_keys(model_key, tuple(strip_prefixes), strip_wrappers))
@@ -196,7 +197,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
                                                mapped.permuted)
         notes += mapped.notes
     if hf_assets is not None:
-        assets, config, left_note = _assets(as_path(hf_assets, storage_options))
+        assets, config, left_note = _assets(storage_at(hf_assets, storage_options)[1])
         kept = {t.key for t in tensors}
         tensors, tie_note = _untie(tensors, config, max_memory)
         dropped += [(k, "tied to the input embedding") for k in kept - {t.key for t in tensors}]

@@ -32,7 +32,8 @@ from ..errors import CheckpointError, UsageError
 from ..formats import detect
 from ..io import publish
 from ..io.execute import gloo_group
-from ..io.remote import as_path, is_url
+from ..io.storage import storage_at
+from ..io.storage.local import staging as local
 from ..ops import checksums
 from ..ops.checksums import MANIFEST, Recorder
 
@@ -73,8 +74,8 @@ def _quiet_async_single_process() -> None:
 def local_path(path: str | os.PathLike, what: str) -> Path:
     """``path`` as a local path; a URL is refused: saves and loads publish and read step directories by renames
     and descriptors, which object stores do not have."""
-    root = as_path(os.fspath(path))
-    if is_url(root):
+    storage, root = storage_at(os.fspath(path))
+    if storage.scheme != "file":
         raise UsageError(f"{path}: {what} works on a local or shared filesystem; save there, then copy a "
                          "checkpoint to an object store with 'ckptkit convert' or 'ckptkit export-hf' (which "
                          "take URLs)")
@@ -141,7 +142,7 @@ def _outcome(error: BaseException | None, group: Any) -> None:
         raise CheckpointError(f"the save failed on another rank: {'; '.join(failed)}")
 
 
-def _stage(final: Path, *, replace_checkpoint_only: bool, group: Any) -> publish.Staging:
+def _stage(final: Path, *, replace_checkpoint_only: bool, group: Any) -> local.Staging:
     """Rank 0 stages beside ``final``; every rank gets the staging directory (or rank 0's error)."""
     rank, _ = _rank_world()
     staging, error = None, None
@@ -150,7 +151,7 @@ def _stage(final: Path, *, replace_checkpoint_only: bool, group: Any) -> publish
             if replace_checkpoint_only and final.exists() and not _replaceable(final):
                 raise UsageError(f"{final} exists and is not a checkpoint ckptkit saved; ckptkit.save replaces only "
                                  "its own checkpoints (pass an empty or new directory, or step=)")
-            staging = publish.stage(final, replace=True)
+            staging = local.stage(final, replace=True)
         except Exception as e:
             error = e
     where = _shared(str(staging.path) if staging else f"error: {error}", group)
@@ -158,7 +159,7 @@ def _stage(final: Path, *, replace_checkpoint_only: bool, group: Any) -> publish
         raise error
     if not os.path.isabs(where):
         raise CheckpointError(f"rank 0 could not stage {final}: {where.removeprefix('error: ')}")
-    return staging or publish.Staging(final, Path(where), owner=False)
+    return staging or local.Staging(final, Path(where), owner=False)
 
 
 def _replaceable(path: Path) -> bool:
@@ -289,7 +290,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
         raise
 
 
-def _publish(root: Path, final: Path, staging: publish.Staging, recorder: Recorder, form: str, step: int | None,
+def _publish(root: Path, final: Path, staging: local.Staging, recorder: Recorder, form: str, step: int | None,
              keep_last: int | None, max_total_gb: float | None, group: Any, error: BaseException | None) -> None:
     """After every rank has written: rank 0 writes ckptkit.json, publishes, then rotates; every rank raises if
     any rank failed, and the staging directory goes."""
