@@ -4,6 +4,7 @@ calls; safetensors and torch load the bytes it holds, and torch's tensors are th
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +15,10 @@ from _checks import leftovers, load_hf
 from ckptkit.errors import UsageError
 from ckptkit.formats import read
 from ckptkit.formats.hf import HfIO, HfOptions
+from ckptkit.io import storage
 from ckptkit.io.execute import whole_files
 from ckptkit.io.options import WriteOptions
-from ckptkit.io.storage import storage_at, storage_for
+from ckptkit.io.storage import register, storage_at, storage_for
 from ckptkit.io.storage.memory import FILES, MemoryStorage
 
 STATE = {"model": {"embed.weight": torch.arange(24.0).reshape(6, 4), "norm.weight": torch.ones(4),
@@ -43,6 +45,15 @@ def test_storage_for_resolves_ckmem_urls_to_the_registered_backend():
     assert isinstance(storage, MemoryStorage) and str(path) == "ckmem://run/model"
     assert storage.shared_writes is False and storage.descriptors is True
     assert storage_for(path) is storage  # the path it gave resolves back to it
+
+
+def test_register_adds_a_scheme_and_pathlib_mangled_urls_of_it_are_refused(monkeypatch):
+    monkeypatch.setattr(storage, "_registry", dict(storage._registry))
+    mine = MemoryStorage()
+    register("ckmem2", lambda options: mine)
+    assert storage_for("ckmem2://x") is mine and storage_for("CKMEM2://x") is mine
+    with pytest.raises(UsageError, match=r"^ckmem2:/x: looks like a ckmem2:// URL that lost a slash"):
+        storage_for(Path("ckmem2://x"))
 
 
 def test_export_hf_to_memory_writes_safetensors_bytes_equal_to_the_source(files, src):

@@ -34,7 +34,13 @@ _registry: dict[str, Factory] = {}
 
 
 def register(scheme: str, factory: Factory) -> None:
-    """Have URLs ``scheme://...`` read and written by the storage ``factory`` makes."""
+    """Have URLs ``scheme://...`` read and written by the storage ``factory`` makes (a backend's module calls
+    this when imported).
+
+    Args:
+        scheme: the URL scheme, matched without regard to case.
+        factory: makes the backend from the run's storage options.
+    """
     _registry[scheme.lower()] = factory
 
 
