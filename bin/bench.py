@@ -50,6 +50,8 @@ from ckptkit.core.manifest import Chunk, Format, Manifest, Span, TensorEntry
 from ckptkit.formats import io_for
 from ckptkit.formats.dcp import DcpOptions
 from ckptkit.io.execute import execute
+from ckptkit.io.options import WriteOptions
+from ckptkit.io.storage.local import LOCAL
 from ckptkit.ops.convert import parse_size
 
 __all__ = ["main"]
@@ -212,7 +214,8 @@ def write_dcp(root: Path, tensors: list[tuple[str, tuple[int, ...], str]], world
                                    shape, (chunk,)))
         pos += n
     manifest = Manifest(Format.FULL, str(raw), tuple(entries))
-    execute(io_for(Format.SHARDED).plan(manifest, DcpOptions(world_size=world_size)), root / "dcp", fsync=False)
+    plan = io_for(Format.SHARDED).plan(manifest, DcpOptions(world_size=world_size))
+    execute(plan, root / "dcp", LOCAL, WriteOptions())
     raw.unlink()
     return total
 
@@ -482,7 +485,7 @@ def bench_chunks(chunks: int, repeat: int, root: Path) -> None:
     """Read, plan and execute a DCP of about ``chunks`` chunks of 16 bytes each, timed in this process."""
     from ckptkit.formats.dcp import DcpIO
     from ckptkit.formats.hf import HfIO, HfOptions
-    from ckptkit.io.execute import write_files
+    from ckptkit.io.storage.local.writer import write_files
 
     ranks = 64
     tensors = [(f"model.layers.{i // 9}.{_PARTS[i % 9]}.weight", (ranks, 8), "bfloat16")

@@ -170,9 +170,9 @@ storage_option = option(
 
 
 def assets_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    from .io.remote import is_url
+    from .io.storage import storage_for
 
-    if value is not None and not is_url(value) and not Path(value).is_dir():
+    if value is not None and storage_for(value).scheme == "file" and not Path(value).is_dir():
         raise click.BadParameter(f"directory {value!r} does not exist", param_hint="--hf-assets")
     return value
 

@@ -132,11 +132,12 @@ def _write(op, *args, options, quiet: bool, **kwargs) -> None:
     """Run ``op`` (convert, reshard, export_hf) in this process, or on this rank of torchrun's ranks: all of them
     then write, and rank 0 reports."""
     from .io.parallel import torchrun_group
-    from .io.remote import is_url
+    from .io.storage import storage_for
 
     with torchrun_group() as rank:
         source = click.get_current_context().get_parameter_source("workers")
-        if source is click.core.ParameterSource.ENVIRONMENT and (rank is not None or is_url(args[1])):
+        one_writer = rank is not None or not storage_for(args[1]).shared_writes
+        if source is click.core.ParameterSource.ENVIRONMENT and one_writer:
             # CKPTKIT_WORKERS, set for a machine's runs, does not apply where workers cannot: under torchrun
             # (the ranks split the files) or to an object store (one process writes). --workers N still says so.
             options = dataclasses.replace(options, workers=1)

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from ckptkit.codecs.safetensors_header import read_header
 from ckptkit.core.plan import FilePlan, Region
 from ckptkit.errors import UsageError
-from ckptkit.io.execute import write_files
+from ckptkit.io.storage.local.writer import write_files
 from ckptkit.ops.adapter import Source, apply_preset
 from ckptkit.ops.tables import ModelShape, Preset, Row
 

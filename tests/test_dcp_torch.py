@@ -519,14 +519,17 @@ def test_read_part_leaves_unwanted_tensors_without_chunks_so_writing_them_fails(
     from ckptkit.formats.dcp import DcpIO
     from ckptkit.formats.hf import HfIO, HfOptions
     from ckptkit.io.execute import execute
+    from ckptkit.io.options import WriteOptions
+    from ckptkit.io.storage.local import LOCAL
 
     state = save_alike(tmp_path / "dcp")
     partial = DcpIO().read_part(tmp_path / "dcp", lambda m: {"t1"})
     assert {t.key: len(t.chunks) for t in partial.tensors} == {"t0": 0, "t1": 1, "t2": 0, "t3": 0}
     with pytest.raises(IncompleteCheckpointError, match=r"tensor 't0': chunks supply 0 of the 128 bytes"):
-        execute(HfIO().plan(partial, HfOptions()), tmp_path / "hf")
+        execute(HfIO().plan(partial, HfOptions()), tmp_path / "hf", LOCAL, WriteOptions())
     assert not (tmp_path / "hf").exists()
-    execute(HfIO().plan(dataclasses.replace(partial, tensors=partial.tensors[1:2]), HfOptions()), tmp_path / "hf")
+    execute(HfIO().plan(dataclasses.replace(partial, tensors=partial.tensors[1:2]), HfOptions()), tmp_path / "hf",
+            LOCAL, WriteOptions())
     assert_same_tree(load_hf(tmp_path / "hf"), {"t1": state["t1"]})
 
 

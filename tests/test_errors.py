@@ -15,7 +15,7 @@ import torch
 
 from _checks import Evil, hash_tree, leftovers
 from ckptkit.errors import FormatError, IncompleteCheckpointError, UnsafeCheckpointError, UsageError
-from ckptkit.io import execute as executor
+from ckptkit.io.storage.local import writer as executor
 from ckptkit.ops.convert import convert, reshard
 from ckptkit.ops.export import export_hf
 from ckptkit.ops.inspect import inspect

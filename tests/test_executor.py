@@ -25,8 +25,11 @@ from ckptkit.core.dtypes import by_name
 from ckptkit.core.manifest import Chunk, Span, TensorEntry
 from ckptkit.core.plan import Bytes, FilePlan, Region, WritePlan
 from ckptkit.errors import FormatError
-from ckptkit.io import execute as executor, moves
-from ckptkit.io.execute import execute, write_files
+from ckptkit.io import moves
+from ckptkit.io.execute import execute
+from ckptkit.io.options import WriteOptions
+from ckptkit.io.storage.local import LOCAL, writer as executor
+from ckptkit.io.storage.local.writer import write_files
 from ckptkit.ops.convert import convert
 
 
@@ -219,7 +222,7 @@ def test_execute_failure_leaves_no_staging_and_dst_as_it_was(tmp_path, existing)
         (dst / "old.bin").write_bytes(b"old")
     before = hash_tree(dst) if existing else None
     with pytest.raises(FormatError, match=rf"^{tmp_path / 'missing.bin'}: cannot open \(No such file or directory\)$"):
-        execute(plan, dst, overwrite=True)
+        execute(plan, dst, LOCAL, WriteOptions(overwrite=True))
     assert (hash_tree(dst) if dst.exists() else None) == before
     assert not leftovers(tmp_path)
 

@@ -24,12 +24,12 @@ from _checks import assert_same_tree, hash_tree, leftovers, load_full
 from ckptkit.errors import ChecksumError, FormatError, IncompleteCheckpointError, UsageError
 from ckptkit.formats import run_directory
 from ckptkit.harness.model import TinyConfig, TinyTransformer
-from ckptkit.io import publish
+from ckptkit.io.storage.local import staging
 from ckptkit.ops.convert import convert
 
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "ckptkit")
 TESTS = os.path.dirname(__file__)
-SKIP_NO_RENAMEAT2 = pytest.mark.skipif(publish._renameat2 is None, reason="this system has no renameat2")
+SKIP_NO_RENAMEAT2 = pytest.mark.skipif(staging._renameat2 is None, reason="this system has no renameat2")
 
 
 def script(*args, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
@@ -92,7 +92,7 @@ def test_save_rotation_keeps_the_save_just_made_when_resuming_from_an_earlier_st
 _RESAVE_KILLED = """
 import os, signal, sys, torch
 import ckptkit
-from ckptkit.io import publish
+from ckptkit.io.storage.local import staging as publish
 from test_faults import plain_model
 mode = {mode!r}
 if mode == "fallback":
@@ -510,7 +510,7 @@ def test_a_signal_that_lands_in_a_callback_still_stops_the_run(how, line, code):
 _KILLED_CONVERSION = """
 import os, signal
 from ckptkit import cli
-from ckptkit.io import execute, publish
+from ckptkit.io.storage.local import staging as publish, writer as execute
 when, how = {when!r}, {how!r}
 if when == "between renames":
     publish._renameat2 = None
@@ -702,7 +702,7 @@ def test_conversion_killed_at_random_points(tmp_path, how):
         code, err = proc.wait(timeout=120), proc.stderr.read()
         assert "Traceback" not in err, err
         assert code in (0, {"SIGKILL": -9, "SIGINT": 130, "SIGTERM": 143}[how]), (code, err)
-        publish.recover(tmp_path)  # what the next run into this directory does first
+        staging.recover(tmp_path)  # what the next run into this directory does first
         assert leftovers(tmp_path) == []
         if dst.exists() and hash_tree(dst) != before:  # complete, never half-written
             assert_same_tree(ckptkit_full(dst, tmp_path), expected)

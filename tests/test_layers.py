@@ -179,3 +179,31 @@ def test_formats_registry_names_each_format_its_reader_and_writer_declares():
         assert cls.names == names and bool(names) == cls.writable, (module, name)
     assert sorted(f.value for f, _, _, _ in formats._ALL) == sorted(f.value for f in formats.Format)  # one reader each
     assert sorted(formats.TO) == sorted(n for *_, names in formats._ALL for n in names)  # --to lists every name
+
+
+STORAGE = "ckptkit.io.storage"
+# The libraries of object stores: only the storage backends reach them.
+STORE_LIBRARIES = ("fsspec", "s3fs", "gcsfs", "adlfs")
+
+
+def _in_storage(module: str) -> bool:
+    return module == STORAGE or module.startswith(STORAGE + ".")
+
+
+def test_layers_only_the_storage_backends_import_object_store_libraries():
+    wrong = [_where(imp) for imp in ALL_IMPORTS if not _in_storage(imp.importer)
+             and any(imp.imported == lib or imp.imported.startswith(lib + ".") for lib in STORE_LIBRARIES)]
+    assert not wrong, "object store libraries imported outside ckptkit/io/storage/:\n" + "\n".join(wrong)
+
+
+def test_layers_no_module_outside_storage_asks_whether_a_path_is_a_url():
+    wrong = []
+    for module, path in MODULES.items():
+        if _in_storage(module):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            named = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                     else None)
+            if named == "is_url" or isinstance(node, ast.alias) and node.name == "is_url":
+                wrong.append(f"{path.relative_to(ROOT.parent)}:{getattr(node, 'lineno', '?')}")
+    assert not wrong, "is_url outside ckptkit/io/storage/ (ask the path's Storage instead):\n" + "\n".join(wrong)

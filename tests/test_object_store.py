@@ -28,9 +28,11 @@ from _checks import assert_same_tree, make_training_state
 from _fsdp1 import MODEL
 from ckptkit.errors import FormatError, UsageError
 from ckptkit.formats import LocalOptions
-from ckptkit.io import remote, transfer
-from ckptkit.io.remote import Job, RemoteFiles, RemotePath, as_path, coalesce
 from ckptkit.io.sources import Files
+from ckptkit.io.storage import storage_at, storage_for
+from ckptkit.io.storage.fsspec import upload as transfer
+from ckptkit.io.storage.fsspec.paths import RemotePath
+from ckptkit.io.storage.fsspec.reads import Job, RemoteFiles, coalesce
 from ckptkit.ops.convert import convert, reshard
 from ckptkit.ops.export import export_hf
 from ckptkit.ops.inspect import inspect, summary
@@ -77,10 +79,10 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 # Paths and URLs
 
 
-def test_as_path_keeps_local_paths_and_maps_urls(tmp_path):
-    assert as_path(tmp_path) == tmp_path and type(as_path(str(tmp_path))) is type(tmp_path)
-    assert as_path(f"file://{tmp_path}") == tmp_path
-    hub = as_path("hf://org/model")  # HfFileSystem: nothing is asked of the Hub until something is read
+def test_storage_at_keeps_local_paths_and_maps_urls(tmp_path):
+    assert storage_at(tmp_path)[1] == tmp_path and type(storage_at(str(tmp_path))[1]) is type(tmp_path)
+    assert storage_at(f"file://{tmp_path}")[1] == tmp_path
+    hub = storage_at("hf://org/model")[1]  # HfFileSystem: nothing is asked of the Hub until something is read
     assert isinstance(hub, RemotePath) and str(hub) == "hf://org/model" and type(hub.fs).__name__ == "HfFileSystem"
     assert hub.name == "model" and str(hub / "config.json") == "hf://org/model/config.json"
 
@@ -390,7 +392,7 @@ def test_a_failure_mid_upload_removes_everything_the_run_put(s3, sources, monkey
 _PAUSED = """
 import pathlib, sys, time
 from ckptkit import cli
-from ckptkit.io import transfer
+from ckptkit.io.storage.fsspec import upload as transfer
 real, go = transfer.file_pieces, pathlib.Path(sys.argv[1])
 
 def paused(*args):
@@ -486,7 +488,8 @@ def test_a_live_writer_of_another_host_is_named_not_removed(s3, sources):
 def test_remote_paths_name_the_bucket_object_in_errors(s3):
     with pytest.raises(FormatError, match=rf"{s3.url('nothing')}: no such file or directory"):
         inspect(s3.url("nothing"))
-    assert remote.is_url(s3.url("x")) and not remote.is_url("/tmp/x") and not remote.is_url("file:///tmp/x")
+    assert storage_for(s3.url("x")).scheme == "fsspec" and storage_for("/tmp/x").scheme == "file"
+    assert storage_for("file:///tmp/x").scheme == "file"
 
 
 def test_s3_without_credentials_is_one_line_saying_where_to_put_them(s3, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 from ckptkit.errors import FormatError, IncompleteCheckpointError, UsageError
 from ckptkit.formats import run_directory
-from ckptkit.io import publish
+from ckptkit.io.storage.local import staging as local
 from ckptkit.training import rotation
 
 
@@ -24,8 +24,8 @@ from ckptkit.training import rotation
 def rename_mode(request, monkeypatch) -> str:
     """Every commit test runs with renameat2 and with the fallback a filesystem that refuses it gets."""
     if request.param == "fallback":
-        monkeypatch.setattr(publish, "_renameat2", None)
-    elif publish._renameat2 is None:
+        monkeypatch.setattr(local, "_renameat2", None)
+    elif local._renameat2 is None:
         pytest.skip("this system has no renameat2")
     return request.param
 
@@ -37,7 +37,7 @@ def dead_pid() -> int:
 
 
 def host() -> str:
-    return publish._host()
+    return local.host_name()
 
 
 def leftover(directory: Path, name: str, kind: str = "partial", pid: int | None = None, on: str | None = None,
@@ -62,7 +62,7 @@ def leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if ".ckptkit-" in p.name)
 
 
-def make_output(staging: publish.Staging, content: str) -> None:
+def make_output(staging: local.Staging, content: str) -> None:
     (staging.path / "a.bin").write_text(content)
     (staging.path / "sub").mkdir()
     (staging.path / "sub" / "b.bin").write_text(content * 2)
@@ -72,7 +72,7 @@ def make_output(staging: publish.Staging, content: str) -> None:
 
 
 def test_stage_names_the_staging_directory_by_host_and_pid(tmp_path):
-    staging = publish.stage(tmp_path / "out", replace=False)
+    staging = local.stage(tmp_path / "out", replace=False)
     assert staging.path.parent == tmp_path and staging.path.is_dir()
     assert staging.path.name == f".out.ckptkit-partial-{host()}-{os.getpid()}"
     staging.abort()
@@ -81,7 +81,7 @@ def test_stage_names_the_staging_directory_by_host_and_pid(tmp_path):
 
 def test_commit_moves_a_new_output_into_place(tmp_path, rename_mode):
     dst = tmp_path / "out"
-    staging = publish.stage(dst, replace=False)
+    staging = local.stage(dst, replace=False)
     make_output(staging, "new")
     assert staging.commit(replace=False) == dst
     assert tree(dst) == {"a.bin": "new", "sub/b.bin": "newnew"}
@@ -92,7 +92,7 @@ def test_commit_replace_swaps_in_the_new_output_and_removes_the_old(tmp_path, re
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "old.bin").write_text("old")
-    staging = publish.stage(dst, replace=True)
+    staging = local.stage(dst, replace=True)
     make_output(staging, "new")
     staging.commit(replace=True)
     assert tree(dst) == {"a.bin": "new", "sub/b.bin": "newnew"}
@@ -104,7 +104,7 @@ def test_commit_single_file(tmp_path, rename_mode, replace):
     dst = tmp_path / "model.pt"
     if replace:
         dst.write_text("old")
-    staging = publish.stage(dst, replace=replace)
+    staging = local.stage(dst, replace=replace)
     (staging.path / "model.pt").write_text("new")
     staging.commit(replace=replace, file="model.pt")
     assert dst.read_text() == "new" and leftovers(tmp_path) == []
@@ -114,7 +114,7 @@ def test_commit_single_file(tmp_path, rename_mode, replace):
 def test_commit_without_replace_refuses_a_destination_that_appeared_meanwhile(tmp_path, rename_mode, kind):
     # Of two runs to one DST without --overwrite, the later is refused rather than replacing the earlier.
     dst = tmp_path / "out"
-    staging = publish.stage(dst, replace=False)
+    staging = local.stage(dst, replace=False)
     make_output(staging, "second")
     dst.mkdir() if kind == "dir" else dst.write_text("first")  # the other run publishes first (an empty dir too)
     before = tree(dst)
@@ -126,18 +126,18 @@ def test_commit_without_replace_refuses_a_destination_that_appeared_meanwhile(tm
 def test_stage_refuses_an_existing_destination_before_anything_is_written(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(UsageError, match=r"out already exists; pass --overwrite"):
-        publish.stage(tmp_path / "out", replace=False)
+        local.stage(tmp_path / "out", replace=False)
     assert leftovers(tmp_path) == []
 
 
 def test_commit_marker_is_written_inside_before_the_rename(tmp_path, rename_mode):
-    staging = publish.stage(tmp_path / "step-00000001", replace=True)
+    staging = local.stage(tmp_path / "step-00000001", replace=True)
     staging.commit(replace=True, marker=rotation.marker_text(save=4, step=1))
-    assert json.loads((tmp_path / "step-00000001" / publish.COMPLETE).read_text()) == {"save": 4, "step": 1}
+    assert json.loads((tmp_path / "step-00000001" / local.COMPLETE).read_text()) == {"save": 4, "step": 1}
 
 
 def test_staging_context_aborts_on_error(tmp_path):
-    with pytest.raises(RuntimeError), publish.stage(tmp_path / "out", replace=False) as staging:
+    with pytest.raises(RuntimeError), local.stage(tmp_path / "out", replace=False) as staging:
         make_output(staging, "x")
         raise RuntimeError("writer failed")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
@@ -150,7 +150,7 @@ def test_recover_removes_leftovers_of_dead_runs_on_this_host_and_says_so(tmp_pat
     dead = [leftover(tmp_path, "out"), leftover(tmp_path, "step-00000002"), leftover(tmp_path, "x.pt", content=None)]
     mine = leftover(tmp_path, "busy", pid=os.getpid())           # this very process: in flight
     other = leftover(tmp_path, "out2", on="some-other-host")     # another host's PIDs mean nothing here
-    done = publish.recover(tmp_path)
+    done = local.recover(tmp_path)
     assert sorted(done) == sorted(f"removed {p.name}" for p in dead)
     assert all(not p.exists() for p in dead) and mine.exists() and other.exists()
     err = capsys.readouterr().err
@@ -166,18 +166,18 @@ fd = os.open({str(path)!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print(
 """], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        assert publish.recover(tmp_path) == [] and path.exists()
+        assert local.recover(tmp_path) == [] and path.exists()
     finally:
         holder.kill()
         holder.wait()
-    assert publish.recover(tmp_path) == [f"removed {path.name}"]
+    assert local.recover(tmp_path) == [f"removed {path.name}"]
 
 
 def test_recover_restores_a_destination_whose_swap_was_cut_short(tmp_path):
     # A fallback swap killed between its two renames leaves DST missing and the old copy hidden, until recovery.
     old = leftover(tmp_path, "out", kind="old", content="previous output")
     staged = leftover(tmp_path, "out", content="unfinished")
-    publish.recover(tmp_path)
+    local.recover(tmp_path)
     assert tree(tmp_path / "out") == {"f": "previous output"} and leftovers(tmp_path) == []
     assert not old.exists() and not staged.exists()
 
@@ -186,18 +186,18 @@ def test_recover_removes_the_old_copy_when_the_swap_finished(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "f").write_text("new output")
     leftover(tmp_path, "out", kind="old", content="previous output")
-    publish.recover(tmp_path)
+    local.recover(tmp_path)
     assert tree(tmp_path / "out") == {"f": "new output"} and leftovers(tmp_path) == []
 
 
 def test_stage_recovers_the_destination_directory_first(tmp_path, capsys):
     left = leftover(tmp_path, "out")
-    publish.stage(tmp_path / "out", replace=False).abort()
+    local.stage(tmp_path / "out", replace=False).abort()
     assert not left.exists() and f"removed {left.name}" in capsys.readouterr().err
 
 
 def test_fcntl_lock_of_staging_is_held_until_commit(tmp_path):
-    staging = publish.stage(tmp_path / "out", replace=False)
+    staging = local.stage(tmp_path / "out", replace=False)
     fd = os.open(staging.path, os.O_RDONLY)
     try:
         with pytest.raises(BlockingIOError):
@@ -222,12 +222,12 @@ def test_check_destination_refuses_overlap_with_any_source(tmp_path, where):
     (tmp_path / "link").symlink_to(src)
     dst = {"same": src, "inside": src / "out", "parent": tmp_path, "via-link": tmp_path / "link"}[where]
     with pytest.raises(UsageError, match=r"overlaps the input .*src; ckptkit never writes into its input"):
-        publish.check_destination(dst, overwrite=True, sources=(src,))
+        local.check_destination(dst, overwrite=True, sources=(src,))
 
 
 def test_check_destination_allows_a_sibling(tmp_path):
     (tmp_path / "src").mkdir()
-    assert publish.check_destination(tmp_path / "out", overwrite=False, sources=(tmp_path / "src",)) == \
+    assert local.check_destination(tmp_path / "out", overwrite=False, sources=(tmp_path / "src",)) == \
         tmp_path / "out"
 
 
@@ -238,7 +238,7 @@ def make_step(root: Path, step: int, save: int | None, content: str = "w") -> Pa
     path = rotation.step_dir(root, step)
     path.mkdir(parents=True)
     (path / "weights").write_text(content)
-    (path / publish.COMPLETE).write_text(rotation.marker_text(save=save, step=step) if save else "complete\n")
+    (path / local.COMPLETE).write_text(rotation.marker_text(save=save, step=step) if save else "complete\n")
     return path
 
 
@@ -272,7 +272,7 @@ def test_rotate_never_follows_a_symbolic_link(tmp_path):
     newest = make_step(run, 3, save=3)
     assert [s.step for s in run_directory.complete_steps(run)] == [2, 3]
     rotation.rotate(run, keep=newest, keep_last=1)
-    assert tree(outside) == {"step-00000001/weights": "keep me", f"step-00000001/{publish.COMPLETE}":
+    assert tree(outside) == {"step-00000001/weights": "keep me", f"step-00000001/{local.COMPLETE}":
                              rotation.marker_text(save=1, step=1)}
     assert (run / "step-00000001").is_symlink()
 
@@ -320,4 +320,4 @@ def test_resolve_checks_latest_as_untrusted(tmp_path, make, error, message):
 
 def test_host_name_is_made_safe_for_a_file_name(monkeypatch):
     monkeypatch.setattr(socket, "gethostname", lambda: "node 7/a:b")
-    assert publish._host() == "node_7_a_b"
+    assert local.host_name() == "node_7_a_b"

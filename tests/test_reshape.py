@@ -27,7 +27,7 @@ from ckptkit.core.reshape import (
     unstack,
 )
 from ckptkit.errors import UsageError
-from ckptkit.io.execute import write_files
+from ckptkit.io.storage.local.writer import write_files
 
 G = torch.Generator().manual_seed(0)
 

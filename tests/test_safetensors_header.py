@@ -16,7 +16,7 @@ from ckptkit.codecs.safetensors_header import file_parts, read_header
 from ckptkit.core.dtypes import by_name
 from ckptkit.core.plan import FilePlan, Region
 from ckptkit.errors import FormatError
-from ckptkit.io.execute import write_files
+from ckptkit.io.storage.local.writer import write_files
 
 
 def span_bytes(span) -> bytes:

@@ -21,8 +21,8 @@ from ckptkit.core.manifest import TensorRef
 from ckptkit.core.plan import FilePlan, Region
 from ckptkit.errors import UnsafeCheckpointError
 from ckptkit.harness.launch import run_ranks
-from ckptkit.io.execute import write_files
 from ckptkit.io.sources import Files, read_region
+from ckptkit.io.storage.local.writer import write_files
 
 # name -> (global tensor, the rows each of the 2 ranks holds)
 TENSORS = {

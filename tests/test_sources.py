@@ -19,8 +19,8 @@ from ckptkit.core.dtypes import by_name
 from ckptkit.core.manifest import Chunk, Span, TensorEntry
 from ckptkit.core.plan import Region
 from ckptkit.errors import FormatError
-from ckptkit.io import sources
 from ckptkit.io.sources import Files, read_region
+from ckptkit.io.storage.local import reads
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -77,7 +77,7 @@ def test_read_region_scatters_chunk_rows_as_torch_slices(tmp_path, shape, boxes,
 
 
 def test_read_region_rows_far_apart_read_one_by_one(tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "_SKIP", 0)  # any gap counts as far: a read per row
+    monkeypatch.setattr(reads, "_SKIP", 0)  # any gap counts as far: a read per row
     t = random_bits((9, 5), torch.float32, torch.Generator().manual_seed(1))
     entry = chunked(tmp_path / "src.bin", t, columns(9, (2, 3)), pad=2)
     with Files() as files:

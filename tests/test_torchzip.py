@@ -25,8 +25,8 @@ from ckptkit.core.dtypes import DTYPES, by_name
 from ckptkit.core.manifest import Chunk, Span, TensorEntry, TensorRef, map_tensor_refs
 from ckptkit.core.plan import Bytes, FilePlan, Part, Region
 from ckptkit.errors import FormatError
-from ckptkit.io.execute import write_files
 from ckptkit.io.sources import Files, read_region
+from ckptkit.io.storage.local.writer import write_files
 
 F32 = by_name("float32")
 

@@ -19,7 +19,8 @@ from _checks import assert_tensor_identical, leftovers, load_dcp, load_hf, rando
 from ckptkit.core import split
 from ckptkit.core.split import Work, choose_writers
 from ckptkit.harness.launch import run_ranks
-from ckptkit.io import execute, parallel
+from ckptkit.io import parallel
+from ckptkit.io.storage.local import writer
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 SMALL_PIECE = 4096  # bytes: files of a few hundred KiB are then cut between writers
@@ -108,8 +109,8 @@ def _export_on_rank(rank: int, world: int, src: str, dst: str) -> list[int]:
     of the slices this rank wrote."""
     split.MIN_PIECE = SMALL_PIECE
     starts: list[int] = []
-    real = execute.write_slices
-    execute.write_slices = lambda share, *a, **k: starts.extend(s.start for s in share) or real(share, *a, **k)
+    real = writer.write_descriptors
+    writer.write_descriptors = lambda share, *a, **k: starts.extend(s.start for s in share) or real(share, *a, **k)
     ckptkit.export_hf(src, dst, distributed=True)
     return starts
 
@@ -146,10 +147,10 @@ def test_choose_writers_never_more_than_the_pieces_to_write():
 
 _SPIED_WORKERS = """
 import json, multiprocessing, os, sys
-from ckptkit.io import execute, parallel
+from ckptkit.io.storage.local import writer
 OUT, SRC, DST, HOW = {out!r}, {src!r}, {dst!r}, {how!r}
 opened = []
-real_open, real_write = os.open, parallel.write_slices
+real_open, real_write = os.open, writer.write_descriptors
 def spy_open(path, *args, **kwargs):
     opened.append(str(path))
     return real_open(path, *args, **kwargs)
@@ -165,7 +166,7 @@ def write_slices(share, *args, **kwargs):
     if worker != "MainProcess":
         with open(OUT + "." + worker.removeprefix("ckptkit-"), "w") as f:
             json.dump({{"torch": "torch" in sys.modules, "opened": opened}}, f)
-parallel.write_slices = write_slices
+writer.write_descriptors = write_slices
 if __name__ == "__main__":
     from ckptkit import cli
     cli.main(["reshard", SRC, DST, "--world-size", "3", "--workers", "3", "-q"])

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..core.manifest import Format, Manifest
 from ..errors import CheckpointError, FormatError, UsageError
-from ..io.remote import as_path
+from ..io.storage import storage_at
 from .base import FormatIO, FormatOptions, LocalOptions, Target, is_empty_container, object_value
 from .run_directory import LATEST, is_run_directory, latest_step
 
@@ -104,7 +104,7 @@ def locate(path: Path | str, local: LocalOptions | None = None) -> Located:
         FormatError: ``path`` is no checkpoint ckptkit knows, nor a run directory.
         IncompleteCheckpointError: a run directory's ``latest`` names a step that is missing or incomplete.
     """
-    path = as_path(path)
+    path = storage_at(path)[1]
     if is_run_directory(path) and _reader(path, local) is None:  # (a checkpoint of another kind may hold latest)
         step = latest_step(path)
         how = f"the step {LATEST} names" if (path / LATEST).exists() else "the most recent complete save"
@@ -127,7 +127,7 @@ def _reader(path: Path, local: LocalOptions | None) -> FormatIO | None:
 
 def detect(path: Path | str, local: LocalOptions | None = None) -> FormatIO:
     """The reader for ``path`` (a local path or a URL); ``local`` applies if it is a LOCAL checkpoint."""
-    path = as_path(path)
+    path = storage_at(path)[1]
     if not path.exists():
         raise FormatError(f"{path}: no such file or directory")
     if path.is_file() and _load("local", "is_rank_file")(path):
@@ -145,4 +145,4 @@ def detect(path: Path | str, local: LocalOptions | None = None) -> FormatIO:
 
 
 def read(path: Path | str) -> Manifest:
-    return detect(path).read(as_path(path))
+    return detect(path).read(storage_at(path)[1])

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FormatError, IncompleteCheckpointError
-from ..io.publish import COMPLETE, recover
-from ..io.remote import is_url
+from ..io.storage import storage_for
+from ..io.storage.local.staging import COMPLETE, recover
 
 __all__ = ["COMPLETE", "LATEST", "StepDir", "complete_steps", "is_run_directory", "latest_step", "recover_run",
            "resolve"]
@@ -123,8 +123,8 @@ def resolve(path: Path | str) -> Path:
 
 def recover_run(path: Path | str) -> None:
     """Recover what saves killed midway left in the run directory ``path`` and beside it
-    (:func:`ckptkit.io.publish.recover`), as far as the filesystem lets: a read-only checkpoint has nothing to
-    recover, or nothing we may touch."""
+    (:func:`ckptkit.io.storage.local.staging.recover`), as far as the filesystem lets: a read-only checkpoint
+    has nothing to recover, or nothing we may touch."""
     path = Path(path)
     for directory in (path.parent, path):
         with contextlib.suppress(OSError):
@@ -134,7 +134,7 @@ def recover_run(path: Path | str) -> None:
 def is_run_directory(path: Path | str) -> bool:
     """Whether ``path`` is a run directory ``ckptkit.save`` writes: a local directory holding ``latest`` or a
     step directory (``step-NNNNNNNN``)."""
-    if is_url(path):
+    if storage_for(path).scheme != "file":
         return False
     try:
         names = os.listdir(path)

@@ -1,7 +1,8 @@
-"""Execution: stream a :class:`WritePlan` into a staging directory, then move it into place.
+"""Execution: stream a :class:`WritePlan` into whichever storage it is given, complete or absent.
 
-Bytes that need no change move kernel-side with ``os.copy_file_range`` (no user-space buffer, no RSS).
-Only a dtype cast brings bytes into memory, one row block of at most ``max_memory`` at a time.
+:func:`execute` makes the calls of :class:`~ckptkit.io.storage.Storage` in order: check the destination,
+stage, write every piece, commit (or abort on any failure). The staged write is the one step that
+:mod:`ckptkit.io.parallel`'s worker processes and :func:`execute_distributed`'s ranks share.
 
 :func:`execute_distributed` splits the files over the ranks of the default process group (torchrun, a
 training job's group in a save hook); every rank plans the whole job. The calls every rank makes, in order:
@@ -9,11 +10,11 @@ training job's group in a save hook); every rank plans the whole job. The calls 
 0. the job (reading, planning, writing) runs inside :func:`all_ranks` (the ops' ``distributed=True``);
 1. an ``all_gather`` in which every rank says whether it got as far as writing: one that failed before
    casts its error instead, so that no rank waits for it, and every rank raises;
-2. rank 0 checks DST, makes the staging directory and every output file at its planned size; a ``broadcast``
-   tells the directory's path (or rank 0's error);
+2. rank 0 checks DST and stages the output (every output file made at its planned size); a ``broadcast``
+   tells the staged output's token (or rank 0's error), by which the other ranks join it;
 3. each rank writes its share (:func:`ckptkit.core.split.split_work`: whole files, and byte ranges of large
    ones, into the files rank 0 made at their sizes); an ``all_gather`` collects the outcomes;
-4. rank 0 publishes once every file has its planned size, or aborts if any rank failed; a ``broadcast``
+4. rank 0 commits once every file has its planned size, or aborts if any rank failed; a ``broadcast``
    tells every rank how it went.
 
 :mod:`ckptkit.io.parallel` splits the files over worker processes of one machine instead.
@@ -22,274 +23,61 @@ training job's group in a save hook); every rank plans the whole job. The calls 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import errno
 import functools
-import os
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar
 
 from .. import errors
-from ..core.dtypes import DType
-from ..core.plan import FilePlan, Part, Region, WritePlan, row_blocks
+from ..core.plan import WritePlan
 from ..core.split import Slice, split_work
 from ..errors import CheckpointError, FormatError, UsageError
-from .compute import block_budget
-from .moves import Literal, Moves, Read, Unit, units
-from .options import DEFAULT_MAX_MEMORY
-from .publish import Staging, check_destination, stage
-from .remote import RemotePath, is_url
-from .sources import Files, read_into, read_region
-from .transfer import StreamWriter, execute_remote
+from .options import WriteOptions
+from .storage import Staged, Storage, storage_for
 
-__all__ = ["DEFAULT_MAX_MEMORY", "GROUP_TIMEOUT", "all_ranks", "allocate", "execute", "execute_distributed",
-           "gloo_group", "write_cap", "write_files", "write_slices"]
+__all__ = ["GROUP_TIMEOUT", "all_ranks", "execute", "execute_distributed", "gloo_group", "streamed"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_COPY_PIECE = 1 << 30  # copy_file_range moves at most this much per call; larger counts are split
-_GATHER_BLOCK = 8 << 20  # the write buffer's size
+
+def streamed(sources: tuple[Any, ...]) -> bool:
+    """Whether any of ``sources`` is streamed by its storage (no descriptors): read by ranged requests, each
+    output file front to back."""
+    return any(not storage_for(src).descriptors for src in sources)
 
 
-def _cast(data: bytearray, src: DType, dst: DType) -> memoryview:
-    if src == dst:
-        return memoryview(data)
-    import torch  # only a dtype cast needs torch
+def execute(plan: WritePlan, dst: Any, storage: Storage, options: WriteOptions,
+            progress: Callable[[int], None] = lambda n: None, sources: tuple[Any, ...] = ()) -> Any:
+    """Write every file of ``plan`` to ``dst`` on ``storage``: checked, staged, written, committed.
 
-    src_dtype, dst_dtype = getattr(torch, src.name), getattr(torch, dst.name)
-    t = torch.frombuffer(data, dtype=src_dtype) if data else torch.empty(0, dtype=src_dtype)
-    return t.to(dst_dtype).view(torch.uint8).numpy().data
+    Args:
+        plan: what to write.
+        dst: where, a path of ``storage``'s.
+        storage: the storage ``dst`` is on.
+        options: ``overwrite``, ``max_memory`` and ``fsync`` apply.
+        progress: called with the bytes written since the last call.
+        sources: what DST must stay clear of (the input and every file read).
 
-
-def write_cap(max_memory: int) -> int:
-    """The write buffer's size under ``max_memory``: two buffers (one filling, one being written) beside a
-    cast block."""
-    return max(1, min(max_memory // 4, _GATHER_BLOCK))
-
-
-class _Writer:
-    """Runs a file's units (:mod:`.moves`) in order. Copies of at least :data:`.moves.KERNEL_COPY` bytes move
-    kernel-side; smaller ones (a DCP of many small chunks: framing, a chunk, framing...; the rows of column
-    chunks) are read into one buffer with the framing between them and written with one ``pwrite`` per
-    buffer: a kernel copy of a small range costs several times the bytes' own cost, and a write per piece as
-    much again."""
-
-    def __init__(self, files: Files, max_memory: int, progress: Callable[[int], None]) -> None:
-        self.files, self.max_memory, self.progress = files, max_memory, progress
-        self.kernel_copy = hasattr(os, "copy_file_range")
-        self.cap = write_cap(max_memory)
-        self.buf, self.spare = memoryview(bytearray(0)), memoryview(bytearray(0))
-        self.out, self.start, self.fill = -1, 0, 0  # the buffer holds bytes [start, start + fill) of out
-        self.writing: Future[None] | None = None  # the spare buffer's write, in the writer thread
-
-    def write_file(self, out: int, parts: tuple[Part, ...], start: int = 0) -> None:
-        """Write ``parts`` laid end to end from byte ``start`` of ``out``."""
-        self.run(out, units(parts, start, self.cap))
-
-    def run(self, out: int, todo: Iterable[Unit]) -> None:
-        """Run ``todo`` on ``out``; every write is done when this returns."""
-        self.fill = 0  # (what a failed file left buffered is not written to this one)
-        done = told = 0  # bytes reported to progress: once a buffer's worth, not per unit (a DCP has three per chunk)
-        with ThreadPoolExecutor(1, thread_name_prefix="ckptkit-write") as self.pool:
-            try:
-                for u in todo:
-                    if isinstance(u, Literal):
-                        n = len(u.data)
-                        self._buffered(out, u.dst, n)[:] = u.data
-                    elif isinstance(u, Read):
-                        n = u.nbytes
-                        self._copy(out, u)
-                    else:
-                        n = u.region.nbytes
-                        self._cast_copy(out, u.region, u.region.dtype, u.dst)
-                    done += n
-                    if done - told >= _GATHER_BLOCK:
-                        self.progress(done - told)
-                        told = done
-                self.flush()
-            finally:  # out is closed after this: no write of it may still be under way
-                self._written()
-        self.progress(done - told)
-
-    def _buffered(self, out: int, pos: int, n: int) -> memoryview:
-        """Room for bytes ``[pos, pos + n)`` of ``out`` in the buffer, written out by :meth:`flush`; bytes
-        that do not follow the buffered ones, or do not fit, flush it first."""
-        if out != self.out or pos != self.start + self.fill or self.fill + n > len(self.buf):
-            self.flush()
-            if n > len(self.buf):
-                self.buf = memoryview(bytearray(max(n, min(self.cap, len(self.buf) * 2 or 1 << 20))))
-            self.out, self.start = out, pos
-        view = self.buf[self.fill:self.fill + n]
-        self.fill += n
-        return view
-
-    def flush(self) -> None:
-        """Hand the buffered bytes to the writer thread (a write releases the GIL: the next buffer fills
-        meanwhile) and take the spare buffer once its own write is done."""
-        if self.fill:
-            self._written()
-            self.writing = self.pool.submit(_pwrite_all, self.out, self.buf[:self.fill], self.start)
-            self.buf, self.spare = self.spare, self.buf
-        self.fill = 0
-        if len(self.buf) > self.cap:  # one piece larger than the buffer's cap (a single row): not kept
-            self.buf = memoryview(bytearray(0))
-
-    def _written(self) -> None:
-        writing, self.writing = self.writing, None
-        if writing is not None:
-            writing.result()
-        if len(self.spare) > self.cap:
-            self.spare = memoryview(bytearray(0))
-
-    def _copy(self, out: int, read: Read) -> None:
-        if not read.kernel:
-            read_into(self._buffered(out, read.dst, read.nbytes), read.pieces, self.files, read.key)
-            return
-        for s in read.pieces:
-            fd = self.files.fd(s.src.file, s.src.offset + s.src.length, start=s.src.offset, key=read.key)
-            self._copy_range(fd, out, s.src.offset, read.dst + s.dst, s.src.length)
-
-    def _copy_range(self, src: int, out: int, src_off: int, dst_off: int, n: int) -> None:
-        while n > 0 and self.kernel_copy:
-            try:
-                done = os.copy_file_range(src, out, min(n, _COPY_PIECE), src_off, dst_off)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM):
-                    raise
-                self.kernel_copy = False  # this filesystem pair cannot: fall back to a buffer for good
-                break
-            if done == 0:
-                raise FormatError(f"unexpected end of source file while copying {n} bytes at offset {src_off}")
-            src_off, dst_off, n = src_off + done, dst_off + done, n - done
-        buf = bytearray(min(n, 64 << 20))
-        while n > 0:
-            view = memoryview(buf)[:min(n, len(buf))]
-            got = os.preadv(src, [view], src_off)
-            if got == 0:
-                raise FormatError(f"unexpected end of source file while copying {n} bytes at offset {src_off}")
-            os.pwrite(out, view[:got], dst_off)
-            src_off, dst_off, n = src_off + got, dst_off + got, n - got
-
-    def _cast_copy(self, out: int, region: Region, cast: DType, pos: int) -> None:
-        """A region cast, or computed (:mod:`.compute`), one row block at a time."""
-        self.flush()
-        for block in row_blocks(region, block_budget(region, self.max_memory)):
-            data = _cast(read_region(block, self.files), block.entry.dtype, cast)
-            os.pwrite(out, data, pos)
-            pos += len(data)
-
-
-def _pwrite_all(out: int, view: memoryview, pos: int) -> None:
-    while view:
-        n = os.pwrite(out, view, pos)
-        view, pos = view[n:], pos + n
-
-
-def write_files(files: tuple[FilePlan, ...], stage: Path, *, max_memory: int = DEFAULT_MAX_MEMORY,
-                fsync: bool = False, progress: Callable[[int], None] = lambda n: None,
-                names: dict[str, Path] | None = None, streamed: bool = False) -> None:
-    """Write ``files`` under the existing directory ``stage``. An error while writing names the file by
-    ``names`` (relpath to the path the user will see: the destination, not the staging directory).
-    ``streamed``: some sources are URLs, whose bytes come by ranged requests (:mod:`.transfer`)."""
-    allocate(files, stage, names)
-    write_slices(tuple(Slice(fp.relpath, 0, fp.parts) for fp in files), stage, max_memory=max_memory, fsync=fsync,
-                 progress=progress, names=names, streamed=streamed)
-
-
-def allocate(files: tuple[FilePlan, ...], stage: Path, names: dict[str, Path] | None = None) -> None:
-    """Make every file of ``files`` under ``stage`` at its planned size (empty, sparse where the filesystem
-    can), so that writers fill byte ranges of it in any order and any number of processes.
+    Returns:
+        ``dst``, as the storage checked it (a local path made absolute).
 
     Raises:
-        OSError: a file cannot be made; the message names it by ``names``.
-    """
-    for fp in files:
-        path = stage / fp.relpath
-        with _naming(fp.relpath, path, names):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.ftruncate(out, fp.nbytes)
-            finally:
-                os.close(out)
-
-
-def write_slices(slices: Iterable[Slice | Moves], stage: Path, *, max_memory: int = DEFAULT_MAX_MEMORY,
-                 fsync: bool = False, progress: Callable[[int], None] = lambda n: None,
-                 names: dict[str, Path] | None = None, streamed: bool = False) -> None:
-    """Write ``slices`` (byte ranges of files :func:`allocate` made under ``stage``), each at its offsets; what
-    other processes write to the same files meanwhile is theirs. Arguments as for :func:`write_files`.
-
-    Raises:
-        OSError: a write failed; the message names the file by ``names``.
+        UsageError: DST exists (without ``overwrite``), overlaps a source, or cannot be written.
         CheckpointError: a source is short or unreadable.
+        OSError: a write failed.
     """
-    with Files() as sources:
-        writer = StreamWriter(sources, max_memory, progress, _cast) if streamed else _Writer(sources, max_memory,
-                                                                                           progress)
-        for piece in slices:
-            path = stage / piece.relpath
-            with _naming(piece.relpath, path, names):
-                out = os.open(path, os.O_WRONLY)
-                try:
-                    if isinstance(piece, Moves):
-                        cast(_Writer, writer).run(out, piece.units())
-                    else:
-                        writer.write_file(out, piece.parts, piece.start)
-                    if fsync:
-                        os.fsync(out)
-                finally:
-                    os.close(out)
-
-
-@contextlib.contextmanager
-def _naming(relpath: str, path: Path, names: dict[str, Path] | None) -> Iterator[None]:
-    """An OSError inside names the file as the user knows it (DST's, not the staging directory's)."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno is None:
-            raise
-        name = (names or {}).get(relpath, path)
-        raise OSError(e.errno, f"{e.strerror} (writing {name})") from e
-
-
-def _names(plan: WritePlan, dst: Path) -> dict[str, Path]:
-    return {fp.relpath: dst if plan.single_file else dst / fp.relpath for fp in plan.files}
-
-
-def execute(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
-            max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False,
-            progress: Callable[[int], None] = lambda n: None) -> Path:
-    """Write every file of ``plan`` under a staging directory and move the result to ``dst`` atomically.
-    A URL ``dst`` (an object store) is written in place, its commit file last (:func:`.transfer.execute_remote`)."""
-    if is_url(dst):
-        return execute_remote(plan, cast(RemotePath, dst), overwrite=overwrite, sources=sources,
-                              max_memory=max_memory, cast_bytes=_cast, progress=progress)
-    dst = check_destination(dst, overwrite=overwrite, sources=sources)
-    with stage(dst, replace=overwrite) as staging:
-        write_files(plan.files, staging.path, max_memory=max_memory, fsync=fsync, progress=progress,
-                    names=_names(plan, dst), streamed=any(map(is_url, sources)))
-        staging.commit(replace=overwrite, file=plan.files[0].relpath if plan.single_file else None, fsync=fsync)
+    dst = storage.check(dst, overwrite=options.overwrite, sources=sources)
+    with storage.stage(dst, plan, overwrite=options.overwrite, fsync=options.fsync) as staged:
+        staged.write(whole_files(plan), max_memory=options.max_memory, fsync=options.fsync, progress=progress,
+                     streamed=streamed(sources))
+        staged.commit()
     return dst
 
 
-def _publish(plan: WritePlan, staging: Staging, *, overwrite: bool, fsync: bool) -> None:
-    """Commit ``staging`` once every file of ``plan`` is there with its planned size: a process that wrote
-    somewhere else (a rank whose filesystem is not shared with rank 0's) leaves a hole, never a short output."""
-    for fp in plan.files:
-        path = staging.path / fp.relpath
-        size = path.stat().st_size if path.is_file() else None
-        if size != fp.nbytes:
-            staging.abort()
-            raise FormatError(f"{staging.dst / fp.relpath}: expected {fp.nbytes} bytes from the process that wrote "
-                              f"it, found {'no file' if size is None else f'{size} bytes'}; is DST on a filesystem "
-                              "every process shares?")
-    staging.commit(replace=overwrite, file=plan.files[0].relpath if plan.single_file else None, fsync=fsync)
+def whole_files(plan: WritePlan) -> tuple[Slice, ...]:
+    """Every file of ``plan``, whole, as one share."""
+    return tuple(Slice(fp.relpath, 0, fp.parts) for fp in plan.files)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -395,75 +183,89 @@ def all_ranks(fn: Callable[P, R]) -> Callable[P, R]:
     return run
 
 
-def _write_share(plan: WritePlan, staging: Staging, dst: Path, rank: int, world: int, *, max_memory: int,
-                 fsync: bool, streamed: bool) -> Exception | None:
+def _write_share(plan: WritePlan, staged: Staged, rank: int, world: int, options: WriteOptions,
+                 sources: tuple[Any, ...]) -> Exception | None:
     """Step 3 on one rank: write its share; return the error instead of raising it, for the others to hear."""
     try:
-        if not staging.path.is_dir():
-            raise UsageError(f"{staging.path}, rank 0's staging directory beside DST, is not visible from rank "
-                             f"{rank}: DST must be on a filesystem every rank shares")
-        write_slices(split_work(plan.files, world, cut_files=not streamed)[rank], staging.path,
-                     max_memory=max_memory, fsync=fsync, names=_names(plan, dst), streamed=streamed)
+        stream = streamed(sources)
+        staged.write(split_work(plan.files, world, cut_files=not stream)[rank], max_memory=options.max_memory,
+                     fsync=options.fsync, streamed=stream)
     except Exception as e:
         return e
     return None
 
 
-def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, sources: tuple[Path, ...] = (),
-                        max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False) -> Path:
+def _stage_on_rank0(plan: WritePlan, dst: Any, storage: Storage, options: WriteOptions,
+                    sources: tuple[Any, ...]) -> tuple[Staged | None, Exception | None]:
+    """Step 2 on rank 0: check DST and stage the output; the error instead of raising it."""
+    staged: Staged | None = None
+    try:
+        dst = storage.check(dst, overwrite=options.overwrite, sources=sources)
+        staged = storage.stage(dst, plan, overwrite=options.overwrite, fsync=options.fsync)
+    except Exception as e:  # told to every rank below, so none waits forever
+        return None, e
+    return staged, None
+
+
+def execute_distributed(plan: WritePlan, dst: Any, storage: Storage, options: WriteOptions,
+                        sources: tuple[Any, ...] = ()) -> Any:
     """``execute`` from every rank of the default process group, each writing its share of the files.
 
     Every rank must pass the same plan (planning is pure, so the same inputs give it) and call this once
-    the job's reading and planning are done (steps 1-4 of the module's docstring); rank 0 publishes once all
+    the job's reading and planning are done (steps 1-4 of the module's docstring); rank 0 commits once all
     have written, and every rank returns, or raises, with the run's outcome (a rank's own error, else the
     first other rank's, named "rank N: ...").
+
+    Raises:
+        UsageError: ``storage`` cannot have several processes write one output (an object store).
     """
     import torch.distributed as dist
 
-    if is_url(dst):
+    if not storage.shared_writes:
         raise UsageError(f"{dst}: distributed writes go to a local or shared filesystem; an object store is written "
                          "by one process")
     rank, world = dist.get_rank(), dist.get_world_size()
-    dst = Path(dst).absolute()
+    dst = storage.path(dst).absolute()
     _vote(None)
-    staging: Staging | None = None
-    error: Exception | None = None
-    if rank == 0:
-        try:
-            check_destination(dst, overwrite=overwrite, sources=sources)
-            staging = stage(dst, replace=overwrite)
-            allocate(plan.files, staging.path, _names(plan, dst))
-        except Exception as e:  # told to every rank below, so none waits forever
-            if staging is not None:
-                staging.abort()
-            error = e
-    shared: list[Any] = [_failure(error) if error else str(staging.path) if staging else None]
+    staged, error = _stage_on_rank0(plan, dst, storage, options, sources) if rank == 0 else (None, None)
+    shared: list[Any] = [_failure(error) if error else staged.token if staged else None]
     try:
         dist.broadcast_object_list(shared, src=0, group=_group)
-    except BaseException:  # a lost rank, a signal: rank 0's staging directory goes with the run
-        if staging is not None:
-            staging.abort()
+    except BaseException:  # a lost rank, a signal: rank 0's staged output goes with the run
+        if staged is not None:
+            staged.abort()
         raise
     if error is not None:
         raise error
     if isinstance(shared[0], tuple):
         raise _from_rank(0, shared[0])
-    staging = staging or Staging(dst, Path(shared[0]), owner=False)
-    with staging:  # rank 0's is removed on every way out but its publishing: a signal, a lost rank
-        failed = _write_share(plan, staging, dst, rank, world, max_memory=max_memory, fsync=fsync,
-                              streamed=any(map(is_url, sources)))
-        problems = _gather(failed)
-        published: Exception | None = None
-        if rank == 0:
-            try:
-                if problems:
-                    staging.abort()
-                else:
-                    _publish(plan, staging, overwrite=overwrite, fsync=fsync)
-            except Exception as e:
-                published = e
-        outcome: list[Any] = [_failure(published)]
-        dist.broadcast_object_list(outcome, src=0, group=_group)
+    if staged is None:
+        try:
+            staged = storage.join(dst, shared[0], single_file=plan.single_file, who=f"rank {rank}")
+        except Exception as e:  # heard by the others in step 3, as a failed write is
+            _outcome(rank, None, e)
+            raise
+    with staged:  # rank 0's is removed on every way out but its commit: a signal, a lost rank
+        _outcome(rank, staged, _write_share(plan, staged, rank, world, options, sources))
+    return dst
+
+
+def _outcome(rank: int, staged: Staged | None, failed: Exception | None) -> None:
+    """Steps 3 (its ``all_gather``) and 4: rank 0 commits or aborts; every rank raises the run's failure."""
+    import torch.distributed as dist
+
+    problems = _gather(failed)
+    published: Exception | None = None
+    if rank == 0 and staged is not None:
+        try:
+            if problems:
+                staged.abort()
+            else:
+                staged.commit()
+        except Exception as e:
+            published = e
+    outcome: list[Any] = [_failure(published)]
+    dist.broadcast_object_list(outcome, src=0, group=_group)
     if failed is not None:
         raise failed
     if problems:
@@ -472,4 +274,3 @@ def execute_distributed(plan: WritePlan, dst: Path, *, overwrite: bool = False, 
         raise published
     if outcome[0] is not None:
         raise _from_rank(0, outcome[0])
-    return dst

@@ -3,10 +3,12 @@
 Planning is pure, so every process given the same inputs holds the same plan. The plan is cut into shares of
 about equal bytes (:func:`ckptkit.core.split.split_work`): small files whole, a large file in byte ranges, so
 that one large output file (an ``export-hf`` of one safetensors file) is written by several processes at once.
-One process makes every output file at its planned size in one staging directory (:mod:`ckptkit.io.publish`);
-each process writes its ranges at their offsets; one process publishes once every share is written and every
-file has its planned size. The output is the one a single process writes, byte for byte, and it is complete
-or absent: a failure in any process removes the staging directory and fails the whole run.
+One process stages the output, every file at its planned size (:meth:`ckptkit.io.storage.Storage.stage`);
+each process joins it and writes its ranges at their offsets (:meth:`~ckptkit.io.storage.Staged.write`); one
+process commits once every share is written and every file has its planned size. The output is the one a
+single process writes, byte for byte, and it is complete or absent: a failure in any process aborts the staged
+output and fails the whole run. Only a storage with ``shared_writes`` (a local or shared filesystem) is written
+by several processes.
 
 Two ways to get the processes:
 
@@ -29,17 +31,17 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import errors
 from ..core.plan import WritePlan
 from ..core.split import Slice, Work, choose_writers, split_work
 from ..errors import CheckpointError, FormatError, UsageError
-from .execute import DEFAULT_MAX_MEMORY, GROUP_TIMEOUT, _names, _publish, allocate, execute, write_cap, write_slices
+from .execute import GROUP_TIMEOUT, execute, streamed
 from .moves import Moves, pack
-from .publish import check_destination, stage
-from .remote import is_url, keep_filesystems, known_filesystems
+from .options import WriteOptions
+from .storage import Staged, Storage, storage_for
+from .storage.local.writer import write_cap
 
 if TYPE_CHECKING:  # multiprocessing is imported where workers start: a run without them never loads it
     import multiprocessing
@@ -61,23 +63,23 @@ _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 # Workers on one machine
 
 
-def _worker(share: tuple[Moves, ...] | tuple[Slice, ...], where: Path, max_memory: int, fsync: bool, streamed: bool,
-            filesystems: dict[str, Any], names: dict[str, Path], done: Any, index: int, outcome: Connection,
-            parent: int) -> None:
+def _worker(share: tuple[Moves, ...] | tuple[Slice, ...], storage: Storage, dst: Any, token: str,
+            single_file: bool, readers: tuple[Storage, ...], max_memory: int, fsync: bool, stream: bool, done: Any,
+            index: int, outcome: Connection, parent: int) -> None:
     # Ctrl-C reaches the whole process group, and Slurm's SIGTERM every process of the job: the parent answers
     # for all (stops the workers, removes the staging directory, says so in one line). A worker says nothing:
     # it ignores Ctrl-C and dies of SIGTERM, whatever handlers the console script it re-imports installed.
+    # ``readers``, the storages of the sources, came with their state (an object store's --storage-options).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with(parent)
-    keep_filesystems(filesystems)  # a URL source is read with the run's --storage-options, not the defaults
 
     def progress(n: int) -> None:
         done[index] += n  # this worker's slot alone: no lock
 
     try:
-        write_slices(share, where, max_memory=max_memory, fsync=fsync, progress=progress, names=names,
-                     streamed=streamed)
+        staged = storage.join(dst, token, single_file=single_file, who=f"worker {index}")
+        staged.write(share, max_memory=max_memory, fsync=fsync, progress=progress, streamed=stream)
     except Exception as e:
         outcome.send(_portable(e))
     else:
@@ -122,22 +124,21 @@ def _portable(e: Exception) -> Exception:
     return FormatError(f"{type(e).__name__}: {e}")
 
 
-def _write_in_workers(shares: tuple[tuple[Slice, ...], ...], where: Path, names: dict[str, Path], *,
-                      max_memory: int, fsync: bool, streamed: bool, progress: Callable[[int], None]) -> None:
-    """Write the first share in this process and each other share in a worker process of its own; raise the
-    first failure after stopping the workers.
+def _write_in_workers(shares: tuple[tuple[Slice, ...], ...], storage: Storage, staged: Staged, *,
+                      single_file: bool, readers: tuple[Storage, ...], max_memory: int, fsync: bool, stream: bool,
+                      progress: Callable[[int], None]) -> None:
+    """Write the first share in this process and each other share in a worker process of its own, which joins
+    ``staged``; raise the first failure after stopping the workers.
 
     A share of local sources travels packed (:func:`.moves.pack`), each packed just before its worker starts,
     so that the workers started first import while later shares are packed; this process then writes its own
     share, which costs neither a start nor a pack."""
     import multiprocessing
-    from multiprocessing.connection import wait
 
     ctx = multiprocessing.get_context("spawn")
-    filesystems = known_filesystems() if streamed else {}
     done = ctx.RawArray("q", len(shares))
     running: dict[Connection, multiprocessing.process.BaseProcess] = {}
-    workers = []
+    workers: list[multiprocessing.process.BaseProcess] = []
     reported = 0
 
     def report(own: int = 0) -> None:
@@ -150,41 +151,46 @@ def _write_in_workers(shares: tuple[tuple[Slice, ...], ...], where: Path, names:
     try:
         for i, share in enumerate(shares[1:], 1):
             receive, send = ctx.Pipe(duplex=False)
-            own = {s.relpath: names[s.relpath] for s in share}
-            job = share if streamed else tuple(pack(s, write_cap(max_memory)) for s in share)
-            p = ctx.Process(target=_worker, args=(job, where, max_memory, fsync, streamed, filesystems, own, done,
-                                                  i, send, os.getpid()),
+            job = share if stream else tuple(pack(s, write_cap(max_memory)) for s in share)
+            p = ctx.Process(target=_worker, args=(job, storage, staged.dst, staged.token, single_file, readers,
+                                                  max_memory, fsync, stream, done, i, send, os.getpid()),
                             name=f"ckptkit-worker-{i}", daemon=True)
             workers.append(p)
             _start(p)
             send.close()  # the worker holds the only writing end now: its death reads as EOF
             running[receive] = p
-        write_slices(shares[0], where, max_memory=max_memory, fsync=fsync, progress=report, names=names,
-                     streamed=streamed)
-        while running:
-            ready = wait(list(running), timeout=_POLL)
-            report()
-            for conn in cast("list[Connection]", ready):
-                finished = running.pop(conn)
-                try:
-                    failure = conn.recv()
-                except EOFError:  # gone without a word: killed (the OOM killer, a signal)
-                    finished.join()
-                    failure = FormatError(f"worker process {finished.name} died (exit code {finished.exitcode}) "
-                                          "before writing its files")
-                conn.close()
-                if failure is not None:
-                    raise failure
+        staged.write(shares[0], max_memory=max_memory, fsync=fsync, progress=report, streamed=stream)
+        _wait(running, report)
     finally:
         started = [p for p in workers if p.pid is not None]
-        for p in started:
-            if p.is_alive():
-                p.kill()  # what it wrote is in the staging directory, which goes; a worker still starting up
+        for w in started:
+            if w.is_alive():
+                w.kill()  # what it wrote is in the staging directory, which goes; a worker still starting up
                 # would answer SIGTERM with the console script's own "terminated" line
-        for p in started:
-            p.join()
+        for w in started:
+            w.join()
         for receive in running:
             receive.close()
+
+
+def _wait(running: dict[Connection, multiprocessing.process.BaseProcess], report: Callable[[], None]) -> None:
+    """Wait for the workers ``running``, reporting progress; raise the first failure one reports (or its death)."""
+    from multiprocessing.connection import wait
+
+    while running:
+        ready = wait(list(running), timeout=_POLL)
+        report()
+        for conn in cast("list[Connection]", ready):
+            finished = running.pop(conn)
+            try:
+                failure = conn.recv()
+            except EOFError:  # gone without a word: killed (the OOM killer, a signal)
+                finished.join()
+                failure = FormatError(f"worker process {finished.name} died (exit code {finished.exitcode}) "
+                                      "before writing its files")
+            conn.close()
+            if failure is not None:
+                raise failure
 
 
 def cores() -> int:
@@ -195,15 +201,16 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def writers(workers: int | str, plan: WritePlan, dst: Path | str, sources: tuple[Path, ...] = ()) -> tuple[int, str]:
+def writers(workers: int | str, plan: WritePlan, storage: Storage, sources: tuple[Any, ...] = ()) -> tuple[int, str]:
     """How many processes :func:`execute_parallel` should write ``plan`` with, and why, in words.
 
     Args:
         workers: a count, or ``"auto"``: as many as pay on this machine for this plan
-            (:func:`ckptkit.core.split.choose_writers` over :func:`cores`); one for an object store.
+            (:func:`ckptkit.core.split.choose_writers` over :func:`cores`); one where ``storage`` has no
+            ``shared_writes`` (an object store).
         plan: what will be written.
-        dst: where.
-        sources: the files read (URLs among them keep each file whole, as one writer streams it).
+        storage: where.
+        sources: the files read (streamed ones keep each file whole, as one writer streams it).
 
     Returns:
         The count and the reason, for the report (none for one process asked for).
@@ -219,39 +226,42 @@ def writers(workers: int | str, plan: WritePlan, dst: Path | str, sources: tuple
         if n < 1 or str(n) != str(workers).strip():
             raise UsageError(f"--workers: expected auto or a number of processes of at least 1, got {workers!r}")
         return n, f"--workers {n}" if n > 1 else ""
-    if is_url(dst):
+    if not storage.shared_writes:
         return 1, "auto: an object store is written by one process"
-    n, why = choose_writers(Work.of(plan.files, cut_files=not any(map(is_url, sources))), cores())
+    n, why = choose_writers(Work.of(plan.files, cut_files=not streamed(sources)), cores())
     return n, f"auto: {why}"
 
 
-def execute_parallel(plan: WritePlan, dst: Path, *, workers: int, overwrite: bool = False,
-                     sources: tuple[Path, ...] = (), max_memory: int = DEFAULT_MAX_MEMORY, fsync: bool = False,
-                     progress: Callable[[int], None] = lambda n: None) -> Path:
-    """:func:`ckptkit.io.execute.execute` with the files split over ``workers`` processes on this machine.
+def execute_parallel(plan: WritePlan, dst: Any, storage: Storage, options: WriteOptions,
+                     progress: Callable[[int], None] = lambda n: None, sources: tuple[Any, ...] = ()) -> Any:
+    """:func:`ckptkit.io.execute.execute` with the files split over ``options.workers`` processes (a count) on
+    this machine.
 
     This process writes one share and ``workers - 1`` worker processes the others; one worker (or a plan too
     small to share) writes in this process alone. ``max_memory`` is the budget of them all: each casts in
     blocks of its equal part. Workers are spawned, so a script that calls this must do so
     under ``if __name__ == "__main__":``, as for any spawning multiprocessing (the CLI does).
+
+    Raises:
+        UsageError: fewer than one worker, or several for a storage without ``shared_writes``.
     """
+    workers = int(options.workers)
     if workers < 1:
         raise UsageError(f"--workers must be at least 1, got {workers}")
-    streamed = any(map(is_url, sources))
-    shares = tuple(s for s in split_work(plan.files, workers, cut_files=not streamed) if s)
+    stream = streamed(sources)
+    shares = tuple(s for s in split_work(plan.files, workers, cut_files=not stream) if s)
     if len(shares) < 2:
-        return execute(plan, dst, overwrite=overwrite, sources=sources, max_memory=max_memory, fsync=fsync,
-                       progress=progress)
-    if is_url(dst):
+        return execute(plan, dst, storage, options, progress, sources)
+    if not storage.shared_writes:
         raise UsageError(f"{dst}: --workers write to a local or shared filesystem; an object store is written by "
                          "one process (leave out --workers)")
-    dst = check_destination(dst, overwrite=overwrite, sources=sources)
-    names = _names(plan, dst)
-    with stage(dst, replace=overwrite) as staging:
-        allocate(plan.files, staging.path, names)
-        _write_in_workers(shares, staging.path, names, max_memory=max(1, max_memory // len(shares)), fsync=fsync,
-                          streamed=streamed, progress=progress)
-        _publish(plan, staging, overwrite=overwrite, fsync=fsync)
+    dst = storage.check(dst, overwrite=options.overwrite, sources=sources)
+    readers = tuple({type(r): r for r in map(storage_for, sources) if not r.descriptors}.values())
+    with storage.stage(dst, plan, overwrite=options.overwrite, fsync=options.fsync) as staged:
+        _write_in_workers(shares, storage, staged, single_file=plan.single_file, readers=readers,
+                          max_memory=max(1, options.max_memory // len(shares)), fsync=options.fsync, stream=stream,
+                          progress=progress)
+        staged.commit()
     return dst
 
 

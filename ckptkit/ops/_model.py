@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from ..core.manifest import Manifest, ObjectEntry, TensorEntry
@@ -10,7 +11,6 @@ from ..errors import UsageError
 from ..formats import FormatIO
 from ..formats._megatron import COMMON, extra_states
 from ..formats.dcp import check_blobs
-from ..io.remote import RemotePath
 from .detect import check_family, detect_family
 from .hfconfig import check_single_file, find_config
 from .mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
@@ -66,7 +66,7 @@ def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path |
     shape = None
     notes: tuple[str, ...] = ()
     if mapping.preset is not None:
-        remote = isinstance(src, RemotePath) or isinstance(hf_assets, RemotePath)  # read by name, as before
+        remote = any(not isinstance(p, (str, os.PathLike, type(None))) for p in (src, hf_assets))  # read by name
         config = (find_config(Path(src), hf_assets) if not remote and (mapping.preset == "auto" or hf_assets)
                   else None)
         model_type = config.data.get("model_type") if config is not None and config.is_hf else None

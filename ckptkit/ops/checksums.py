@@ -33,8 +33,8 @@ from ..core.plan import Region, plan_strided, row_blocks
 from ..core.tree import flatten
 from ..errors import CheckpointError, ChecksumError, FormatError
 from ..formats import object_value
-from ..io.remote import as_path
 from ..io.sources import Files, read_region
+from ..io.storage import storage_at
 
 __all__ = ["MANIFEST", "Mismatch", "Record", "Recorder", "check", "checksum_writer", "read_record", "tensor_crc",
            "verify_on_every_rank", "write_record"]
@@ -255,7 +255,7 @@ def _parse(path: Path, doc: Any) -> Record:
 
 def read_record(directory: Path | str) -> Record | None:
     """``directory/ckptkit.json`` checked for structure; None when there is none. Garbage is an error."""
-    path = as_path(directory) / MANIFEST
+    path = storage_at(directory)[1] / MANIFEST
     if not path.exists() and not path.is_symlink():
         return None
     try:
@@ -431,7 +431,7 @@ def check(record: Record, manifest: Manifest, root: Path | str, *, max_memory: i
     cheap name checks are done by every caller.
     """
     problems: list[Mismatch] = []
-    jobs = _jobs(record, manifest, as_path(root), problems)
+    jobs = _jobs(record, manifest, storage_at(root)[1], problems)
     budget = max(1 << 16, min(max_memory, 64 << 20))
     with Files() as files:
         for job in jobs[share::of]:

@@ -11,6 +11,7 @@ with ``storage_options`` (``{"endpoint_url": ..., "profile": ...}`` for s3fs).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from pathlib import Path
@@ -25,8 +26,7 @@ from ..io.execute import execute_distributed
 from ..io.options import WriteOptions
 from ..io.parallel import execute_parallel, writers
 from ..io.progress import progress_bar
-from ..io.publish import check_destination
-from ..io.remote import as_path
+from ..io.storage import Storage, storage_at
 from ._model import key_mapping_for, model_part
 from ._options import WriteKeywords, on_all_ranks, storage_of, write_options
 from .mapping import KeyMapSource, Renames
@@ -68,7 +68,8 @@ def sources_of(manifest: Manifest, src: Path | str | None = None) -> tuple[Path,
     """What an output must stay clear of: the input the user named and every file a conversion reads."""
     files = {c.span.file for t in manifest.tensors for c in t.chunks}
     files |= {o.blob.file for o in manifest.objects if o.blob is not None}
-    return tuple(as_path(p) for p in sorted({str(src) if src is not None else manifest.root, manifest.root, *files}))
+    named = str(src) if src is not None else manifest.root
+    return tuple(storage_at(p)[1] for p in sorted({named, manifest.root, *files}))
 
 
 def write(manifest: Manifest, io: FormatIO, dst: Path | str, target: Target | FormatOptions, options: WriteOptions,
@@ -100,33 +101,32 @@ def write(manifest: Manifest, io: FormatIO, dst: Path | str, target: Target | Fo
                          "torchrun the ranks split them: start more ranks (--nproc-per-node) instead")
     notes += _left_out(manifest, io)
     sources = sources_of(manifest, src)
-    check_destination(as_path(dst), overwrite=options.overwrite, sources=sources, dry_run=options.dry_run)
+    storage, out = storage_at(dst)
+    storage.check(out, overwrite=options.overwrite, sources=sources, dry_run=options.dry_run)
     # Decoded now, whatever the target: a DCP writer copies them verbatim, and a damaged one means a checkpoint
     # torch cannot load, which no output may hide.
     check_blobs(manifest)
     plan = io.plan(manifest, io.options(target, manifest) if isinstance(target, Target) else target)
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file, commit=plan.commit)
-    n, why = _execute(plan, dst, sources, options, io.format.value)
+    n, why = _execute(plan, storage, out, sources, options, io.format.value)
     ws = target.world_size if isinstance(target, Target) and io.ranked else None
     # A single-file output is DST itself, whatever name the plan gave its one file.
-    written = tuple((as_path(dst).name if plan.single_file else f.relpath, f.nbytes) for f in plan.files)
+    written = tuple((out.name if plan.single_file else f.relpath, f.nbytes) for f in plan.files)
     return Report(manifest.root, manifest.format, str(dst), io.format, len(manifest.tensors), len(manifest.objects),
                   plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes, written,
                   changes.renamed, changes.dropped, changes.cast, changes.permuted, options.dry_run, n, why)
 
 
-def _execute(plan: WritePlan, dst: Path | str, sources: tuple[Path, ...], options: WriteOptions,
+def _execute(plan: WritePlan, storage: Storage, out: Path, sources: tuple[Path, ...], options: WriteOptions,
              label: str) -> tuple[int, str]:
-    """Write ``plan`` to ``dst`` by this machine's ``workers``, or this rank's share under ``distributed``;
-    nothing on a dry run. Returns how many processes write, and why that many."""
-    n, why = (1, "") if options.distributed else writers(options.workers, plan, dst, sources)
+    """Write ``plan`` to ``out`` on ``storage`` by this machine's ``workers``, or this rank's share under
+    ``distributed``; nothing on a dry run. Returns how many processes write, and why that many."""
+    n, why = (1, "") if options.distributed else writers(options.workers, plan, storage, sources)
     if options.distributed and not options.dry_run:
-        execute_distributed(plan, as_path(dst), overwrite=options.overwrite, sources=sources,
-                            max_memory=options.max_memory, fsync=options.fsync)
+        execute_distributed(plan, out, storage, options, sources)
     elif not options.dry_run:  # a dry run is planned and its destination checked: nothing to write
         with progress_bar(plan.total_bytes, label, options.progress) as update:
-            execute_parallel(plan, as_path(dst), workers=n, overwrite=options.overwrite, sources=sources,
-                             max_memory=options.max_memory, fsync=options.fsync, progress=update)
+            execute_parallel(plan, out, storage, dataclasses.replace(options, workers=n), update, sources)
     return n, why
 
 
@@ -191,7 +191,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     """
     options = write_options(options, write_keywords)
     io = writer_for(to, local)
-    src, dst = as_path(src, storage_of(options)), as_path(dst, storage_of(options))
+    src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     mapping = key_mapping_for(io, to, src, hf_assets, preset, renames, key_map, strict_map)
     found = locate(src, local)
     manifest = found.reader.read(found.path)
@@ -245,7 +245,7 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, local: LocalOp
         UsageError: ``src`` is not a sharded checkpoint (use :func:`convert`).
     """
     options = write_options(options, write_keywords)
-    src, dst = as_path(src, storage_of(options)), as_path(dst, storage_of(options))
+    src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     found = locate(src, local)
     reader = found.reader
     io, notes = writer_for(reader.format if reader.writable else Format.SHARDED), _read_from(found.note)

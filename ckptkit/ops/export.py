@@ -38,8 +38,8 @@ from ..errors import FormatError, UsageError
 from ..formats import LocalOptions, locate, writer_for
 from ..formats.hf import FLOAT32, HfOptions
 from ..io.options import WriteOptions
-from ..io.remote import as_path
 from ..io.sources import Files
+from ..io.storage import storage_at
 from ._model import map_model
 from ._options import WriteKeywords, on_all_ranks, storage_of, write_options
 from .assets import find_assets
@@ -167,7 +167,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     if keep_patterns and cast is None:
         raise UsageError("--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype bf16 or fp16")
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
-    src, dst = as_path(src, storage_of(options)), as_path(dst, storage_of(options))
+    src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets)
     part = _with_assets(part, storage_of(options), cast, options.max_memory)
     layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size))
@@ -216,7 +216,7 @@ def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memo
     dtype written."""
     if part.hf_assets is None:
         return part
-    assets, config, left_note = _assets(as_path(part.hf_assets, storage))
+    assets, config, left_note = _assets(storage_at(part.hf_assets, storage)[1])
     tensors, tie_note = _untie(list(part.tensors), config, max_memory)
     kept = {t.key for t in tensors}
     untied = [(t.key, "tied to the input embedding") for t in part.tensors if t.key not in kept]

@@ -21,7 +21,7 @@ from ..core.manifest import Manifest, ObjectEntry, TensorEntry, TensorRef
 from ..errors import CheckpointError, UsageError
 from ..formats import LocalOptions, locate, object_value
 from ..io.progress import count, human_size
-from ..io.remote import as_path
+from ..io.storage import storage_at
 from .select import select_model
 
 __all__ = ["SCHEMA_VERSION", "human_count", "inspect", "is_buffer", "json_value", "render", "summary"]
@@ -53,7 +53,7 @@ def inspect(path: Path | str, *, local: LocalOptions | None = None, storage_opti
         IncompleteCheckpointError: A rank file, chunk or shard is missing, or chunks overlap.
         UnsafeCheckpointError: A pickle names a global outside the allow-list.
     """
-    found = locate(as_path(path, storage_options), local)
+    found = locate(storage_at(path, storage_options)[1], local)
     manifest = found.reader.read(found.path)
     if found.note is None:
         return manifest

@@ -20,10 +20,10 @@ from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry, map_tens
 from ..core.plan import Region, row_blocks
 from ..errors import UsageError
 from ..formats import LocalOptions, locate, object_value
-from ..io.execute import DEFAULT_MAX_MEMORY
+from ..io.options import DEFAULT_MAX_MEMORY
 from ..io.progress import human_size, progress_bar
-from ..io.remote import as_path
 from ..io.sources import Files, read_region
+from ..io.storage import storage_at
 from . import checksums
 from .mapping import KeyMapping, Renames, parse_rename, rename_keys
 from .select import model_keys, select_model
@@ -296,7 +296,7 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
         UsageError: Options of a comparison (``model_only``, ``atol``, ``rtol``, ``strip_prefixes``,
             ``renames``) are given without ``b``.
     """
-    pa = as_path(a, storage_options)
+    pa = storage_at(a, storage_options)[1]
     if b is None:
         asked = [o for o, v in (("--model-only", model_only), ("--atol", atol is not None),
                                 ("--rtol", rtol is not None), ("--strip-prefix", strip_prefixes),
@@ -306,7 +306,7 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
         return _verify_alone(pa, max_memory, progress, local)
     mapping = KeyMapping(renames=tuple(parse_rename(r) if isinstance(r, str) else (r[0], r[1]) for r in renames))
     prefixes = tuple(strip_prefixes)
-    pb = as_path(b, storage_options)
+    pb = storage_at(b, storage_options)[1]
     fa, fb = locate(pa, local), locate(pb, local)
     if model_only:  # the model's chunks alone are read, as export_hf reads them
         wanted = model_keys(strip_prefixes=prefixes)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..formats.run_directory import LATEST, complete_steps
-from ..io.publish import _fsync_dir, _owned_name, _remove, _write_file
+from ..io.storage.local.staging import fsync_dir, owned_name, remove_path, write_file
 
 __all__ = ["marker_text", "next_save", "point_latest", "rotate", "step_dir"]
 
@@ -38,10 +38,10 @@ def next_save(root: Path | str) -> int:
 
 def point_latest(root: Path, step: Path) -> None:
     """Make ``root/latest`` name ``step`` (a directory in ``root``), atomically."""
-    tmp = root / _owned_name(LATEST, "partial")
-    _write_file(tmp, step.name + "\n", fsync=True)
+    tmp = root / owned_name(LATEST, "partial")
+    write_file(tmp, step.name + "\n", fsync=True)
     os.replace(tmp, root / LATEST)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def rotate(root: Path | str, *, keep: Path, keep_last: int | None = None,
@@ -62,9 +62,9 @@ def rotate(root: Path | str, *, keep: Path, keep_last: int | None = None,
             break
         # Out of sight first, in one rename: a kill mid-delete leaves a leftover that recover() removes,
         # never a half-deleted step that still looks complete.
-        trash = root / _owned_name(victim.path.name, "partial")
+        trash = root / owned_name(victim.path.name, "partial")
         os.rename(victim.path, trash)
-        _remove(trash)
+        remove_path(trash)
         removed.append(victim.path)
         count, total = count - 1, total - sizes.get(victim.path, 0)
     return removed

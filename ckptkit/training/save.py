@@ -2,8 +2,9 @@
 
 State goes through torch's ``get_state_dict``, which gives the same fully qualified names for a plain
 module, DDP, FSDP1 and FSDP2: that is what lets a checkpoint saved under one wrapper and world size load
-under another (:mod:`.load`). Rank 0 stages a directory beside the target (:mod:`ckptkit.io.publish`), every
-rank writes its part there and records the CRC-32 of every tensor it writes as it writes it
+under another (:mod:`.load`). Rank 0 stages a directory beside the target
+(:mod:`ckptkit.io.storage.local.staging`), every rank writes its part there and records the CRC-32 of every
+tensor it writes as it writes it
 (:mod:`ckptkit.ops.checksums`); then rank 0 adds ``ckptkit.json`` (format, world size, step, save number,
 checksums), publishes (completion marker, atomic rename, ``latest``) and only afterwards rotates older saves.
 Every rank learns rank 0's outcome, so a failed publish raises everywhere instead of leaving ranks waiting.
@@ -30,9 +31,9 @@ from ..core.manifest import FormName, key_of
 from ..core.tree import flatten
 from ..errors import CheckpointError, UsageError
 from ..formats import detect
-from ..io import publish
 from ..io.execute import gloo_group
-from ..io.remote import as_path, is_url
+from ..io.storage import storage_at
+from ..io.storage.local import staging as local
 from ..ops import checksums
 from ..ops.checksums import MANIFEST, Recorder
 from . import rotation
@@ -74,8 +75,8 @@ def _quiet_async_single_process() -> None:
 def local_path(path: str | os.PathLike, what: str) -> Path:
     """``path`` as a local path; a URL is refused: saves and loads publish and read step directories by renames
     and descriptors, which object stores do not have."""
-    root = as_path(os.fspath(path))
-    if is_url(root):
+    storage, root = storage_at(os.fspath(path))
+    if storage.scheme != "file":
         raise UsageError(f"{path}: {what} works on a local or shared filesystem; save there, then copy a "
                          "checkpoint to an object store with 'ckptkit convert' or 'ckptkit export-hf' (which "
                          "take URLs)")
@@ -142,7 +143,7 @@ def _outcome(error: BaseException | None, group: Any) -> None:
         raise CheckpointError(f"the save failed on another rank: {'; '.join(failed)}")
 
 
-def _stage(final: Path, *, replace_checkpoint_only: bool, group: Any) -> publish.Staging:
+def _stage(final: Path, *, replace_checkpoint_only: bool, group: Any) -> local.Staging:
     """Rank 0 stages beside ``final``; every rank gets the staging directory (or rank 0's error)."""
     rank, _ = _rank_world()
     staging, error = None, None
@@ -151,7 +152,7 @@ def _stage(final: Path, *, replace_checkpoint_only: bool, group: Any) -> publish
             if replace_checkpoint_only and final.exists() and not _replaceable(final):
                 raise UsageError(f"{final} exists and is not a checkpoint ckptkit saved; ckptkit.save replaces only "
                                  "its own checkpoints (pass an empty or new directory, or step=)")
-            staging = publish.stage(final, replace=True)
+            staging = local.stage(final, replace=True)
         except Exception as e:
             error = e
     where = _shared(str(staging.path) if staging else f"error: {error}", group)
@@ -159,11 +160,11 @@ def _stage(final: Path, *, replace_checkpoint_only: bool, group: Any) -> publish
         raise error
     if not os.path.isabs(where):
         raise CheckpointError(f"rank 0 could not stage {final}: {where.removeprefix('error: ')}")
-    return staging or publish.Staging(final, Path(where), owner=False)
+    return staging or local.Staging(final, Path(where), owner=False)
 
 
 def _replaceable(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink() and ((path / publish.COMPLETE).is_file() or not any(path.iterdir()))
+    return path.is_dir() and not path.is_symlink() and ((path / local.COMPLETE).is_file() or not any(path.iterdir()))
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
@@ -231,7 +232,7 @@ class _Save:
 
     root: Path
     final: Path
-    staging: publish.Staging
+    staging: local.Staging
     recorder: Recorder
     form: str
     step: int | None

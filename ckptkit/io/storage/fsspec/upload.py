@@ -1,18 +1,17 @@
-"""Execution across the network: a plan's files produced front to back as streams of pieces, their remote
-source ranges fetched ahead concurrently, then written into the local staging directory
-(:class:`StreamWriter`, where a source is a URL) or uploaded to an object store (:func:`execute_remote`, where
-DST is one).
+"""Streams: a plan's files produced front to back as streams of pieces, their streamed source ranges fetched
+ahead concurrently, then written into a local file (:class:`StreamWriter`, where a source is an object's) or
+uploaded to an object store (:func:`upload`, where DST is one).
 
-The local executor (:mod:`.execute`) moves bytes kernel-side between local files, which needs no order. Here
-each output file is a stream (an upload is written front to back), made of:
+The local writer (:mod:`ckptkit.io.storage.local.writer`) moves bytes kernel-side between local files, which
+needs no order. Here each output file is a stream (an upload is written front to back), made of:
 
 - a :class:`~ckptkit.core.plan.Bytes` part, as it is;
 - a tensor region's source ranges (:func:`~ckptkit.core.plan.plan_copies`), joined where back to back, cut into
-  pieces of at most :data:`~.remote.PIECE`, and read on the pool of :class:`~.remote.RemoteFiles` ahead of the
+  pieces of at most :data:`~.reads.PIECE`, and read on the pool of :class:`~.reads.RemoteFiles` ahead of the
   writer (a local source by ``pread``, a remote one by a range GET);
-- a region to cast, in row blocks, cast as the local executor casts.
+- a region to cast, in row blocks, cast as the local writer casts.
 
-Memory stays bounded by ``max_memory``, never by a file's size: :func:`execute_remote` uploads up to
+Memory stays bounded by ``max_memory``, never by a file's size: :func:`upload` puts up to
 :data:`FILES_AT_ONCE` files at once, each with a quarter of its share of the budget fetched ahead, a quarter
 for a cast block, and up to twice a quarter buffered for the multipart upload's current part (S3's minimum
 part, 5 MiB, is the floor).
@@ -25,18 +24,17 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
-from ..core.dtypes import DType
-from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan, plan_copies, row_blocks
-from ..errors import UsageError
-from .compute import block_budget
-from .publish import ObjectStaging, check_destination, stage_object
-from .remote import PIECE, Job, RemoteFiles, RemotePath, calling, coalesce
-from .sources import Files, read_region
+from ....core.dtypes import DType
+from ....core.plan import Bytes, FilePlan, Part, Region, plan_copies, row_blocks
+from ...compute import block_budget
+from ...sources import Files, read_region
+from .paths import RemotePath, calling
+from .reads import PIECE, Job, RemoteFiles, coalesce
+from .staging import ObjectStaging
 
-__all__ = ["FILES_AT_ONCE", "StreamWriter", "execute_remote", "file_pieces"]
+__all__ = ["FILES_AT_ONCE", "StreamWriter", "file_pieces", "upload"]
 
 FILES_AT_ONCE = 4
 """Output files uploaded at once (each upload sends its parts one after another)."""
@@ -171,31 +169,22 @@ class _Cancelled(Exception):
     """Another upload failed, or the run was interrupted: this one stops at its next piece."""
 
 
-def execute_remote(plan: WritePlan, dst: RemotePath, *, overwrite: bool = False,
-                   sources: tuple[Path | str, ...] = (), max_memory: int, cast_bytes: Cast,
-                   progress: Callable[[int], None] = lambda n: None) -> Path:
-    """Upload every file of ``plan`` to ``dst`` on an object store, the commit file last (:class:`ObjectStaging`).
+def upload(files: list[FilePlan], staging: ObjectStaging, *, commit: str, max_memory: int,
+           cast_bytes: Cast, progress: Callable[[int], None] = lambda n: None) -> None:
+    """Upload every file of ``files`` in place under ``staging``, the ``commit`` file last.
 
-    A failure or an interrupt (SIGINT, SIGTERM) stops every upload at its next piece, aborts the multipart
-    uploads in progress and removes what was put; DST is then absent (or, for a single file, as it was).
+    A failure or an interrupt (SIGINT, SIGTERM) stops every upload at its next piece and aborts the multipart
+    uploads in progress; :meth:`ObjectStaging.abort` then removes what was put.
     """
-    check_destination(cast(Path, dst), overwrite=overwrite, sources=sources)
-    if not plan.files:
-        raise UsageError(f"{dst}: nothing to write")
-    commit = plan.commit or plan.files[-1].relpath
-    staging = stage_object(dst, replace=overwrite, commit=None if plan.single_file else commit)
     share = max(_MIN_PART, max_memory // FILES_AT_ONCE)
     remote = RemoteFiles()
     try:
-        with staging:
-            _upload_all([fp for fp in plan.files if fp.relpath != commit], staging, remote, share, cast_bytes,
-                        progress)
-            _upload_all([fp for fp in plan.files if fp.relpath == commit], staging, remote, share, cast_bytes,
-                        progress)
-            staging.commit()
+        _upload_all([fp for fp in files if fp.relpath != commit], staging, remote, share, cast_bytes,
+                    progress)
+        _upload_all([fp for fp in files if fp.relpath == commit], staging, remote, share, cast_bytes,
+                    progress)
     finally:
         remote.close()
-    return cast(Path, dst)
 
 
 def _upload_all(files: list[FilePlan], staging: ObjectStaging, remote: RemoteFiles, share: int, cast_bytes: Cast,
