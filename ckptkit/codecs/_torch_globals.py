@@ -21,7 +21,7 @@ from ..core.manifest import Span, TensorRef
 from ..errors import FormatError
 from .pickle_read import BytesIOData, keep_call, strided_layout
 
-__all__ = ["OBJECT_GLOBALS", "TENSOR", "WEIGHTS_ONLY_GLOBALS", "WRAPPER_SUBCLASS", "Storage", "StorageTag", "Tag",
+__all__ = ["OBJECT_GLOBALS", "WEIGHTS_ONLY_GLOBALS", "WRAPPER_SUBCLASS", "Storage", "StorageTag", "Tag",
            "check_weights_only_opcodes", "storage_loader", "subclass_rebuild"]
 
 
@@ -145,14 +145,14 @@ class Tag:
         return self.name
 
 
-TENSOR = Tag("torch.Tensor")
+_TENSOR = Tag("torch.Tensor")
 
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
     # A plain tensor carrying Python attributes (FSDP1 marks the tensors of its state dicts, e.g.
     # "_has_been_cloned"): the attributes go, the tensor stays (unless one is the tensor's own). Tensor
     # subclasses are refused.
-    if new_type is not TENSOR or func not in (_rebuild_v2, _rebuild_v3):
+    if new_type is not _TENSOR or func not in (_rebuild_v2, _rebuild_v3):
         raise FormatError(f"a tensor subclass {new_type!r} rebuilt by {getattr(func, '__name__', func)!r}; "
                           "ckptkit reads plain tensors (and, in LOCAL checkpoints, ShardedTensor)")
     return _plain_state(func(*args), state)
@@ -168,7 +168,7 @@ def subclass_rebuild(where: str, subclass: Tag, build: Callable[[Any, Any], Any]
     name = subclass.name.rsplit(".", 1)[-1]
 
     def rebuild(func: Any, new_type: Any, args: Any, state: Any) -> Any:
-        if new_type is TENSOR:
+        if new_type is _TENSOR:
             return _rebuild_from_type(func, new_type, args, state)
         if func is not WRAPPER_SUBCLASS or new_type is not subclass:
             raise FormatError(f"{where}: a tensor subclass rebuilt by {func!r} as {new_type!r}; ckptkit reads "
@@ -221,7 +221,7 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter_with_state"): lambda data, requires_grad, hooks, state: _parameter(
         data, requires_grad, state),
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
-    ("torch", "Tensor"): TENSOR,
+    ("torch", "Tensor"): _TENSOR,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("_io", "BytesIO"): BytesIOData,
     ("builtins", "set"): set,

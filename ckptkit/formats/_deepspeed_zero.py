@@ -178,7 +178,7 @@ class _Zero:
     def manifest(self) -> Manifest:
         m0, f0 = self.models[0], self.files.models[0]
         module = _names_to(_get(m0, "module", f0, dict), object, f"{f0}: module")
-        buffer_names = set(_get(m0, "buffer_names", f0, list))  # a TypeError if unhashable: read_zero reports it
+        buffer_names = set(_get(m0, "buffer_names", f0, list))  # a TypeError if unhashable: the reader reports it
         trainable, need = self._slots()
         entries: dict[str, TensorEntry] = {}
         buffers = [(k, v) for k, v in module.items() if k in buffer_names]

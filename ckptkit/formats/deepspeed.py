@@ -42,9 +42,9 @@ from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, Us
 from ._deepspeed_zero import ZeroFiles, zero_manifest
 from .base import ReadOnlyIO
 
-__all__ = ["DEEPSPEED_GLOBALS", "DeepSpeedIO", "read_zero"]
+__all__ = ["DeepSpeedIO"]
 
-LATEST = "latest"
+_LATEST = "latest"
 _MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 _OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _ANY_STATES = re.compile(r".*_(model|optim)_states\.pt")
@@ -53,7 +53,7 @@ _MOE = re.compile(r"(expp_rank_.*|.*expert_.*)\.pt")
 _MAX_TAG = 4096
 
 _ZERO_STAGES = {"disabled": 0, "optimizer_states": 1, "gradients": 2, "weights": 3, "max_stage": 3}
-DEEPSPEED_GLOBALS: dict[tuple[str, str], Any] = {
+_GLOBALS: dict[tuple[str, str], Any] = {
     # class ZeroStageEnum(int, Enum) (runtime/zero/config.py): pickled as ZeroStageEnum(2), or by name.
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"): EnumStandIn(_ZERO_STAGES),
     ("builtins", "getattr"): safe_getattr(),
@@ -84,20 +84,20 @@ class DeepSpeedIO(ReadOnlyIO):
 
     def read(self, path: Path) -> Manifest:
         if path.is_file():
-            root = path.parent.parent if (path.parent.parent / LATEST).is_file() else path.parent
+            root = path.parent.parent if (path.parent.parent / _LATEST).is_file() else path.parent
             raise UsageError(f"{path} is one file of a DeepSpeed ZeRO checkpoint, whose weights are spread over the "
                              f"optimizer files of every rank; pass the directory {root}")
-        return read_zero(_tag_dir(path.absolute()))
+        return _read_zero(_tag_dir(path.absolute()))
 
 
 def _tag_dir(path: Path) -> Path:
     """The tag directory: ``path`` itself, or the one its ``latest`` file names."""
     if _is_tag_dir(path):
         return path
-    latest = path / LATEST
+    latest = path / _LATEST
     if not latest.is_file():
         tags = sorted(p.name for p in path.iterdir() if _is_tag_dir(p))
-        raise UsageError(f"{path}: no '{LATEST}' file names the tag to read; pass one of its tag directories "
+        raise UsageError(f"{path}: no '{_LATEST}' file names the tag to read; pass one of its tag directories "
                          f"({', '.join(tags)})")
     tag = latest.read_bytes()[:_MAX_TAG].decode("utf-8", "replace").strip()
     if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or "\n" in tag:
@@ -168,7 +168,7 @@ def _in_rank_order(by_rank: dict[int, Path], tag: Path, pattern: str) -> list[Pa
 
 
 def _load(file: Path) -> dict:
-    tree = read_archive(str(file), extra_globals=DEEPSPEED_GLOBALS)
+    tree = read_archive(str(file), extra_globals=_GLOBALS)
     if not isinstance(tree, dict):
         raise FormatError(f"{file}: expected a dict, found {type(tree).__name__}")
     return tree
@@ -178,7 +178,7 @@ def _load(file: Path) -> dict:
 # Reading
 
 
-def read_zero(tag: Path) -> Manifest:
+def _read_zero(tag: Path) -> Manifest:
     """The manifest of the ZeRO checkpoint in tag directory ``tag`` (see the module docstring)."""
     try:
         files = _files(tag)
