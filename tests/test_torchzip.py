@@ -196,7 +196,7 @@ def test_tensor_attributes_are_torch_s_own():
     # defines as data descriptors, so that a torch that adds one fails here first.
     import inspect
 
-    from ckptkit.codecs.torchzip_read import _TENSOR_ATTRIBUTES
+    from ckptkit.codecs._torch_globals import _TENSOR_ATTRIBUTES
 
     for cls in (torch.Tensor, torch.nn.Parameter):
         own = {name for c in cls.__mro__ for name, v in vars(c).items() if inspect.isdatadescriptor(v)}

@@ -26,8 +26,8 @@ from typing import Any
 from ..core.dtypes import DType
 from ..core.manifest import TensorRef
 from ..errors import FormatError
+from ._torch_globals import WRAPPER_SUBCLASS, Tag, subclass_rebuild
 from .pickle_read import Call, Record, allow_records, record_class, ref
-from .torchzip_read import WRAPPER_SUBCLASS, Tag, subclass_rebuild
 
 __all__ = ["DTensorData", "MeshData", "Placement", "dtensor_globals", "local_box"]
 

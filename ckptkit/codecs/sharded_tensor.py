@@ -26,6 +26,7 @@ from typing import Any
 from ..core.boxes import row_major
 from ..core.dtypes import DType
 from ..core.manifest import TensorRef
+from ._torch_globals import WRAPPER_SUBCLASS, Tag, subclass_rebuild
 from .pickle_read import (
     MEMORY_FORMATS,
     Call,
@@ -39,7 +40,6 @@ from .pickle_read import (
     ref,
     safe_getattr,
 )
-from .torchzip_read import WRAPPER_SUBCLASS, Tag, subclass_rebuild
 
 __all__ = ["ShardBox", "ShardedTensorData", "sharded_tensor", "sharded_tensor_globals"]
 

@@ -184,105 +184,32 @@ class DcpIO(FormatIO):
 
     def _interpret(self, root: Path, md: Any, files: Files, at: list[str],
                    wanted: Callable[[Manifest], Collection[str]] | None) -> Manifest:
-        meta_path = root / METADATA
-        storage: dict[tuple[str, tuple | None], Any] = {}
-        for idx, info in (getattr(md, "storage_data", None) or {}).items():
-            offset = getattr(idx, "offset", None)
-            storage[(idx.fqn, offset if offset is None or type(offset) is tuple else tuple(offset))] = info
+        locate = _Locator(root, md)
         paths = getattr(md, "planner_data", None) or {}
-        files.expect(_chunk_edges(root, md, storage))
-        tensors: list[TensorEntry] = []
-        objects: list[ObjectEntry] = []
-        rank_files: set[str] = set()
-
-        located: dict[str, str] = {}  # relative path to file, each checked once
-
-        def locate(key: str, offset: tuple | None) -> tuple[str, int, int]:
-            info = storage.get((key, offset))
-            if info is None:
-                raise IncompleteCheckpointError(f"{meta_path}: no storage entry for {key!r} at offset {offset}")
-            if type(info).__name__ != "_StorageInfo":  # torch's reader needs its fields, defaults included
-                raise FormatError(f"{meta_path}: the storage entry of {key!r} at offset {offset} is a "
-                                  f"{type(info).__name__}, not a _StorageInfo")
-            if getattr(info, "transform_descriptors", None):
-                raise FormatError(f"{meta_path}: {key!r} is stored with transforms {list(info.transform_descriptors)}; "
-                                  "ckptkit reads untransformed (uncompressed) DCP entries only")
-            relative = info.relative_path
-            file = located.get(relative)
-            if file is None:
-                if Path(relative).is_absolute() or ".." in Path(relative).parts:
-                    raise FormatError(f"{meta_path}: {key!r} points outside the checkpoint ({relative!r})")
-                if not (root / relative).is_file():
-                    raise IncompleteCheckpointError(f"{root}: {relative} (holding {key!r}) is missing")
-                file = located[relative] = str(root / relative)
-                rank_files.add(relative)
-            return file, _count(info.offset, key, "offset"), _count(info.length, key, "length")
-
-        headers: list[tuple[TensorEntry, Any]] = []  # each tensor's .metadata, checked, as an entry without chunks
-        for key, sm in md.state_dict_metadata.items():
-            at[0] = key
-            path_ = from_dcp_path(tuple(paths.get(key, (key,))))
-            if not isinstance(key, str) or not path_ or not all(
-                    isinstance(k, (str, int)) and not isinstance(k, bool) for k in path_):
-                raise ValueError(f"key {key!r:.60} with path {path_!r:.80} is not a state-dict key and path")
-            if ".".join(map(str, path_)) != key:  # DCP's own loader finds an entry by its path joined so
-                raise FormatError(f"{meta_path}: {key!r} is stored under the path {list(path_)}, which names "
-                                  f"{'.'.join(map(str, path_))!r}; torch's loader would not find it")
-            kind = type(sm).__name__
-            if kind == "BytesStorageMetadata":
-                objects.append(ObjectEntry(key, path_, blob=Span(*locate(key, None))))
-                continue
-            if kind != "TensorStorageMetadata":
-                raise FormatError(f"{meta_path}: {key!r} has unknown storage metadata {kind}")
-            headers.append((TensorEntry(key, path_, _tensor_dtype(sm.properties, meta_path, key),
-                                        _counts(sm.size, key, "size"), ()), sm))
+        files.expect(_chunk_edges(root, md, locate.storage))
+        headers, objects = _headers(md, paths, locate, at)
         objects += _empty_containers(paths, md.state_dict_metadata)
         opened, objects = _open_whole_entries(objects)
         chosen = None
         if wanted is not None and not (root / META).is_file():  # (meta.pt's entries join later: read them all)
             chosen = set(wanted(Manifest(Format.SHARDED, str(root), (*(bare for bare, _ in headers), *opened),
                                          tuple(objects))))
-        archives = ArchiveCache()
+        archives, tensors = ArchiveCache(), list[TensorEntry]()
         for bare, sm in headers:
-            key, path_, dtype, shape = bare.key, bare.path, bare.dtype, bare.shape
-            at[0] = key
-            if chosen is not None and key not in chosen:
+            at[0] = bare.key
+            if chosen is not None and bare.key not in chosen:
                 tensors.append(bare)  # not read: planning it fails
                 continue
-            chunks = []
-            for c in sm.chunks:
-                offsets, sizes = _counts(c.offsets, key, "chunk offsets"), _counts(c.sizes, key, "chunk sizes")
-                file, start, length = locate(key, offsets)
-                pread = files.pread(file, start + length, start=start, key=key)
-                framing = archives.find(pread, start, length)
-                if framing is not None and framing.shape == sizes and framing.dtype is dtype:
-                    # An archive framed as one already checked (nearly every chunk): its span, without a TensorRef.
-                    span = Span(file, start + framing.offset, framing.nbytes)
-                    chunks.append(Chunk(offsets, sizes, span, framing.strides))
-                    continue
-                ref = framing.ref(file, start) if framing is not None else None
-                if ref is None:
-                    if pread(4, start) != ARCHIVE_MAGIC:
-                        raise FormatError(
-                            f"{file}: {key!r} chunk at {list(offsets)} is not a torch.save record; DCP saved "
-                            "with serialization_format=SAFETENSORS or a custom storage writer is not supported")
-                    ref = archives.read(file, start, length, pread=pread,
-                                        where=f"{file}: {key!r} chunk {list(offsets)}")
-                if not isinstance(ref, TensorRef) or ref.shape != sizes or ref.dtype != dtype:
-                    found = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
-                    raise FormatError(f"{file}: {key!r} chunk at {list(offsets)} holds {found}, "
-                                      f".metadata says {dtype} {list(sizes)}")
-                chunks.append(Chunk(offsets, sizes, ref.span, ref.strides))
-            entry = TensorEntry(key, path_, dtype, shape, tuple(chunks))
+            entry = TensorEntry(bare.key, bare.path, bare.dtype, bare.shape, _chunks(bare, sm, locate, files, archives))
             entry.validate()
             tensors.append(entry)
         tensors += opened
         # A rank that holds no chunk writes an empty file that .metadata never names: count the files too.
         on_disk = {p.name for p in root.iterdir() if _RANK_FILE.search(p.name)}
-        ranks = [int(m.group(1)) for f in rank_files | on_disk if (m := _RANK_FILE.search(f))]
+        ranks = [int(m.group(1)) for f in locate.rank_files | on_disk if (m := _RANK_FILE.search(f))]
         world = max(ranks) + 1 if ranks else None
         split = {len(t.chunks) for t in tensors if t.numel and t.chunks}
-        details = [("files", str(len(rank_files))), ("chunks per tensor", ",".join(map(str, sorted(split))))]
+        details = [("files", str(len(locate.rank_files))), ("chunks per tensor", ",".join(map(str, sorted(split))))]
         if (root / META).is_file():
             groups = {str(t.path[0]) for t in tensors} | {str(o.path[0]) for o in objects}
             meta_tensors, meta_objects, note = _read_meta(root / META, groups)
@@ -350,6 +277,97 @@ class DcpIO(FormatIO):
             files.append(FilePlan(megatron.COMMON, megatron.common_parts(manifest, options.cast)))
             files.append(FilePlan(megatron.CONFIG, (Bytes(megatron.CONFIG_BYTES),)))
         return WritePlan(tuple(files), commit=METADATA)
+
+
+class _Locator:
+    """``(file, offset, length)`` of a key's entry at an offset, by the storage index of ``md``;
+    :attr:`rank_files`: the files named so far, each checked once."""
+
+    def __init__(self, root: Path, md: Any) -> None:
+        self.root, self.located, self.rank_files = root, dict[str, str](), set[str]()
+        self.storage: dict[tuple[str, tuple | None], Any] = {}
+        for idx, info in (getattr(md, "storage_data", None) or {}).items():
+            offset = getattr(idx, "offset", None)
+            self.storage[(idx.fqn, offset if offset is None or type(offset) is tuple else tuple(offset))] = info
+
+    def __call__(self, key: str, offset: tuple | None) -> tuple[str, int, int]:
+        meta_path, root = self.root / METADATA, self.root
+        info = self.storage.get((key, offset))
+        if info is None:
+            raise IncompleteCheckpointError(f"{meta_path}: no storage entry for {key!r} at offset {offset}")
+        if type(info).__name__ != "_StorageInfo":  # torch's reader needs its fields, defaults included
+            raise FormatError(f"{meta_path}: the storage entry of {key!r} at offset {offset} is a "
+                              f"{type(info).__name__}, not a _StorageInfo")
+        if getattr(info, "transform_descriptors", None):
+            raise FormatError(f"{meta_path}: {key!r} is stored with transforms {list(info.transform_descriptors)}; "
+                              "ckptkit reads untransformed (uncompressed) DCP entries only")
+        relative = info.relative_path
+        file = self.located.get(relative)
+        if file is None:
+            if Path(relative).is_absolute() or ".." in Path(relative).parts:
+                raise FormatError(f"{meta_path}: {key!r} points outside the checkpoint ({relative!r})")
+            if not (root / relative).is_file():
+                raise IncompleteCheckpointError(f"{root}: {relative} (holding {key!r}) is missing")
+            file = self.located[relative] = str(root / relative)
+            self.rank_files.add(relative)
+        return file, _count(info.offset, key, "offset"), _count(info.length, key, "length")
+
+
+def _headers(md: Any, paths: dict, locate: _Locator,
+             at: list[str]) -> tuple[list[tuple[TensorEntry, Any]], list[ObjectEntry]]:
+    """Each tensor's ``.metadata``, checked, as an entry without chunks beside its record; and the bytes
+    entries. ``at[0]`` is the key being read."""
+    meta_path = locate.root / METADATA
+    headers: list[tuple[TensorEntry, Any]] = []
+    objects: list[ObjectEntry] = []
+    for key, sm in md.state_dict_metadata.items():
+        at[0] = key
+        path_ = from_dcp_path(tuple(paths.get(key, (key,))))
+        if not isinstance(key, str) or not path_ or not all(
+                isinstance(k, (str, int)) and not isinstance(k, bool) for k in path_):
+            raise ValueError(f"key {key!r:.60} with path {path_!r:.80} is not a state-dict key and path")
+        if ".".join(map(str, path_)) != key:  # DCP's own loader finds an entry by its path joined so
+            raise FormatError(f"{meta_path}: {key!r} is stored under the path {list(path_)}, which names "
+                              f"{'.'.join(map(str, path_))!r}; torch's loader would not find it")
+        kind = type(sm).__name__
+        if kind == "BytesStorageMetadata":
+            objects.append(ObjectEntry(key, path_, blob=Span(*locate(key, None))))
+            continue
+        if kind != "TensorStorageMetadata":
+            raise FormatError(f"{meta_path}: {key!r} has unknown storage metadata {kind}")
+        headers.append((TensorEntry(key, path_, _tensor_dtype(sm.properties, meta_path, key),
+                                    _counts(sm.size, key, "size"), ()), sm))
+    return headers, objects
+
+
+def _chunks(bare: TensorEntry, sm: Any, locate: _Locator, files: Files, archives: ArchiveCache) -> tuple[Chunk, ...]:
+    """The chunks ``.metadata`` record ``sm`` lists for tensor ``bare``, each holding the dtype and shape said."""
+    key, dtype = bare.key, bare.dtype
+    chunks = []
+    for c in sm.chunks:
+        offsets, sizes = _counts(c.offsets, key, "chunk offsets"), _counts(c.sizes, key, "chunk sizes")
+        file, start, length = locate(key, offsets)
+        pread = files.pread(file, start + length, start=start, key=key)
+        framing = archives.find(pread, start, length)
+        if framing is not None and framing.shape == sizes and framing.dtype is dtype:
+            # An archive framed as one already checked (nearly every chunk): its span, without a TensorRef.
+            span = Span(file, start + framing.offset, framing.nbytes)
+            chunks.append(Chunk(offsets, sizes, span, framing.strides))
+            continue
+        ref = framing.ref(file, start) if framing is not None else None
+        if ref is None:
+            if pread(4, start) != ARCHIVE_MAGIC:
+                raise FormatError(
+                    f"{file}: {key!r} chunk at {list(offsets)} is not a torch.save record; DCP saved "
+                    "with serialization_format=SAFETENSORS or a custom storage writer is not supported")
+            ref = archives.read(file, start, length, pread=pread,
+                                where=f"{file}: {key!r} chunk {list(offsets)}")
+        if not isinstance(ref, TensorRef) or ref.shape != sizes or ref.dtype != dtype:
+            found = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
+            raise FormatError(f"{file}: {key!r} chunk at {list(offsets)} holds {found}, "
+                              f".metadata says {dtype} {list(sizes)}")
+        chunks.append(Chunk(offsets, sizes, ref.span, ref.strides))
+    return tuple(chunks)
 
 
 def _empty_dict(o: ObjectEntry) -> bool:

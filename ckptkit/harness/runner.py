@@ -301,18 +301,7 @@ def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], 
         else:
             runnable.append(i)
 
-    sources: dict[TrainConfig, _Job] = {}
-    for i in runnable:
-        if cells[i].source not in sources:
-            sources[cells[i].source] = _Job(cells[i].source, str(_fresh(root / "sources" / f"s{len(sources):03d}")))
-    say(f"[1/4] {len(sources)} source runs: train {STEPS} steps, save, train {RESUME_STEPS} more")
-    source_out = _run_jobs(_source_rank, list(sources.values()), device, say)
-    for job in sources.values():
-        if job.config.form is Format.LOCAL and not isinstance(source_out[job], BaseException):
-            try:
-                write_flat_layout(job.config, job.checkpoint)
-            except Exception as e:  # a ckptkit bug in deriving the layout fails this source's cells
-                source_out[job] = e
+    sources, source_out = _source_runs([cells[i].source for i in runnable], device, root, say)
 
     say(f"[2/4] ckptkit converts {len(runnable)} checkpoints")
     assets = _fresh(root / "hf-assets")
@@ -353,6 +342,24 @@ def _run(cells: tuple[Cell, ...], device: str, root: Path, say: Callable[[str], 
     if drifting and controls:
         results.update(_controlled(cells, drifting, device, root, say))
     return [results[i] for i in range(len(cells))]
+
+
+def _source_runs(configs: list[TrainConfig], device: str, root: Path, say: Callable[[str], None]) -> tuple[
+        dict[TrainConfig, _Job], dict[_Job, dict | BaseException]]:
+    """One source run per configuration (trained, saved, trained on), and each run's outcome or error."""
+    sources: dict[TrainConfig, _Job] = {}
+    for config in configs:
+        if config not in sources:
+            sources[config] = _Job(config, str(_fresh(root / "sources" / f"s{len(sources):03d}")))
+    say(f"[1/4] {len(sources)} source runs: train {STEPS} steps, save, train {RESUME_STEPS} more")
+    source_out = _run_jobs(_source_rank, list(sources.values()), device, say)
+    for job in sources.values():
+        if job.config.form is Format.LOCAL and not isinstance(source_out[job], BaseException):
+            try:
+                write_flat_layout(job.config, job.checkpoint)
+            except Exception as e:  # a ckptkit bug in deriving the layout fails this source's cells
+                source_out[job] = e
+    return sources, source_out
 
 
 def _controlled(cells: tuple[Cell, ...], drifting: dict[int, tuple[_Verdict, dict]], device: str, root: Path,

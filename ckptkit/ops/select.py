@@ -197,26 +197,11 @@ def select_model(manifest: Manifest, model_key: str = "auto", strip_prefixes: tu
     groups = _groups(manifest)
     tops = set(groups)
     training = {n: es for n, es in groups.items() if _is_training_state(n, es, tops)}
-    section: tuple[str, ...] = ()
     lightning = False
     if model_key != "auto":
         chosen, section, rule = _explicit(manifest, model_key)
     else:
-        found = next((k for k in MODEL_KEYS if k in groups and k not in training
-                      and any(isinstance(e, TensorEntry) and len(e.path) > 1 for e in groups[k])), None)
-        if found is not None:
-            section, rule = (found,), f"model taken from top-level key {found!r}"
-            chosen = [t for t in manifest.tensors if str(t.path[0]) == found]
-            lightning = LIGHTNING_MARK in manifest
-        else:
-            outside = [t for t in manifest.tensors if str(t.path[0]) not in training]
-            chosen = [t for t in outside if len(t.path) == 1]
-            if chosen and training:
-                rule = "model taken from the top-level tensors beside the training state"
-            elif chosen:
-                rule = "checkpoint is a flat model state dict"
-            else:
-                chosen, rule = outside, "model taken from every tensor outside the training state"
+        chosen, section, rule, lightning = _automatic(manifest, groups, training)
     if not chosen:
         if model_key == "auto" and training:
             raise _refuse(manifest, training)
@@ -249,6 +234,24 @@ def select_model(manifest: Manifest, model_key: str = "auto", strip_prefixes: tu
     groups_of = tuple(dict.fromkeys(str(t.path[0]) for t in chosen))
     return ModelSelection(tuple(out), rule, groups_of, tuple(sources), tuple(origin.items()),
                           tuple(sorted(counts.items())), left_out)
+
+
+def _automatic(manifest: Manifest, groups: dict[str, list[Entry]],
+               training: dict[str, list[Entry]]) -> tuple[list[TensorEntry], tuple[str, ...], str, bool]:
+    """The model by the rule above: its tensors, the section they are under, the rule that chose them, and
+    whether the checkpoint is a Lightning Trainer's."""
+    found = next((k for k in MODEL_KEYS if k in groups and k not in training
+                  and any(isinstance(e, TensorEntry) and len(e.path) > 1 for e in groups[k])), None)
+    if found is not None:
+        chosen = [t for t in manifest.tensors if str(t.path[0]) == found]
+        return chosen, (found,), f"model taken from top-level key {found!r}", LIGHTNING_MARK in manifest
+    outside = [t for t in manifest.tensors if str(t.path[0]) not in training]
+    chosen = [t for t in outside if len(t.path) == 1]
+    if chosen and training:
+        return chosen, (), "model taken from the top-level tensors beside the training state", False
+    if chosen:
+        return chosen, (), "checkpoint is a flat model state dict", False
+    return outside, (), "model taken from every tensor outside the training state", False
 
 
 def model_keys(model_key: str = "auto", strip_prefixes: tuple[str, ...] = (),

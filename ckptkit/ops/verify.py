@@ -298,28 +298,47 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     """
     pa = storage_at(a, storage_options)[1]
     if b is None:
-        asked = [o for o, v in (("--model-only", model_only), ("--atol", atol is not None),
-                                ("--rtol", rtol is not None), ("--strip-prefix", strip_prefixes),
-                                ("--rename", renames)) if v]
-        if asked:
-            raise UsageError(f"{', '.join(asked)} compare two checkpoints; with one, all of it is checked")
+        _refuse_comparison_options(model_only=model_only, atol=atol, rtol=rtol, strip_prefixes=strip_prefixes,
+                                   renames=renames)
         return _verify_alone(pa, max_memory, progress, local)
     mapping = KeyMapping(renames=tuple(parse_rename(r) if isinstance(r, str) else (r[0], r[1]) for r in renames))
     prefixes = tuple(strip_prefixes)
     pb = storage_at(b, storage_options)[1]
     fa, fb = locate(pa, local), locate(pb, local)
-    if model_only:  # the model's chunks alone are read, as export_hf reads them
-        wanted = model_keys(strip_prefixes=prefixes)
-        ma, mb = fa.reader.read_part(fa.path, wanted), fb.reader.read_part(fb.path, wanted)
-    else:
-        ma, mb = fa.reader.read(fa.path), fb.reader.read(fb.path)
+    wanted = model_keys(strip_prefixes=prefixes) if model_only else None  # the model's chunks alone, as export_hf
+    ma, mb = (f.reader.read(f.path) if wanted is None else f.reader.read_part(f.path, wanted) for f in (fa, fb))
     ta, oa, notes_a = _entries(ma, model_only, prefixes, mapping)
     tb, ob, notes_b = _entries(mb, model_only, prefixes, mapping)
+    common = [k for k in ta if k in tb]
+    total = sum(ta[k].nbytes for k in common)
+    diffs = _differences(str(a), str(b), (ta, oa), (tb, ob), max_memory, atol, rtol, progress)
+    return VerifyReport(str(a), str(b), ma.format, mb.format, len(common), len([k for k in oa if k in ob]), total,
+                        tuple(diffs), atol=atol, rtol=rtol,
+                        notes=tuple(f.note for f in (fa, fb) if f.note) + notes_a + notes_b)
+
+
+def _refuse_comparison_options(*, model_only: bool, atol: float | None, rtol: float | None,
+                               strip_prefixes: Iterable[str], renames: Renames) -> None:
+    """Refuse the options of a comparison of two checkpoints, given with one, by their command-line names."""
+    asked = [o for o, v in (("--model-only", model_only), ("--atol", atol is not None), ("--rtol", rtol is not None),
+                            ("--strip-prefix", strip_prefixes), ("--rename", renames)) if v]
+    if asked:
+        raise UsageError(f"{', '.join(asked)} compare two checkpoints; with one, all of it is checked")
+
+
+_Side = tuple[dict[str, TensorEntry], dict[str, ObjectEntry]]
+"""A checkpoint's tensors and non-tensor entries, by key."""
+
+
+def _differences(a: str, b: str, side_a: _Side, side_b: _Side, max_memory: int, atol: float | None,
+                 rtol: float | None, progress: bool) -> list[Difference]:
+    """Every difference between the entries of ``a`` and ``b``: keys on one side only, tensors (read in
+    blocks of at most ``max_memory`` bytes), non-tensor values, and a key that is a tensor on one side only."""
+    (ta, oa), (tb, ob) = side_a, side_b
     diffs = [Difference(k, f"only in {a}") for k in {**ta, **oa} if k not in tb and k not in ob]
     diffs += [Difference(k, f"only in {b}") for k in {**tb, **ob} if k not in ta and k not in oa]
     common = [k for k in ta if k in tb]
-    total = sum(ta[k].nbytes for k in common)
-    with Files() as files, progress_bar(total, "verify", progress) as update:
+    with Files() as files, progress_bar(sum(ta[k].nbytes for k in common), "verify", progress) as update:
         for k in common:
             found = compare_tensors(ta[k], tb[k], files, max_memory, atol=atol, rtol=rtol)
             if found:
@@ -333,9 +352,7 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
             diffs.append(Difference(k, f"a tensor in {a}, a non-tensor entry in {b}"))
         for k in (k for k in oa if k in tb):
             diffs.append(Difference(k, f"a non-tensor entry in {a}, a tensor in {b}"))
-    return VerifyReport(str(a), str(b), ma.format, mb.format, len(common), len([k for k in oa if k in ob]), total,
-                        tuple(diffs), atol=atol, rtol=rtol,
-                        notes=tuple(f.note for f in (fa, fb) if f.note) + notes_a + notes_b)
+    return diffs
 
 
 def _verify_alone(path: Path, max_memory: int, progress: bool, local: LocalOptions | None) -> VerifyReport:
