@@ -36,7 +36,7 @@ from ..codecs.pickle_read import (
     safe_getattr,
     strided_layout,
 )
-from ..codecs.torchzip_read import ARCHIVE_MAGIC, ArchiveCache, archive_edges, read_archive
+from ..codecs.torchzip_read import ARCHIVE_MAGIC, ArchiveCache, archive_edges
 from ..codecs.torchzip_write import archive_parts
 from ..core import dtypes
 from ..core.boxes import shard0_boxes
@@ -44,17 +44,16 @@ from ..core.dtypes import DType
 from ..core.gc_pause import gc_paused
 from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, bytes_entry, key_of
 from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan
-from ..core.tree import dcp_path, flatten, from_dcp_path, unflatten
-from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, UnsafeCheckpointError
+from ..core.tree import dcp_path, flatten, from_dcp_path
+from ..errors import CheckpointError, FormatError, IncompleteCheckpointError
 from ..io.sources import Files
 from . import _megatron as megatron
+from ._lightning import META, meta_parts, read_meta
 from .base import FormatIO, FormatOptions, Target, cast_for, is_empty_container, object_value, regions_in
 
 __all__ = ["DcpIO", "DcpOptions", "check_blobs"]
 
 METADATA = ".metadata"
-META = "meta.pt"
-"""Lightning's file of non-tensor state beside a sharded checkpoint's DCP files."""
 _DCP_META = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 _RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
@@ -101,7 +100,8 @@ def _counts(v: Any, key: str, what: str) -> tuple[int, ...]:
 def check_blobs(manifest: Manifest) -> None:
     """Decode every serialized non-tensor entry through the allow-list, before a DCP writer copies them
     verbatim: a damaged one must stop the copy, not reach an output torch cannot load. An opaque ``meta.pt``
-    was checked as far as it can be without running its classes when it was read (:func:`_read_meta`)."""
+    was checked as far as it can be without running its classes when it was read
+    (:func:`ckptkit.formats._lightning.read_meta`)."""
     for o in manifest.objects:
         if o.blob is not None and o.sidecar != META:
             object_value(o)
@@ -212,7 +212,7 @@ class DcpIO(FormatIO):
         details = [("files", str(len(locate.rank_files))), ("chunks per tensor", ",".join(map(str, sorted(split))))]
         if (root / META).is_file():
             groups = {str(t.path[0]) for t in tensors} | {str(o.path[0]) for o in objects}
-            meta_tensors, meta_objects, note = _read_meta(root / META, groups)
+            meta_tensors, meta_objects, note = read_meta(root / META, groups)
             tensors += meta_tensors
             objects += meta_objects
             details.append((META, note))
@@ -272,7 +272,7 @@ class DcpIO(FormatIO):
         files = [FilePlan(f"__{r}_0.distcp", tuple(parts[r])) for r in range(n)]
         files.append(FilePlan(METADATA, (Bytes(metadata),)))
         if any(e.sidecar == META for e in manifest.entries) or options.meta_groups is not None:
-            files.append(FilePlan(META, _meta_parts(manifest, options)))
+            files.append(FilePlan(META, meta_parts(manifest, options.meta_groups, options.cast)))
         if options.megatron:
             files.append(FilePlan(megatron.COMMON, megatron.common_parts(manifest, options.cast)))
             files.append(FilePlan(megatron.CONFIG, (Bytes(megatron.CONFIG_BYTES),)))
@@ -422,40 +422,3 @@ def _chunk_edges(root: Path, md: Any, storage: dict) -> Iterator[tuple[str, int,
                         yield str(root / info.relative_path), start, end
     except Exception:
         return
-
-
-def _read_meta(path: Path, groups: set[str]) -> tuple[list[TensorEntry], list[ObjectEntry], str]:
-    """``meta.pt``'s entries, flattened as a FULL file's are, less the groups the DCP holds too; and a line
-    for ``inspect``."""
-    try:
-        tree = read_archive(str(path))
-    except UnsafeCheckpointError as e:
-        # Lightning pickles user classes there (hparams as an argparse.Namespace). The archive and the pickle's
-        # structure were checked before the first global was refused; the bytes go on untouched, never run.
-        opaque = ObjectEntry(META, (META,), blob=Span(str(path), 0, path.stat().st_size), sidecar=META)
-        return [], [opaque], f"not readable as data, carried as it is ({e})"
-    if not isinstance(tree, dict):
-        raise FormatError(f"{path}: Lightning's meta.pt holds a dict of non-tensor state, found {type(tree).__name__}")
-    kept = {k: v for k, v in tree.items() if str(k) not in groups}
-    tensors, objects = [], []
-    for p, leaf in flatten(kept, lambda v: isinstance(v, TensorRef)) if kept else ():  # {} flattens to itself
-        if isinstance(leaf, TensorRef):
-            tensors.append(dataclasses.replace(leaf.as_entry(p), sidecar=META))
-        else:
-            objects.append(ObjectEntry(key_of(p), p, leaf, sidecar=META))
-    mirrored = len(tree) - len(kept)
-    return tensors, objects, (f"Lightning's non-tensor state: {len(kept)} entries"
-                              + (f", and {mirrored} mirrored from the DCP entries" if mirrored else ""))
-
-
-def _meta_parts(manifest: Manifest, options: DcpOptions) -> tuple[Part, ...]:
-    """``meta.pt``: the entries read from one, and the groups :attr:`DcpOptions.meta_groups` names."""
-    blob = next((o.blob for o in manifest.objects if o.sidecar == META and o.blob is not None), None)
-    if blob is not None:
-        return (Region.whole(bytes_entry(blob, META)),)
-    groups = set(options.meta_groups or ())
-    items = [(t.path, Region.whole(t, cast_for(t.dtype, options.cast)))
-             for t in manifest.tensors if t.sidecar == META or str(t.path[0]) in groups]
-    items += [(o.path, regions_in(object_value(o), options.cast))
-              for o in manifest.objects if o.sidecar == META or str(o.path[0]) in groups]
-    return archive_parts(unflatten(items) if items else {})
