@@ -147,14 +147,17 @@ def _vote(e: BaseException | None) -> None:
 
 
 def all_ranks(fn: Callable[P, R]) -> Callable[P, R]:
-    """For a function that writes through :func:`execute_distributed` when called with ``distributed=True``: an
-    error on any rank before it writes (a source it cannot read, a bad option) fails every rank, instead of
-    leaving the others waiting for it at the first collective."""
+    """For a function that writes through :func:`execute_distributed` when called with ``distributed=True`` (a
+    keyword, or the field of its ``options``, which the keyword overrides): an error on any rank before it
+    writes (a source it cannot read, a bad option) fails every rank, instead of leaving the others waiting for
+    it at the first collective."""
 
     @functools.wraps(fn)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
         global _vote_owed
-        if not kwargs.get("distributed"):
+        options = kwargs.get("options")
+        default = isinstance(options, WriteOptions) and options.distributed
+        if not kwargs.get("distributed", default):
             return fn(*args, **kwargs)
         import torch.distributed as dist
 

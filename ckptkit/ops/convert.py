@@ -22,13 +22,13 @@ from ..core.plan import FilePlan, WritePlan
 from ..errors import UsageError
 from ..formats import FormatIO, FormatOptions, LocalOptions, Target, locate, writer_for
 from ..formats.dcp import check_blobs
-from ..io.execute import execute_distributed
+from ..io.execute import all_ranks, execute_distributed
 from ..io.options import WriteOptions
 from ..io.parallel import execute_parallel, writers
 from ..io.progress import progress_bar
 from ..io.storage import Storage, storage_at
 from ._model import key_mapping_for, model_part
-from ._options import WriteKeywords, on_all_ranks, storage_of, write_options
+from ._options import WriteKeywords, storage_of, write_options
 from .mapping import KeyMapSource, Renames
 from .report import Changes, Report
 from .select import meta_groups
@@ -141,7 +141,7 @@ def _a(name: str) -> str:
     return f"{'an' if name == 'hf' or name[0] in 'aeiou' else 'a'} {name}"
 
 
-@on_all_ranks
+@all_ranks
 def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal["megatron"],
             world_size: int | None = None, max_shard_size: int | str | None = None, local: LocalOptions | None = None,
             preset: str | None = None, renames: Renames = (), key_map: KeyMapSource = None, strict_map: bool = False,
@@ -220,7 +220,7 @@ def _world_size(asked: int | None, manifest: Manifest, io: FormatIO) -> tuple[in
     return ws, (f"world size {ws}, the source's (--world-size N lays it out for N ranks)",)
 
 
-@on_all_ranks
+@all_ranks
 def reshard(src: Path | str, dst: Path | str, *, world_size: int, local: LocalOptions | None = None,
             options: WriteOptions | None = None, **write_keywords: Unpack[WriteKeywords]) -> Report:
     """Re-lay-out a sharded checkpoint for ``world_size`` ranks, in its own format; no GPU or process group.

@@ -37,11 +37,12 @@ from ..core.plan import Bytes, FilePlan
 from ..errors import FormatError, UsageError
 from ..formats import LocalOptions, locate, writer_for
 from ..formats.hf import FLOAT32, HfOptions
+from ..io.execute import all_ranks
 from ..io.options import WriteOptions
 from ..io.sources import Files
 from ..io.storage import storage_at
 from ._model import map_model
-from ._options import WriteKeywords, on_all_ranks, storage_of, write_options
+from ._options import WriteKeywords, storage_of, write_options
 from .assets import find_assets
 from .convert import parse_size, write
 from .hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
@@ -118,7 +119,7 @@ def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: lis
     return assets, f"config.json: dtype and torch_dtype set to {dtype}, the dtype written{said}"
 
 
-@on_all_ranks
+@all_ranks
 def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: CastName = "keep",
               max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
               strip_wrappers: bool = True, hf_assets: Path | str | None = None, preset: str | None = "auto",
