@@ -123,7 +123,7 @@ _dry_run = option("--dry-run", is_flag=True, section=COMMON,
 
 
 def _presets_help() -> str:
-    from .ops.presets import PRESETS
+    from .models.registry import PRESETS
 
     return ("A model family's adapter (names, stacked experts, transforms): auto (the default for HF output): "
             "the family's, detected from config.json's model_type and the keys; none: no mapping; "
@@ -131,7 +131,7 @@ def _presets_help() -> str:
 
 
 def _preset_names() -> list[str]:
-    from .ops.presets import PRESETS
+    from .models.registry import PRESETS
 
     return ["auto", "none", *PRESETS]
 

@@ -165,8 +165,7 @@ def _write(op, *args, options, quiet: bool, **kwargs) -> None:
 def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, storage_options,
             **local) -> None:
     """Show format, world size, sizes, parameters and dtypes, then tensors (or modules) and other entries."""
-    from .ops.detect import family_of
-    from .ops.inspect import inspect as _inspect, render, summary
+    from .ops.inspect import family_of, inspect as _inspect, render, summary
 
     manifest = _inspect(path, local=local_from(**local), storage_options=storage_options)
     found = family_of(manifest, path)

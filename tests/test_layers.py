@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1] / "ckptkit"
 
 # Lowest first; a module may import its own layer and those before it. ``ckptkit._version`` and
 # ``ckptkit.errors`` are usable by all.
-LAYERS = ("_version", "errors", "core", "io", "codecs", "formats", "ops", "training", "harness", "top")
+LAYERS = ("_version", "errors", "core", "io", "codecs", "formats", "models", "ops", "training", "harness", "top")
 # Where torch may only be imported inside a function: ckptkit moves bytes without it.
-TORCH_FREE = ("core", "io", "codecs", "formats", "ops")
+TORCH_FREE = ("core", "io", "codecs", "formats", "models", "ops")
 # torch, and what imports it on import.
 TORCH = ("torch", "safetensors.torch", "transformers", "accelerate")
 

@@ -1,4 +1,4 @@
-"""ckptkit.ops.mapping: key maps, renames and presets applied to hand-built entries. Pure planning: no file is
+"""ckptkit.models.mapping: key maps, renames and presets applied to hand-built entries. Pure planning: no file is
 opened (entries point at a file that does not exist); the transformers round trips are in test_titan.py."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from ckptkit import Chunk, Span, TensorEntry
 from ckptkit.core.dtypes import by_name
 from ckptkit.errors import UsageError
-from ckptkit.ops.mapping import KeyMapping, key_mapping, map_keys, parse_rename
-from ckptkit.ops.presets import ModelShape, rotary_rows
+from ckptkit.models.mapping import KeyMapping, key_mapping, map_keys, parse_rename
+from ckptkit.models.table import ModelShape, rotary_rows
 
 F32 = by_name("float32")
 SHAPE = ModelShape(head_dim=4, n_heads=2, n_kv_heads=1, layers=2, tied=False, source="config.json")

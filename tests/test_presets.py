@@ -1,4 +1,4 @@
-"""ckptkit.ops.presets: the name tables, the rotary row gather against torch's own reshapes, and head counts read
+"""ckptkit.models.registry: the name tables, the rotary row gather against torch's own reshapes, and head counts read
 from HF ``config.json`` and Meta ``params.json`` dicts. Pure: no files."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ckptkit.errors import UsageError
-from ckptkit.ops.presets import PRESETS, ModelShape, model_shape, preset, rotary_rows
+from ckptkit.models.registry import PRESETS, preset
+from ckptkit.models.table import ModelShape, model_shape, rotary_rows
 
 
 def interleaved_to_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -73,9 +74,22 @@ def test_model_shape_refuses_what_gives_no_head_dim(config, message):
 
 
 def test_preset_unknown_name_lists_the_known():
-    with pytest.raises(UsageError, match=r"--preset 'llama9': unknown; expected one of torchtitan-llama, meta-llama, "
-                                         r"qwen2, mistral"):
+    with pytest.raises(UsageError, match=r"--preset 'llama9': unknown; expected one of torchtitan-llama, ") as e:
         preset("llama9")
+    assert all(name in str(e.value) for name in ("meta-llama", "megatron-qwen3-moe", "qwen2", "mistral"))
+
+
+def test_registry_finds_every_family_module_and_derives_detection_from_the_tables():
+    """A family is one module in ckptkit/models/families: its presets, and the model_type values that pick them."""
+    import pkgutil
+
+    from ckptkit.models import families
+    from ckptkit.models.registry import DETECT, MEGATRON
+
+    modules = {m.name for m in pkgutil.iter_modules(families.__path__) if not m.name.startswith("_")}
+    assert {"torchtitan", "megatron", "meta", "hf"} <= modules
+    assert DETECT["qwen3_moe"] == "torchtitan-qwen3-moe" and MEGATRON["llama"] == "megatron-llama"
+    assert all(PRESETS[name].other_side == "torchtitan" for name in DETECT.values())
 
 
 def test_presets_name_every_hf_llama_weight_once():

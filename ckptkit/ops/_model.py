@@ -11,10 +11,10 @@ from ..errors import UsageError
 from ..formats import FormatIO
 from ..formats._megatron import COMMON, extra_states
 from ..formats.dcp import check_blobs
-from .detect import check_family, detect_family
-from .hfconfig import check_single_file, find_config
-from .mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
-from .presets import MEGATRON, preset
+from ..models.detect import check_family, detect_family
+from ..models.hfconfig import check_single_file, find_config
+from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
+from ..models.registry import MEGATRON, preset
 from .report import Changes
 from .select import select_model
 
@@ -61,7 +61,7 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
 def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path | str,
               hf_assets: Path | str | None, to_hf: bool | None) -> MappedKeys:
     """The model's tensors under ``mapping``; a preset gets its head counts from the model's config
-    (:func:`ckptkit.ops.hfconfig.find_config`: ``hf_assets``, the source's own ``config.json``, Meta's
+    (:func:`ckptkit.models.hfconfig.find_config`: ``hf_assets``, the source's own ``config.json``, Meta's
     ``params.json`` beside it)."""
     shape = None
     notes: tuple[str, ...] = ()
@@ -95,7 +95,7 @@ MEGATRON_STEP_0 = tuple(ObjectEntry(k, (k,), v, sidecar=COMMON) for k, v in (("c
 
 def megatron_preset(src: Path, hf_assets: Path | str | None, preset: str | None) -> str:
     """The preset ``convert --to megatron`` maps with: ``preset`` (a ``megatron-*`` one), else the one for the
-    model's ``model_type`` (:data:`ckptkit.ops.presets.MEGATRON`).
+    model's ``model_type`` (:data:`ckptkit.models.registry.MEGATRON`).
 
     Raises:
         UsageError: another family's preset, or no preset and a config that names no family with a table.

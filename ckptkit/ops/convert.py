@@ -27,9 +27,9 @@ from ..io.options import WriteOptions
 from ..io.parallel import execute_parallel, writers
 from ..io.progress import progress_bar
 from ..io.storage import Storage, storage_at
+from ..models.mapping import KeyMapSource, Renames
 from ._model import key_mapping_for, model_part
 from ._options import WriteKeywords, storage_of, write_options
-from .mapping import KeyMapSource, Renames
 from .report import Changes, Report
 from .select import meta_groups
 
@@ -155,7 +155,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     SHARDED output from another form carries Lightning's ``meta.pt``, so Lightning loads it too. ``megatron``
     writes an HF model for megatron-core (the model at step 0 under its GPT names, with ``common.pt`` and
     ``metadata.json``), which its ``dist_checkpointing.load`` takes at any tensor-parallel size. A key mapping
-    (:mod:`ckptkit.ops.mapping`: ``key_map``, then ``renames``, then ``preset``) renames the model's weights,
+    (:mod:`ckptkit.models.mapping`: ``key_map``, then ``renames``, then ``preset``) renames the model's weights,
     and the output then holds the model part only. ``src`` may be a run directory of :func:`ckptkit.save` (the
     step its ``latest`` names is read, and the report says which); ``src`` and ``dst`` may be URLs.
 
@@ -167,7 +167,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
             single-file source); the other forms have no ranks and refuse more than 1.
         max_shard_size: Largest output file of a FULL or HF output (``"5GB"``, ``"1GiB"`` or bytes); None: one file.
         local: How to read or write a LOCAL checkpoint: rank file names, and how FSDP wraps the model.
-        preset: A named key mapping (:data:`ckptkit.ops.presets.PRESETS`), mapping towards HF names for ``hf``
+        preset: A named key mapping (:data:`ckptkit.models.registry.PRESETS`), mapping towards HF names for ``hf``
             (default there: ``"auto"``, the family's, told by config.json's ``model_type`` and the keys), and a
             ``megatron-*`` one for ``megatron`` (default: the one for ``model_type``).
         renames: ``'REGEX=REPLACEMENT'`` renames, applied in order.

@@ -6,7 +6,7 @@ The rules, in the order an export applies them:
   checkpoint of training state alone is refused. Wrapper prefixes are stripped unless ``strip_wrappers=False``.
 - A key mapping then renames the keys as for :func:`ckptkit.convert` (``key_map``, ``renames``, ``preset``
   towards HF names, ``strict_map``); ``preset="auto"`` picks the family's preset where the keys are
-  torchtitan's names of a known family (:mod:`ckptkit.ops.detect`), and None maps nothing.
+  torchtitan's names of a known family (:mod:`ckptkit.models.detect`), and None maps nothing.
 - Every file and folder of ``hf_assets`` but weights, training state, caches and hidden files is copied
   (config, tokenizer, sentence-transformers modules, generation config, chat template, model card;
   :mod:`ckptkit.ops.assets`), by default those the checkpoint carries (verl's ``huggingface/``).
@@ -41,12 +41,12 @@ from ..io.execute import all_ranks
 from ..io.options import WriteOptions
 from ..io.sources import Files
 from ..io.storage import storage_at
+from ..models.hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
+from ..models.mapping import KeyMapping, KeyMapSource, Renames, key_mapping
 from ._model import map_model
 from ._options import WriteKeywords, storage_of, write_options
 from .assets import find_assets
 from .convert import parse_size, write
-from .hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
-from .mapping import KeyMapping, KeyMapSource, Renames, key_mapping
 from .report import Changes, Report
 from .select import model_keys, select_model
 

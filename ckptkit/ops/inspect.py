@@ -22,9 +22,10 @@ from ..errors import CheckpointError, UsageError
 from ..formats import LocalOptions, locate, object_value
 from ..io.progress import count, human_size
 from ..io.storage import storage_at
+from ..models.detect import Detected, detect_family
 from .select import select_model
 
-__all__ = ["SCHEMA_VERSION", "human_count", "inspect", "is_buffer", "json_value", "render", "summary"]
+__all__ = ["SCHEMA_VERSION", "family_of", "human_count", "inspect", "is_buffer", "json_value", "render", "summary"]
 
 SCHEMA_VERSION = 1
 """Of :func:`summary`; raised when a field changes meaning or goes away."""
@@ -160,7 +161,7 @@ def summary(m: Manifest, *, depth: int | None = None, filter: str | None = None,
             family: tuple[str | None, str] | None = None) -> dict[str, Any]:
     """The manifest as JSON data: ``filter`` (a regular expression searched in each key) narrows the tensors and
     entries, ``depth`` adds a table of modules (keys cut to their first ``depth`` segments), ``family`` (the
-    preset ``--preset auto`` would use, and why: :func:`ckptkit.ops.detect.family_of`) is shown as given."""
+    preset ``--preset auto`` would use, and why: :func:`family_of`) is shown as given."""
     try:
         pattern = re.compile(filter) if filter is not None else None
     except re.error as e:
@@ -256,3 +257,22 @@ def render(s: dict[str, Any]) -> str:
 def _in(entry: dict[str, Any]) -> str:
     """Where an entry lives when not in the checkpoint's own files (Lightning's meta.pt)."""
     return f"  ({entry['file']})" if "file" in entry else ""
+
+
+def family_of(manifest: Manifest, path: Path | str) -> Detected:
+    """What ``--preset auto`` would do with the checkpoint at ``path`` (for ``inspect``): its model part's keys
+    and the ``config.json`` beside it. A family mismatch is reported, not raised."""
+    from ..models.hfconfig import read_model_config
+
+    local = Path(path)
+    where = (local if local.is_dir() else local.parent) / "config.json"
+    try:
+        keys = [t.key for t in select_model(manifest).tensors]
+        config = read_model_config(where) if where.is_file() else {}
+    except CheckpointError as e:
+        return Detected(None, str(e))
+    model_type = config.get("model_type")
+    try:
+        return detect_family(keys, model_type if isinstance(model_type, str) else None, str(where))
+    except UsageError as e:
+        return Detected(None, f"family mismatch: {e}")

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry
 from ..errors import UsageError
-from .names import strip_names
+from ..models.names import strip_names
 
 __all__ = ["MODEL_KEYS", "OPTIMIZER_SLOTS", "ModelSelection", "meta_groups", "model_keys",
            "optimizer_sections", "select_model"]

@@ -24,8 +24,8 @@ from ..io.options import DEFAULT_MAX_MEMORY
 from ..io.progress import human_size, progress_bar
 from ..io.sources import Files, read_region
 from ..io.storage import storage_at
+from ..models.mapping import KeyMapping, Renames, parse_rename, rename_keys
 from . import checksums
-from .mapping import KeyMapping, Renames, parse_rename, rename_keys
 from .select import model_keys, select_model
 
 __all__ = ["SCHEMA_VERSION", "Difference", "VerifyReport", "compare_tensors", "first_difference", "verify"]

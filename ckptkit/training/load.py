@@ -18,8 +18,8 @@ from ..errors import UsageError
 from ..formats import detect, object_value, run_directory
 from ..io.execute import gloo_group
 from ..io.sources import Files, read_region
+from ..models.names import strip_wrapper_names
 from ..ops import checksums
-from ..ops.names import strip_wrapper_names
 from ..ops.select import ModelSelection, optimizer_sections, select_model
 from .fsdp1_offload import settle_offloaded_fsdp1
 from .save import SIDE_KEYS, TRAINING_STATE, local_path, single_process_quiet

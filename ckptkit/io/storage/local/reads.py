@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ....core.plan import Strided
 from ....errors import FormatError
 
-if TYPE_CHECKING:
-    from ...sources import Files
+__all__ = ["Descriptors", "ReadAhead", "pread_exact", "pread_into", "read_into"]
 
-__all__ = ["ReadAhead", "pread_exact", "pread_into", "read_into"]
+
+class Descriptors(Protocol):
+    """Where :func:`read_into` gets a file's descriptor: :class:`ckptkit.io.sources.Files`, which checks the
+    file holds the bytes asked for (declared here so that this module need not import the sources above it)."""
+
+    def fd(self, path: str, need_end: int, *, start: int = 0, key: str = "") -> int: ...
 
 
 class ReadAhead:
@@ -68,7 +72,7 @@ _IOV_MAX = 1024  # buffers one preadv takes (Linux's UIO_MAXIOV)
 _SKIP = 64 << 10  # bytes between strided rows read into a scratch buffer rather than making a read per row
 
 
-def read_into(view: memoryview, pieces: Iterable[Strided], files: Files, key: str) -> None:
+def read_into(view: memoryview, pieces: Iterable[Strided], files: Descriptors, key: str) -> None:
     """Read ``pieces`` (of a region whose bytes ``view`` is) from local files into their places in ``view``.
 
     The rows of a strided piece (a chunk's columns of a ``Shard(1)`` tensor) are read straight into their

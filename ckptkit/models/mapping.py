@@ -24,8 +24,9 @@ from pathlib import Path
 
 from ..core.manifest import TensorEntry
 from ..errors import UsageError
-from .adapter import Source, apply_preset, listed
-from .presets import ModelShape, preset as preset_named
+from .engine import Source, apply_preset, listed
+from .registry import preset as preset_named
+from .table import ModelShape
 
 __all__ = ["KeyMapSource", "KeyMapping", "MappedKeys", "Renames", "key_mapping", "map_keys", "parse_rename",
            "read_json", "read_key_map", "rename_keys"]
@@ -47,7 +48,7 @@ class KeyMapping:
     renames: tuple[tuple[str, str], ...] = ()
     """(regular expression, replacement) pairs, applied in order with :func:`re.sub` to every key."""
     preset: str | None = None
-    """A name in :data:`ckptkit.ops.presets.PRESETS`, or ``"auto"`` (:mod:`ckptkit.ops.detect`)."""
+    """A name in :data:`ckptkit.models.registry.PRESETS`, or ``"auto"`` (:mod:`ckptkit.models.detect`)."""
     strict: bool = False
     """Keys that neither the key map names nor a rename matches are an error (a preset always is strict)."""
 

@@ -2,7 +2,7 @@
 become Hugging Face's, and back.
 
 A :class:`Preset` is a table of :class:`Row`\\ s. Nothing here reads a file or imports torch:
-:mod:`ckptkit.ops.adapter` applies a table to a manifest's entries, building each output tensor from byte
+:mod:`ckptkit.models.engine` applies a table to a manifest's entries, building each output tensor from byte
 ranges of the input (:mod:`ckptkit.core.reshape`) or as a computed tensor (a transpose, an FP8
 dequantization), so that an adapted model streams like any conversion.
 
@@ -43,8 +43,8 @@ compute; the inverse, ``_reverse_permute``, takes HF row ``h·hd + (k mod 2)·ha
 Only ``head_dim`` enters, so the same map serves q (``num_attention_heads`` heads) and k
 (``num_key_value_heads``).
 
-Adding a family is adding a table to :mod:`ckptkit.ops.presets`, and its detection (``model_type`` and a key
-only it has) to :data:`ckptkit.ops.presets.DETECT`.
+Adding a family is adding a module to :mod:`ckptkit.models.families` with its tables, each naming the
+``model_type`` values it is detected by.
 """
 
 from __future__ import annotations
@@ -121,6 +121,9 @@ class Preset:
     """On import from HF, float8 weights with a ``weight_scale_inv`` are dequantized (module docstring)."""
     refuse: tuple[tuple[str, str], ...] = ()
     """(HF name pattern, why): keys refused with that reason (GPT-OSS's MXFP4 ``_blocks``)."""
+    model_types: tuple[str, ...] = ()
+    """The ``config.json`` ``model_type`` values of the family: detection picks this preset by them for the
+    framework's names (:mod:`ckptkit.models.registry`)."""
 
     @property
     def identity(self) -> bool:

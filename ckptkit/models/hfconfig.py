@@ -14,7 +14,7 @@ from ..core.dtypes import DType
 from ..errors import FormatError, UsageError
 from ..formats._megatron import COMMON, args_config
 from .mapping import read_json
-from .presets import ModelShape, Preset, model_shape
+from .table import ModelShape, Preset, model_shape
 
 __all__ = ["TIE_DEFAULTS", "ModelConfig", "check_single_file", "find_config", "keep_in_fp32", "read_model_config",
            "tie_word_embeddings"]

@@ -1,4 +1,4 @@
-"""A preset's table (:mod:`ckptkit.ops.tables`) applied to a model's tensors, as pure planning.
+"""A preset's table (:mod:`ckptkit.models.table`) applied to a model's tensors, as pure planning.
 
 Call order: :func:`apply_preset` with the tensors (each with the key it came from), the preset, the model's
 shape and the direction. It matches every key to a row (a key no row knows is refused, never passed through),
@@ -19,7 +19,7 @@ from ..core.dtypes import by_name
 from ..core.manifest import TensorEntry
 from ..core.reshape import dequantized, join_rows, split_rows, stack, take_rows, transposed, unstack
 from ..errors import UsageError
-from .tables import STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
+from .table import STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
 
 __all__ = ["Adapted", "NameTable", "Source", "apply_preset", "listed"]
 

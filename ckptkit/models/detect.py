@@ -1,7 +1,7 @@
 """Which preset a checkpoint needs: the model family from ``config.json``'s ``model_type`` and the keys.
 
 ``--preset auto`` (``export-hf``'s default, and ``convert --to hf``'s) maps a checkpoint whose keys are
-another code base's names of a family in :data:`ckptkit.ops.presets.DETECT`; keys already in HF's names go
+another code base's names of a family in :data:`ckptkit.models.registry.DETECT`; keys already in HF's names go
 through as they are. An explicit ``--preset`` is checked the same way: a config whose ``model_type`` belongs
 to another family, or keys that only another preset knows, are a family mismatch, refused in one line.
 """
@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-from ..core.manifest import Manifest
-from ..errors import CheckpointError, UsageError
-from .adapter import NameTable
-from .presets import DETECT, PRESETS, Preset
+from ..errors import UsageError
+from .engine import NameTable
+from .registry import DETECT, PRESETS
+from .table import Preset
 
-__all__ = ["Detected", "check_family", "detect_family", "family_of"]
+__all__ = ["Detected", "check_family", "detect_family"]
 
 
 @dataclass(frozen=True)
@@ -83,23 +82,3 @@ def check_family(p: Preset, keys: Sequence[str], model_type: str | None, source:
 def _compatible(chosen: str, named: str) -> bool:
     """A Qwen3-MoE table holds Qwen3's dense layers too, so it reads a dense Qwen3 checkpoint."""
     return (chosen, named) == ("torchtitan-qwen3-moe", "torchtitan-qwen3")
-
-
-def family_of(manifest: Manifest, path: Path | str) -> Detected:
-    """What ``--preset auto`` would do with the checkpoint at ``path`` (for ``inspect``): its model part's keys
-    and the ``config.json`` beside it. A family mismatch is reported, not raised."""
-    from .hfconfig import read_model_config
-    from .select import select_model
-
-    local = Path(path)
-    where = (local if local.is_dir() else local.parent) / "config.json"
-    try:
-        keys = [t.key for t in select_model(manifest).tensors]
-        config = read_model_config(where) if where.is_file() else {}
-    except CheckpointError as e:
-        return Detected(None, str(e))
-    model_type = config.get("model_type")
-    try:
-        return detect_family(keys, model_type if isinstance(model_type, str) else None, str(where))
-    except UsageError as e:
-        return Detected(None, f"family mismatch: {e}")

@@ -1,0 +1,43 @@
+"""The Llama-shaped table that several families share: torchtitan's and Meta's Llama, and HF's own names
+checked as they are (Qwen2, Mistral)."""
+
+from __future__ import annotations
+
+from ..table import Row
+
+__all__ = ["META", "TITAN", "hf_names", "llama_rows"]
+
+TITAN, META = "layers.{n}.attention.qkv_linear.", "layers.{n}.attention."
+"""torchtitan 0.3's fused-module prefix of q/k/v, and Meta's (and torchtitan <= 0.2's) attention prefix."""
+
+
+def llama_rows(q: tuple[str, ...], k: tuple[str, ...], v: tuple[str, ...], head: tuple[str, ...],
+                rotary: str | None, biases: bool = False) -> tuple[Row, ...]:
+    """The Llama family's table; the other side's attention names (``q``, ``k``, ``v``) and output head vary."""
+    layer = "model.layers.{n}."
+    rows = [
+        Row("model.embed_tokens.weight", ("tok_embeddings.weight",) if rotary else ("model.embed_tokens.weight",)),
+        Row(layer + "self_attn.q_proj.weight", tuple(n + ".weight" for n in q), rotary, "n_heads"),
+        Row(layer + "self_attn.k_proj.weight", tuple(n + ".weight" for n in k), rotary, "n_kv_heads"),
+        Row(layer + "self_attn.v_proj.weight", tuple(n + ".weight" for n in v), None, "n_kv_heads"),
+    ]
+    if biases:
+        rows += [Row(layer + "self_attn.q_proj.bias", tuple(n + ".bias" for n in q), rotary, "n_heads"),
+                 Row(layer + "self_attn.k_proj.bias", tuple(n + ".bias" for n in k), rotary, "n_kv_heads"),
+                 Row(layer + "self_attn.v_proj.bias", tuple(n + ".bias" for n in v), None, "n_kv_heads")]
+    names = (("self_attn.o_proj", "attention.wo"), ("mlp.gate_proj", "feed_forward.w1"),
+             ("mlp.up_proj", "feed_forward.w3"), ("mlp.down_proj", "feed_forward.w2"),
+             ("input_layernorm", "attention_norm"), ("post_attention_layernorm", "ffn_norm"))
+    for hf, other in names:
+        name = layer + hf + ".weight"
+        rows.append(Row(name, ("layers.{n}." + other + ".weight",) if rotary else (name,)))
+    rows.append(Row("model.norm.weight", ("norm.weight",) if rotary else ("model.norm.weight",)))
+    rows.append(Row("lm_head.weight", head, tied_to="model.embed_tokens.weight"))
+    return tuple(rows)
+
+
+def hf_names(biases: bool) -> tuple[Row, ...]:
+    """HF's own Llama names (with q/k/v biases for Qwen2)."""
+    layer = "model.layers.{n}.self_attn."
+    return llama_rows((layer + "q_proj",), (layer + "k_proj",), (layer + "v_proj",), ("lm_head.weight",), None,
+                       biases)

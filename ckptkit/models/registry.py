@@ -1,0 +1,67 @@
+"""Every model family's presets, found in :mod:`ckptkit.models.families` (one module a family, each with a
+``PRESETS`` tuple), and the ``model_type`` maps that detection and ``convert --to megatron`` use."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from ..errors import UsageError
+from . import families
+from .table import Preset
+
+__all__ = ["DETECT", "MEGATRON", "PRESETS", "preset"]
+
+# The framework modules first, so that ``--help`` and ``ckptkit presets`` list the converting tables before
+# the checking ones; every other module follows in name order.
+_FIRST = ("torchtitan", "meta", "megatron")
+
+
+def _family_modules() -> list[str]:
+    names = [m.name for m in pkgutil.iter_modules(families.__path__) if not m.name.startswith("_")]
+    return sorted(names, key=lambda n: (_FIRST.index(n) if n in _FIRST else len(_FIRST), n))
+
+
+def _load() -> dict[str, Preset]:
+    found: dict[str, Preset] = {}
+    for name in _family_modules():
+        module = importlib.import_module(f"{families.__name__}.{name}")
+        for p in module.PRESETS:
+            if p.name in found:
+                raise AssertionError(f"preset {p.name!r} is defined twice (ckptkit/models/families/{name}.py)")
+            found[p.name] = p
+    return found
+
+
+PRESETS: dict[str, Preset] = _load()
+"""The presets by name."""
+
+
+def _by_model_type(framework: str) -> dict[str, str]:
+    return {t: p.name for p in PRESETS.values() if p.other_side == framework for t in p.model_types}
+
+
+DETECT = _by_model_type("torchtitan")
+"""``config.json``'s ``model_type`` -> the preset ``--preset auto`` uses for torchtitan names of that family
+(:mod:`ckptkit.models.detect`)."""
+
+MEGATRON = _by_model_type("Megatron")
+"""``config.json``'s ``model_type`` -> the preset ``convert --to megatron`` uses when given none."""
+
+
+def preset(name: str) -> Preset:
+    """The preset named ``name``.
+
+    Args:
+        name: a key of :data:`PRESETS`.
+
+    Returns:
+        The preset.
+
+    Raises:
+        UsageError: no preset has that name.
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise UsageError(f"--preset {name!r}: unknown; expected one of {', '.join(PRESETS)}") from None
