@@ -124,11 +124,11 @@ def test_convert_refuses_fp8_weights_without_scales_that_cover_them(tmp_path, sc
     assert_refused(result, message, tmp_path / "titan")
 
 
-def test_convert_refuses_gpt_oss_mxfp4_experts_in_one_line(tmp_path):
-    state = {"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(2, 4, 1, 16, dtype=torch.uint8),
-             "model.layers.0.mlp.experts.gate_up_proj_scales": torch.zeros(2, 4, 1, dtype=torch.uint8)}
+def test_convert_refuses_gpt_oss_mxfp4_blocks_without_their_scales(tmp_path):
+    state = {"model.embed_tokens.weight": torch.zeros(10, 8),
+             "model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(2, 4, 1, 16, dtype=torch.uint8)}
     src, assets = checkpoint(tmp_path, state, {**CONFIG, "model_type": "gpt_oss"})
     result = run("convert", src, tmp_path / "titan", "--to", "sharded", "--preset", "torchtitan-gpt-oss",
                  "--hf-assets", assets)
-    assert_refused(result, "'model.layers.0.mlp.experts.gate_up_proj_blocks': GPT-OSS's MXFP4 expert weights are "
-                           "not read", tmp_path / "titan")
+    assert_refused(result, "'model.layers.0.mlp.experts.gate_up_proj_blocks' holds MXFP4 blocks but "
+                           "'model.layers.0.mlp.experts.gate_up_proj_scales' is missing", tmp_path / "titan")

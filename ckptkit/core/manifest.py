@@ -72,6 +72,8 @@ class Derived:
     - ``"transpose"``: the one 2-D input's transpose (or a 3-D input's last two dims swapped);
     - ``"dequant_fp8"``: ``inputs[0]`` (a float8 weight) times ``inputs[1]`` (its ``weight_scale_inv``, one float
       per ``block`` x ``block`` tile), in float32, then the entry's dtype;
+    - ``"dequant_mxfp4"``: ``inputs[0]`` (MXFP4 blocks, ``[..., rows, groups, 16]`` uint8) times 2 to the power of
+      ``inputs[1]`` (e8m0 scales, ``[..., rows, groups]``) less 127, as ``[..., rows, groups x 32]``;
     - ``"rows"``: rows ``[a, b)`` of input ``i`` for each ``(i, a, b)`` of ``ranges``, one after another (a split or
       join of computed tensors, which have no byte ranges to take);
     - ``"stack"``: the inputs stacked along a new dim 0.
@@ -79,7 +81,7 @@ class Derived:
     :mod:`ckptkit.io.compute` computes any box of such an entry from the matching boxes of its inputs, so it
     streams in tiles bounded by the memory setting."""
 
-    op: Literal["transpose", "dequant_fp8", "rows", "stack"]
+    op: Literal["transpose", "dequant_fp8", "dequant_mxfp4", "rows", "stack"]
     inputs: tuple[TensorEntry, ...]
     block: int = 128
     ranges: tuple[tuple[int, int, int], ...] = ()

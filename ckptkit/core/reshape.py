@@ -14,7 +14,8 @@ the executor stream such an entry as they stream any other, across chunk boundar
   are a split and a join;
 - :func:`materialize_rows` turns a row gather (:attr:`TensorEntry.rows`, the rotary order) into chunks, so
   gathered tensors split and join too;
-- :func:`transposed` and :func:`dequantized` describe computed tensors (:class:`~ckptkit.core.manifest.Derived`).
+- :func:`transposed`, :func:`dequantized` (FP8) and :func:`dequantized_mxfp4` describe computed tensors
+  (:class:`~ckptkit.core.manifest.Derived`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from .boxes import extent
 from .dtypes import DType
 from .manifest import Chunk, Derived, Span, TensorEntry
 
-__all__ = ["dequantized", "join_rows", "materialize_rows", "split_rows", "squeeze0", "stack", "take_rows",
-           "transposed", "unsqueeze0", "unstack"]
+__all__ = ["MXFP4_BLOCK", "dequantized", "dequantized_mxfp4", "join_rows", "materialize_rows", "split_rows", "squeeze0",
+           "stack", "take_rows", "transposed", "unsqueeze0", "unstack"]
 
 
 def _crop(c: Chunk, a: int, b: int, shift: int, itemsize: int) -> Chunk | None:
@@ -183,6 +184,8 @@ def transposed(entry: TensorEntry, key: str) -> TensorEntry:
     """``entry``'s last two dimensions swapped, computed tile by tile (:mod:`ckptkit.io.compute`)."""
     if len(entry.shape) not in (2, 3):
         raise UsageError(f"{entry.key!r}: shape {list(entry.shape)}: only a 2-D or 3-D tensor is transposed")
+    if entry.derived is not None and entry.derived.op == "transpose":  # a transpose's transpose is its input
+        return dataclasses.replace(entry.derived.inputs[0], key=key, path=(key,))
     shape = (*entry.shape[:-2], entry.shape[-1], entry.shape[-2])
     return TensorEntry(key, (key,), entry.dtype, shape, (), derived=Derived("transpose", (entry,)))
 
@@ -202,3 +205,25 @@ def dequantized(weight: TensorEntry, scale: TensorEntry, key: str, dtype: DType,
         raise UsageError(f"{scale.key!r}: shape {list(scale.shape)} ({scale.dtype}); the {block}x{block} block grid "
                          f"of {weight.key!r} {list(weight.shape)} is {list(grid)} floats")
     return TensorEntry(key, (key,), dtype, weight.shape, (), derived=Derived("dequant_fp8", (weight, scale), block))
+
+
+MXFP4_BLOCK = 32
+"""FP4 values per MXFP4 block (16 bytes, two values a byte), which share one e8m0 scale."""
+
+
+def dequantized_mxfp4(blocks: TensorEntry, scales: TensorEntry, key: str, dtype: DType) -> TensorEntry:
+    """MXFP4 ``blocks`` (``[..., rows, groups, 16]`` uint8, two FP4 values a byte, low nibble first) times
+    2^(``scales`` - 127) (``[..., rows, groups]`` uint8, e8m0), as ``dtype`` ``[..., rows, groups x 32]``: what
+    transformers' ``convert_moe_packed_tensors`` computes before its final transpose.
+
+    Raises:
+        UsageError: the blocks are not uint8 with 16 bytes a block, or the scales do not match them.
+    """
+    if blocks.dtype.name != "uint8" or len(blocks.shape) < 3 or blocks.shape[-1] != MXFP4_BLOCK // 2:
+        raise UsageError(f"{blocks.key!r}: {blocks.dtype} {list(blocks.shape)}; MXFP4 blocks are uint8 "
+                         f"[..., rows, groups, {MXFP4_BLOCK // 2}]")
+    if scales.dtype.name != "uint8" or scales.shape != blocks.shape[:-1]:
+        raise UsageError(f"{scales.key!r}: {scales.dtype} {list(scales.shape)}; the scales of {blocks.key!r} "
+                         f"{list(blocks.shape)} are uint8 {list(blocks.shape[:-1])}")
+    shape = (*blocks.shape[:-2], blocks.shape[-2] * MXFP4_BLOCK)
+    return TensorEntry(key, (key,), dtype, shape, (), derived=Derived("dequant_mxfp4", (blocks, scales)))

@@ -6,11 +6,15 @@ tensor one row block at a time, within its memory setting, and never holds the m
   ``o`` and ``s`` swapped (the input's columns, read as strided rows);
 - ``dequant_fp8``: the weight's box in float32 times each element's block scale (the scale rows and columns
   of the blocks the box meets, repeated ``block`` times and cropped), then cast: what torch's
-  ``QuantizedHuggingFaceStorageReader._dequantize_tensor`` computes block by block.
+  ``QuantizedHuggingFaceStorageReader._dequantize_tensor`` computes block by block;
+- ``dequant_mxfp4``: the blocks and scales of the groups the box's last dim meets, each nibble looked up in
+  the FP4 table in the output dtype and scaled by ``ldexp``, as transformers' ``convert_moe_packed_tensors``
+  does, then cropped to the box.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +52,8 @@ def compute_region(region: Region, read: Read) -> memoryview:
         out = _tensor(Region(derived.inputs[0], *box), read).transpose(-1, -2).contiguous()
     elif derived.op in ("rows", "stack"):
         out = _rows(region, derived, read)
+    elif derived.op == "dequant_mxfp4":
+        out = _mxfp4(region, derived, read)
     else:
         out = _dequantized(region, derived, read).to(getattr(torch, region.entry.dtype.name))
     return out.view(torch.uint8).numpy().data if out.numel() else memoryview(b"")
@@ -94,6 +100,32 @@ def _dequantized(region: Region, derived: Derived, read: Read):
     s = _tensor(Region(scale, (br, bc), grid), read).to(torch.float32)
     expanded = s.repeat_interleave(b, 0).repeat_interleave(b, 1)
     return w * expanded[r0 - br * b:r0 - br * b + rows, c0 - bc * b:c0 - bc * b + cols]
+
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The value of each 4-bit code (e2m1), the table transformers' MXFP4 dequantization indexes."""
+
+
+def _mxfp4(region: Region, derived: Derived, read: Read):
+    import torch
+
+    blocks, scales = derived.inputs
+    width = 2 * blocks.shape[-1]
+    *lead, c0 = region.offsets
+    *counts, cols = region.sizes
+    dtype = getattr(torch, region.entry.dtype.name)
+    if math.prod(region.sizes) == 0:
+        return torch.empty(region.sizes, dtype=dtype)
+    g0, g1 = c0 // width, (c0 + cols - 1) // width + 1
+    blk = _tensor(Region(blocks, (*lead, g0, 0), (*counts, g1 - g0, blocks.shape[-1])), read)
+    exp = _tensor(Region(scales, (*lead, g0), (*counts, g1 - g0)), read).to(torch.int32) - 127
+    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    out = torch.empty((*blk.shape[:-1], width), dtype=dtype)
+    out[..., 0::2] = lut[(blk & 0x0F).to(torch.int)]
+    out[..., 1::2] = lut[(blk >> 4).to(torch.int)]
+    torch.ldexp(out, exp.unsqueeze(-1), out=out)
+    flat = out.reshape(*counts, (g1 - g0) * width)
+    return flat[..., c0 - g0 * width:c0 - g0 * width + cols].contiguous()
 
 
 def block_budget(region: Region, max_memory: int) -> int:

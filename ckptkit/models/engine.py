@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..core.dtypes import by_name
 from ..core.manifest import TensorEntry
-from ..core.reshape import dequantized, join_rows, split_rows, stack, take_rows, transposed, unstack
+from ..core.reshape import dequantized, dequantized_mxfp4, join_rows, split_rows, stack, take_rows, transposed, unstack
 from ..errors import UsageError
 from .table import STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
 
@@ -124,6 +124,8 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
     dropped: list[tuple[str, str]] = []
     if not towards and p.fp8:
         sources = _dequantize(sources, p)
+    if not towards and p.mxfp4:
+        sources = _dequantize_mxfp4(sources, p)
     matched: list[tuple[Source, _Match]] = []
     unknown: list[str] = []
     for s in sources:
@@ -186,6 +188,28 @@ def _dequantize(sources: list[Source], p: Preset) -> list[Source]:
                                  "missing; an FP8 weight is read with its block scales")
             entry = dequantized(entry, scale.entry, key, by_name("float32"))
         out.append(Source(s.origin, entry))
+    return out
+
+
+def _dequantize_mxfp4(sources: list[Source], p: Preset) -> list[Source]:
+    """Each MXFP4 ``X_blocks`` with its ``X_scales`` as one bf16 ``X`` in HF's layout: the dequantized blocks'
+    last two dims swapped, as transformers' ``convert_moe_packed_tensors`` returns them."""
+    by_key = {s.entry.key: s for s in sources}
+    out: list[Source] = []
+    for s in sources:
+        key = s.entry.key
+        if key.endswith("_scales") and key.removesuffix("_scales") + "_blocks" in by_key:
+            continue
+        if not key.endswith("_blocks"):
+            out.append(s)
+            continue
+        name = key.removesuffix("_blocks")
+        scales = by_key.get(name + "_scales")
+        if scales is None:
+            raise UsageError(f"--preset {p.name}: {key!r} holds MXFP4 blocks but {name + '_scales'!r} is missing; "
+                             "MXFP4 blocks are read with their scales")
+        values = dequantized_mxfp4(s.entry, scales.entry, name, by_name("bfloat16"))
+        out.append(Source(s.origin, transposed(values, name)))
     return out
 
 

@@ -32,7 +32,10 @@ The table format. A row names one tensor of the other side and the HF tensor(s) 
 
 On import from HF, a preset with ``fp8`` dequantizes each float8 ``X.weight`` with its ``X.weight_scale_inv``
 (128x128 blocks) into float32 before the table applies (what torchtitan's DeepSeek-V3 import reads through
-torch's ``QuantizedHuggingFaceStorageReader``).
+torch's ``QuantizedHuggingFaceStorageReader``). A preset with ``mxfp4`` dequantizes each ``X_blocks``
+(uint8, two FP4 values a byte, 32 values a block) with its ``X_scales`` (e8m0) into bf16 ``X``, HF's layout of
+the tensor (the transpose of the blocks' rows and values, as transformers' ``convert_moe_packed_tensors``
+returns it; GPT-OSS's released experts).
 
 The rotary transform. torchtitan's Llama and Meta's original Llama code rotate adjacent pairs ``(2i, 2i+1)``
 of each q/k head as complex numbers; Hugging Face's ``rotate_half`` rotates ``(i, i + head_dim/2)``. So the
@@ -119,6 +122,8 @@ class Preset:
     """The other side's own checkpoints come as one file per model-parallel rank, which is not read here."""
     fp8: bool = False
     """On import from HF, float8 weights with a ``weight_scale_inv`` are dequantized (module docstring)."""
+    mxfp4: bool = False
+    """On import from HF, MXFP4 ``X_blocks`` with their ``X_scales`` are dequantized into ``X`` (module docstring)."""
     refuse: tuple[tuple[str, str], ...] = ()
     """(HF name pattern, why): keys refused with that reason (GPT-OSS's MXFP4 ``_blocks``)."""
     model_types: tuple[str, ...] = ()

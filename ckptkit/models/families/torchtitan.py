@@ -80,10 +80,6 @@ _GPT_OSS = [Row(_HF + "self_attn.sinks", (_T + "attention.sinks",)),
             Row(_HF + "mlp.experts.down_proj", (_OSS + "mlp2_weight_EDF", _OSS + "mlp2_weight"), transpose=True),
             Row(_HF + "mlp.experts.down_proj_bias", (_OSS + "mlp2_bias_ED", _OSS + "mlp2_bias")),
             *_renames((("mlp.router.weight", "moe.router.gate.weight"), ("mlp.router.bias", "moe.router.gate.bias")))]
-_MXFP4 = tuple((_HF + f"mlp.experts.{p}_{part}", "GPT-OSS's MXFP4 expert weights are not read; dequantize them first "
-                "(transformers: from_pretrained with Mxfp4Config(dequantize=True), then save_pretrained)")
-               for p in ("gate_up_proj", "down_proj") for part in ("blocks", "scales"))
-
 
 PRESETS = (
     Preset("torchtitan-llama", "torchtitan's Llama 3 (0.3 names; 0.1-0.2 names read too) <-> HF Llama, with the "
@@ -102,7 +98,8 @@ PRESETS = (
            tuple(_titan_common() + _MLA + _dense_mlp() + _DEEPSEEK_MOE), dropped=(_INV_FREQ,), fp8=True,
            model_types=("deepseek_v3",)),
     Preset("torchtitan-gpt-oss", "torchtitan's GPT-OSS in bf16 (attention sinks, expert biases; experts "
-           "[experts, 2 x hidden, dim] <-> HF's transposed) <-> HF GPT-OSS; MXFP4 refused", "torchtitan",
+           "[experts, 2 x hidden, dim] <-> HF's transposed) <-> HF GPT-OSS; MXFP4 experts dequantized on import",
+           "torchtitan",
            tuple(_titan_common() + _gqa(biases=True) + _GPT_OSS), dropped=(_INV_FREQ, _T + "moe.expert_bias_E"),
-           refuse=_MXFP4, model_types=("gpt_oss",)),
+           mxfp4=True, model_types=("gpt_oss",)),
 )
