@@ -14,6 +14,10 @@ Shapes (``--shape``), each a bf16 checkpoint of random bits (the shapes are what
   32000), layer-stacked as ``torch_dist`` holds them, with ``common.pt`` (Megatron-LM's args) and
   ``metadata.json``, ``Shard(0)`` chunks laid out by ckptkit's writer; export-hf maps it with
   ``--preset megatron-llama`` (per-layer split, q/k/v per query group, gate/up).
+- ``fp8``: a DeepSeek-V3-shaped model (MLA attention, dense MLPs; dim 2048, 16 heads, ffn 5632, vocab 32000) in
+  bf16 under HF names, as many layers as fit in ``--size``: ``export-hf --dtype fp8`` writes it in the release's
+  FP8 form (block scales computed), and ``convert --to sharded --preset torchtitan-deepseek-v3`` imports that
+  back, dequantizing; each timed against the ``cp -r`` of its own input.
 - ``tp``: the dense shapes on a 2 x 2 (dp x tp) mesh, saved by torch's own ``dcp.save`` from DTensors placed as
   tensor parallelism places them (``Shard(1)`` for the row-parallel o_proj/down_proj, ``Shard(0)`` for the rest,
   norms replicated over tp).
@@ -181,6 +185,59 @@ def bench_titan_moe(layers: int, repeat: int, root: Path) -> None:
                                 f"experts, 4-rank DCP, {_chunks(src)} chunks")
 
 
+def deepseek_shapes(target: int, dim: int = 2048, heads: int = 16, ffn: int = 5632,
+                    vocab: int = 32000) -> tuple[Shapes, dict]:
+    """HF names and shapes of a DeepSeek-V3 of dense layers (MLA: q_proj, kv_a_proj_with_mqa with its norm,
+    kv_b_proj) with as many layers as fit in ``target`` bf16 bytes, and its config.json."""
+    nope, rope, v, kv_lora = 128, 64, 128, 512
+    layer = [("self_attn.q_proj.weight", (heads * (nope + rope), dim)),
+             ("self_attn.kv_a_proj_with_mqa.weight", (kv_lora + rope, dim)),
+             ("self_attn.kv_a_layernorm.weight", (kv_lora,)),
+             ("self_attn.kv_b_proj.weight", (heads * (nope + v), kv_lora)),
+             ("self_attn.o_proj.weight", (dim, heads * v)), ("mlp.gate_proj.weight", (ffn, dim)),
+             ("mlp.up_proj.weight", (ffn, dim)), ("mlp.down_proj.weight", (dim, ffn)),
+             ("input_layernorm.weight", (dim,)), ("post_attention_layernorm.weight", (dim,))]
+    layers = max(1, (target // 2 - 2 * vocab * dim) // sum(_numel(s) for _, s in layer))
+    shapes = [("model.embed_tokens.weight", (vocab, dim))]
+    for i in range(layers):
+        shapes += [(f"model.layers.{i}.{k}", s) for k, s in layer]
+    config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": dim,
+              "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": heads, "q_lora_rank": None, "kv_lora_rank": kv_lora, "qk_nope_head_dim": nope,
+              "qk_rope_head_dim": rope, "v_head_dim": v, "head_dim": rope, "first_k_dense_replace": layers,
+              "n_routed_experts": 8, "vocab_size": vocab, "tie_word_embeddings": False}
+    return shapes + [("model.norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))], config
+
+
+def bench_fp8(size: int, repeat: int, root: Path) -> None:
+    """export-hf --dtype fp8 of a bf16 DeepSeek-V3 (block scales computed) and the FP8 import back, against cp."""
+    import json
+
+    shapes, config = deepseek_shapes(size)
+    total = write_dcp(root, [(k, s, "bfloat16") for k, s in shapes])
+    assets = root / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps(config))
+    src, fp8 = root / "dcp", root / "fp8"
+    compileall.compile_dir(Path(ckptkit_package.__file__).parent, quiet=1)
+    ckptkit = [sys.executable, "-m", "ckptkit"]
+    export = Row("ckptkit export-hf --dtype fp8", lambda out: [
+        *ckptkit, "export-hf", str(src), str(out), "-q", "--dtype", "fp8", "--hf-assets", str(assets)], src,
+        keep=fp8)
+    _warm(src)
+    _time_rows([_cp(src), export], 1, root)  # makes the FP8 folder the import reads
+    back = Row("ckptkit convert --to sharded (dequantized)", lambda out: [
+        *ckptkit, "convert", str(fp8), str(out), "--to", "sharded", "--world-size", "4", "-q", "--preset",
+        "torchtitan-deepseek-v3", "--hf-assets", str(assets)], fp8)
+    rows = [_cp(src), export, _cp(fp8), back]
+    for row in rows:
+        row.runs.clear()
+    _warm(fp8)
+    _time_rows(rows, repeat, root)
+    _table(rows, total, repeat, f"{total / 1e9:.2f} GB bf16, DeepSeek-V3-shaped (MLA, dense MLPs), "
+                                f"{config['num_hidden_layers']} layers, 4-rank DCP -> FP8 HF -> 4-rank DCP")
+
+
 def with_adamw(shapes: Shapes) -> list[tuple[str, tuple[int, ...], str]]:
     """A training state's tensors: the model under ``model.``, and AdamW's per-parameter state."""
     out = [(f"model.{k}", s, "bfloat16") for k, s in shapes]
@@ -317,7 +374,7 @@ def _chunks(path: Path) -> int:
 
 
 @click.command()
-@click.option("--shape", type=click.Choice(["dense", "moe", "moe-titan", "tp", "megatron"]), default="dense",
+@click.option("--shape", type=click.Choice(["dense", "moe", "moe-titan", "tp", "megatron", "fp8"]), default="dense",
               show_default=True, help="Which checkpoint (see the module docstring).")
 @click.option("--size", default="2GB", show_default=True, help="Approximate size of the dense and tp checkpoints.")
 @click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1), help="moe: layers.")
@@ -350,6 +407,8 @@ def main(shape: str, size: str, layers: int, world_size: int, workers: str | Non
             bench_chunks(chunks, repeat, root)
         elif shape == "moe-titan":
             bench_titan_moe(layers, repeat, root)
+        elif shape == "fp8":
+            bench_fp8(parse_size(size, "--size"), repeat, root)
         elif storage == "s3":
             total = write_dcp(root, [(k, s, "bfloat16") for k, s in llama_shapes(parse_size(size, "--size"))])
             bench_storage(root / "dcp", total, repeat, root)

@@ -232,8 +232,9 @@ def reshard(src, dst, world_size, options, quiet, **local) -> None:
               "written; its tie_word_embeddings decides whether lm_head.weight is left out; a --preset takes "
               "its head counts).")
 @option("--dtype", default="keep", show_default=True,
-         type=click.Choice(["keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),
-         help="Cast floating tensors; integer and bool tensors keep their dtype.")
+         type=click.Choice(["keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32", "fp8"]),
+         help="Cast floating tensors; integer and bool tensors keep their dtype. fp8: linear layers' weights as "
+              "float8 e4m3 with 128x128 block scales (DeepSeek-V3's release form), the rest bf16.")
 @option("--keep-fp32", "keep_fp32", multiple=True, metavar="REGEX",
          help="Under --dtype bf16|fp16, write floating tensors whose HF name matches in float32 (repeatable). "
               "Modules the --hf-assets model class keeps in float32 (_keep_in_fp32_modules) are kept too.")

@@ -74,6 +74,8 @@ class Derived:
       per ``block`` x ``block`` tile), in float32, then the entry's dtype;
     - ``"dequant_mxfp4"``: ``inputs[0]`` (MXFP4 blocks, ``[..., rows, groups, 16]`` uint8) times 2 to the power of
       ``inputs[1]`` (e8m0 scales, ``[..., rows, groups]``) less 127, as ``[..., rows, groups x 32]``;
+    - ``"quant_fp8"``: ``inputs[0]`` divided by its ``block`` x ``block`` tile's scale, as float8;
+      ``"fp8_scale"``: those scales, each tile's largest magnitude / 448 (float32);
     - ``"rows"``: rows ``[a, b)`` of input ``i`` for each ``(i, a, b)`` of ``ranges``, one after another (a split or
       join of computed tensors, which have no byte ranges to take);
     - ``"stack"``: the inputs stacked along a new dim 0.
@@ -81,7 +83,7 @@ class Derived:
     :mod:`ckptkit.io.compute` computes any box of such an entry from the matching boxes of its inputs, so it
     streams in tiles bounded by the memory setting."""
 
-    op: Literal["transpose", "dequant_fp8", "dequant_mxfp4", "rows", "stack"]
+    op: Literal["transpose", "dequant_fp8", "dequant_mxfp4", "quant_fp8", "fp8_scale", "rows", "stack"]
     inputs: tuple[TensorEntry, ...]
     block: int = 128
     ranges: tuple[tuple[int, int, int], ...] = ()

@@ -14,8 +14,8 @@ the executor stream such an entry as they stream any other, across chunk boundar
   are a split and a join;
 - :func:`materialize_rows` turns a row gather (:attr:`TensorEntry.rows`, the rotary order) into chunks, so
   gathered tensors split and join too;
-- :func:`transposed`, :func:`dequantized` (FP8) and :func:`dequantized_mxfp4` describe computed tensors
-  (:class:`~ckptkit.core.manifest.Derived`).
+- :func:`transposed`, :func:`dequantized` (FP8), :func:`dequantized_mxfp4` and :func:`quantized_fp8` describe
+  computed tensors (:class:`~ckptkit.core.manifest.Derived`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from .boxes import extent
 from .dtypes import DType
 from .manifest import Chunk, Derived, Span, TensorEntry
 
-__all__ = ["MXFP4_BLOCK", "dequantized", "dequantized_mxfp4", "join_rows", "materialize_rows", "split_rows", "squeeze0",
-           "stack", "take_rows", "transposed", "unsqueeze0", "unstack"]
+__all__ = ["FP8_MAX", "MXFP4_BLOCK", "dequantized", "dequantized_mxfp4", "join_rows", "materialize_rows",
+           "quantized_fp8", "split_rows", "squeeze0", "stack", "take_rows", "transposed", "unsqueeze0", "unstack"]
 
 
 def _crop(c: Chunk, a: int, b: int, shift: int, itemsize: int) -> Chunk | None:
@@ -227,3 +227,26 @@ def dequantized_mxfp4(blocks: TensorEntry, scales: TensorEntry, key: str, dtype:
                          f"{list(blocks.shape)} are uint8 {list(blocks.shape[:-1])}")
     shape = (*blocks.shape[:-2], blocks.shape[-2] * MXFP4_BLOCK)
     return TensorEntry(key, (key,), dtype, shape, (), derived=Derived("dequant_mxfp4", (blocks, scales)))
+
+
+FP8_MAX = 448.0
+"""The largest float8 e4m3 value: a block's largest magnitude is scaled to it."""
+
+
+def quantized_fp8(weight: TensorEntry, key: str, float8: DType, scale_dtype: DType,
+                  block: int = 128) -> tuple[TensorEntry, TensorEntry]:
+    """``weight`` as DeepSeek-V3 releases its linear layers: the float8 e4m3 weight ``key`` and its
+    ``key + "_scale_inv"``, one float per ``block`` x ``block`` tile, that tile's largest magnitude / 448 (the
+    weight is the float8 value times its tile's scale; an all-zero tile has scale 0 and zeros).
+
+    Raises:
+        UsageError: the weight is not a 2-D floating tensor.
+    """
+    if len(weight.shape) != 2 or not weight.dtype.is_floating or weight.dtype.name.startswith("float8"):
+        raise UsageError(f"{weight.key!r}: {weight.dtype} {list(weight.shape)}; FP8 quantization takes a 2-D "
+                         "floating weight")
+    grid = tuple(-(-n // block) for n in weight.shape)
+    values = TensorEntry(key, (key,), float8, weight.shape, (), derived=Derived("quant_fp8", (weight,), block))
+    scale_key = key + "_scale_inv"
+    scale = TensorEntry(scale_key, (scale_key,), scale_dtype, grid, (), derived=Derived("fp8_scale", (weight,), block))
+    return values, scale

@@ -9,7 +9,9 @@ tensor one row block at a time, within its memory setting, and never holds the m
   ``QuantizedHuggingFaceStorageReader._dequantize_tensor`` computes block by block;
 - ``dequant_mxfp4``: the blocks and scales of the groups the box's last dim meets, each nibble looked up in
   the FP4 table in the output dtype and scaled by ``ldexp``, as transformers' ``convert_moe_packed_tensors``
-  does, then cropped to the box.
+  does, then cropped to the box;
+- ``quant_fp8`` and ``fp8_scale``: the rows of whole 128x128 tiles the box meets, in float32, each tile's
+  largest magnitude / 448 (the scale) and the weight divided by it (the float8 values), cropped to the box.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from typing import Any
 
 from ..core.manifest import Derived
 from ..core.plan import Region
+from ..core.reshape import FP8_MAX
 
 Read = Callable[[Region], bytearray]
 """The row-major bytes of a region of a stored tensor (:func:`ckptkit.io.sources.read_region` over open files)."""
 
-__all__ = ["WORKING_BYTES", "block_budget", "compute_region"]
+__all__ = ["COMPUTE_MEMORY", "WORKING_BYTES", "block_budget", "compute_region", "working_bytes"]
 
 WORKING_BYTES = 12
 """Bytes per output element alive while a box is computed, beyond the output's own: the input's, a float32
@@ -54,6 +57,8 @@ def compute_region(region: Region, read: Read) -> memoryview:
         out = _rows(region, derived, read)
     elif derived.op == "dequant_mxfp4":
         out = _mxfp4(region, derived, read)
+    elif derived.op in ("quant_fp8", "fp8_scale"):
+        out = _fp8(region, derived, read)
     else:
         out = _dequantized(region, derived, read).to(getattr(torch, region.entry.dtype.name))
     return out.view(torch.uint8).numpy().data if out.numel() else memoryview(b"")
@@ -128,10 +133,61 @@ def _mxfp4(region: Region, derived: Derived, read: Read):
     return flat[..., c0 - g0 * width:c0 - g0 * width + cols].contiguous()
 
 
+def _fp8(region: Region, derived: Derived, read: Read):
+    """A box of a weight's float8 values or of its tile scales, one band of whole tiles (``block`` rows of the
+    weight) at a time, so that only a band's float32 copy is alive beside the output."""
+    import torch
+
+    (weight,), b = derived.inputs, derived.block
+    scales = derived.op == "fp8_scale"
+    (r0, c0), (nr, nc) = region.offsets, region.sizes
+    out = torch.empty((nr, nc), dtype=getattr(torch, region.entry.dtype.name))
+    unit = 1 if scales else b  # the scales' box counts tiles, the values' box elements
+    left = c0 // unit * b
+    right = min(-(-(c0 + nc) // unit) * b, weight.shape[1])
+    for tile in range(r0 // unit, -(-(r0 + nr) // unit) if nr else 0):
+        top, bottom = tile * b, min((tile + 1) * b, weight.shape[0])
+        w = _tensor(Region(weight, (top, left), (bottom - top, right - left)), read).to(torch.float32)
+        scale = _tile_scales(w, b)
+        if scales:
+            out[tile - r0] = scale[c0 - left // b:c0 - left // b + nc]
+            continue
+        expanded = scale.repeat_interleave(b)[:w.shape[1]]
+        values = w.div_(torch.where(expanded > 0, expanded, torch.ones_like(expanded)))
+        a, z = max(top, r0), min(bottom, r0 + nr)
+        out[a - r0:z - r0] = values[a - top:z - top, c0 - left:c0 - left + nc]
+    return out
+
+
+def _tile_scales(band: Any, b: int) -> Any:
+    """The scale of each ``b`` x ``b`` tile of a band of at most ``b`` rows: its largest magnitude / 448."""
+    import torch
+
+    cols = band.shape[1]
+    amax = band.abs().amax(dim=0)
+    amax = torch.nn.functional.pad(amax, (0, -cols % b)).reshape(-1, b).amax(dim=1)
+    return amax / FP8_MAX
+
+
+COMPUTE_MEMORY = 32 << 20
+"""The most memory one box of a computed tensor takes, whatever ``--max-memory`` allows: computing in boxes
+larger than this is no faster, and a box's working copies are several times its size."""
+
+
+def working_bytes(derived: Derived) -> int:
+    """Bytes alive per output element while a box of ``derived`` is computed, beyond the output's own: a
+    tile scale is computed from a whole tile of the weight in float32, other ops from about one element each."""
+    if derived.op == "fp8_scale":
+        return derived.block * derived.block * WORKING_BYTES
+    return WORKING_BYTES
+
+
 def block_budget(region: Region, max_memory: int) -> int:
     """The bytes of one row block of a region to cast or compute: a block's source bytes and their cast copy
     are alive at once, so a row costs its size in both dtypes (and a computed one its working copies too);
     row_blocks counts the block in the written dtype alone."""
     out = region.dtype.itemsize
-    working = WORKING_BYTES if region.entry.derived is not None else 0
-    return max(1, max_memory * out // (region.entry.dtype.itemsize + out + working))
+    if region.entry.derived is None:
+        return max(1, max_memory * out // (region.entry.dtype.itemsize + out))
+    working = working_bytes(region.entry.derived)
+    return max(1, min(max_memory, COMPUTE_MEMORY) * out // (region.entry.dtype.itemsize + out + working))

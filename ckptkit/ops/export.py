@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from ..core.dtypes import CastName, DType, parse_cast
 from ..core.manifest import Format, Manifest, TensorEntry
@@ -43,6 +43,7 @@ from ..io.sources import Files
 from ..io.storage import storage_at
 from ..models.hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
 from ..models.mapping import KeyMapping, KeyMapSource, Renames, key_mapping
+from ._fp8 import fp8_config, quantize_fp8
 from ._model import map_model
 from ._options import WriteKeywords, storage_of, write_options
 from .assets import find_assets
@@ -120,7 +121,7 @@ def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: lis
 
 
 @all_ranks
-def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: CastName = "keep",
+def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: CastName | Literal["fp8"] = "keep",
               max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
               strip_wrappers: bool = True, hf_assets: Path | str | None = None, preset: str | None = "auto",
               renames: Renames = (), key_map: KeyMapSource = None, strict_map: bool = False,
@@ -138,7 +139,9 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         src: The checkpoint to read: a file, a directory, a run directory or a URL.
         dst: The HF folder to write; must not exist unless ``overwrite``.
         model_key: Where the model sits, as a dotted path; ``auto`` finds it (:mod:`ckptkit.ops.select`).
-        dtype: ``keep``, or the cast of floating tensors: ``bf16``, ``fp16``, ``fp32`` (or their long names).
+        dtype: ``keep``, or the cast of floating tensors: ``bf16``, ``fp16``, ``fp32`` (or their long names);
+            ``fp8``: the linear layers' weights as float8 e4m3 with 128x128 block scales, the rest bf16
+            (:mod:`ckptkit.ops._fp8`).
         max_shard_size: Largest safetensors file (``"5GB"``, ``"1GiB"`` or bytes); None: one file.
         strip_prefixes: Further leading key prefixes to strip.
         strip_wrappers: Strip ``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.`` and
@@ -163,7 +166,8 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         UsageError: ``keep_fp32`` comes without a cast, or the checkpoint holds training state alone.
     """
     options = write_options(options, write_keywords)
-    cast = parse_cast(dtype)
+    fp8 = dtype == "fp8"
+    cast = parse_cast("bf16" if fp8 else dtype)
     keep_patterns = _patterns(keep_fp32, "--keep-fp32")
     if keep_patterns and cast is None:
         raise UsageError("--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype bf16 or fp16")
@@ -171,7 +175,12 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets)
     part = _with_assets(part, storage_of(options), cast, options.max_memory)
-    layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size))
+    scales: frozenset[str] = frozenset()
+    if fp8:
+        tensors, scales, note = quantize_fp8(part.tensors)
+        part = dataclasses.replace(part, tensors=tensors, assets=fp8_config(part.assets, part.config),
+                                   notes=part.notes + (note,))
+    layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size), scales)
     casts = tuple((t.key, to.name) for t in part.tensors if (to := layout.cast_of(t)) is not None)
     return write(Manifest(part.source.format, part.source.root, part.tensors), writer_for(Format.HF), dst, layout,
                  dataclasses.replace(options, progress=options.progress and not options.distributed), src=src,
@@ -229,13 +238,14 @@ def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memo
 
 
 def _hf_options(part: _Part, keep_patterns: tuple[re.Pattern, ...], cast: DType | None,
-                max_shard_size: int | None) -> tuple[HfOptions, tuple[str, ...]]:
-    """The HF writer's options for ``part``: the cast, and the keys kept in float32 under it; with notes."""
+                max_shard_size: int | None, scales: frozenset[str]) -> tuple[HfOptions, tuple[str, ...]]:
+    """The HF writer's options for ``part``: the cast, and the keys kept in float32 under it (``scales``, FP8
+    block scales, among them); with notes."""
     keep, keep_note = _kept_in_fp32(list(part.tensors), keep_patterns, part.config, cast)
-    layout = HfOptions(cast=cast, max_shard_size=max_shard_size, keep_fp32=frozenset(keep))
+    layout = HfOptions(cast=cast, max_shard_size=max_shard_size, keep_fp32=frozenset(keep) | scales)
     notes: tuple[str, ...] = ()
     if cast:
-        n = sum(1 for t in part.tensors if t.key not in keep and layout.cast_of(t) is not None)
+        n = sum(1 for t in part.tensors if t.key not in layout.keep_fp32 and layout.cast_of(t) is not None)
         notes += (f"cast {n} floating tensors to {cast}; others kept their dtype",)
     return layout, notes + ((keep_note,) if keep_note else ())
 

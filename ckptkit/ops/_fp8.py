@@ -1,0 +1,83 @@
+"""``export-hf --dtype fp8``: a model written back in DeepSeek-V3's release form.
+
+Each linear layer's weight (a 2-D ``*_proj.weight``: attention and MLP projections, routed and shared experts)
+becomes float8 e4m3 with a float32 ``weight_scale_inv`` per 128x128 tile, that tile's largest magnitude / 448;
+every other floating tensor (embedding, norms, router, head) is written in bf16, as the release keeps them.
+``config.json`` gets the ``quantization_config`` that transformers and torch's
+``QuantizedHuggingFaceStorageReader`` read. The values and scales are computed tile by tile
+(:mod:`ckptkit.io.compute`), within the memory setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+from ..core.dtypes import by_name
+from ..core.manifest import TensorEntry
+from ..core.plan import Bytes, FilePlan
+from ..core.reshape import quantized_fp8
+from ..errors import UsageError
+
+__all__ = ["BLOCK", "QUANTIZED", "QUANTIZATION_CONFIG", "fp8_config", "quantize_fp8"]
+
+BLOCK = 128
+QUANTIZED = re.compile(r"_proj(_with_mqa)?\.weight$")
+"""HF names of the linear layers' weights that the release quantizes."""
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                       "weight_block_size": [BLOCK, BLOCK]}
+
+
+def quantize_fp8(tensors: tuple[TensorEntry, ...]) -> tuple[tuple[TensorEntry, ...], frozenset[str], str]:
+    """``tensors`` with each linear weight replaced by its float8 values and tile scales.
+
+    Args:
+        tensors: The model's tensors under HF names.
+
+    Returns:
+        The tensors to write, the keys of the scales (written in float32), and a note for the report.
+
+    Raises:
+        UsageError: no tensor is a linear layer's weight.
+    """
+    out: list[TensorEntry] = []
+    scales: set[str] = set()
+    float8, float32 = by_name("float8_e4m3fn"), by_name("float32")
+    for t in tensors:
+        if len(t.shape) == 2 and t.dtype.is_floating and QUANTIZED.search(t.key):
+            values, scale = quantized_fp8(t, t.key, float8, float32, BLOCK)
+            out += [values, scale]
+            scales.add(scale.key)
+        else:
+            out.append(t)
+    if not scales:
+        raise UsageError("--dtype fp8: no tensor is a linear layer's weight (HF names ending in _proj.weight); "
+                         "nothing to quantize")
+    note = (f"quantized {len(scales)} linear weights to float8_e4m3fn with {BLOCK}x{BLOCK} block scales "
+            "(weight_scale_inv, float32); other floating tensors written in bfloat16")
+    return tuple(out), frozenset(scales), note
+
+
+def fp8_config(assets: tuple[FilePlan, ...], config: dict[str, Any] | None) -> tuple[FilePlan, ...]:
+    """``assets`` with ``config.json`` naming the FP8 quantization written.
+
+    Args:
+        assets: The files an export copies, ``config.json`` among them (as given or already rewritten).
+        config: ``config.json`` as read.
+
+    Returns:
+        The assets, ``config.json`` holding ``quantization_config``.
+
+    Raises:
+        UsageError: there is no ``config.json`` to name the quantization in.
+    """
+    plan = next((p for p in assets if p.relpath == "config.json"), None)
+    if plan is None or config is None:
+        raise UsageError("--dtype fp8 names the quantization in config.json's quantization_config: pass "
+                         "--hf-assets DIR with the model's config.json")
+    written = plan.parts[0].data if len(plan.parts) == 1 and isinstance(plan.parts[0], Bytes) else None
+    current = json.loads(written) if written is not None else dict(config)
+    data = (json.dumps({**current, "quantization_config": QUANTIZATION_CONFIG}, indent=2) + "\n").encode()
+    return tuple(dataclasses.replace(p, parts=(Bytes(data),)) if p is plan else p for p in assets)
