@@ -142,3 +142,17 @@ def test_export_hf_fp8_cuts_partial_tiles_as_torchs_reader_reads_them(tmp_path):
                                                                      block_size=128, thread_count=1))
     scale = reference_scales(w).repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :300]
     assert torch.all((read[key] - w.float()).abs() <= w.float().abs() / 16 + scale / 1024)
+
+
+def test_the_fp8_export_imports_back_as_torchs_quantized_reader_dequantizes_it(fp8_export, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+    key = "model.layers.0.mlp.down_proj.weight"
+    read = {key: torch.empty(load_hf(fp8_export)[key].shape)}
+    dcp.load(read, storage_reader=QuantizedHuggingFaceStorageReader(str(fp8_export), target_dtype=torch.float32,
+                                                                     block_size=128, thread_count=1))
+    ckptkit.convert(fp8_export, tmp_path / "titan", to="sharded", world_size=2, preset="torchtitan-deepseek-v3")
+    titan = {"layers.0.feed_forward.w2.weight": torch.empty(read[key].shape)}
+    dcp.load(titan, checkpoint_id=str(tmp_path / "titan"))
+    assert torch.equal(titan["layers.0.feed_forward.w2.weight"], read[key])
