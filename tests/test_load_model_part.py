@@ -60,18 +60,24 @@ def test_load_plain_state_dict_file(tmp_path):
     ref, _ = _trained()
     torch.save(ref.state_dict(), tmp_path / "model.pt")
     net, opt = _fresh()
-    result = ckptkit.load(tmp_path / "model.pt", net, optimizer=opt)
+    result = ckptkit.load(tmp_path / "model.pt", net, optimizer=opt, load_optimizer=False)
     assert not result.optimizer_loaded and result.step is None
     assert_same_tree(net.state_dict(), ref.state_dict())
 
 
-def test_load_hf_folder_with_an_optimizer_passed_loads_the_model(tmp_path):
+def test_load_with_an_optimizer_refuses_a_checkpoint_without_optimizer_state(tmp_path):
     ref, _ = _trained()
     (tmp_path / "hf").mkdir()
     save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, tmp_path / "hf" / "model.safetensors")
     net, opt = _fresh()
-    assert not ckptkit.load(tmp_path / "hf", net, optimizer=opt).optimizer_loaded
+    with pytest.raises(CheckpointError, match=r"hf: holds no optimizer state for the model \(4 model tensors, "
+                                              r"nothing else\); pass load_optimizer=False \(or no optimizer\) to "
+                                              r"load the weights alone"):
+        ckptkit.load(tmp_path / "hf", net, optimizer=opt)
+    assert not ckptkit.load(tmp_path / "hf", net, optimizer=opt, strict=False).optimizer_loaded
     assert_same_tree(net.state_dict(), ref.state_dict())
+    net = _fresh()[0]
+    assert not ckptkit.load(tmp_path / "hf", net).optimizer_loaded
 
 
 @pytest.mark.parametrize("layout", [
@@ -105,7 +111,8 @@ def test_load_other_frameworks_layouts(tmp_path, layout):
     else:
         torch.save({"model": msd, "optimizer": osd, "step": 2}, tmp_path / "ckpt")
     net, opt = _fresh()
-    assert ckptkit.load(tmp_path / "ckpt", net, optimizer=opt).optimizer_loaded == with_optimizer
+    assert ckptkit.load(tmp_path / "ckpt", net, optimizer=opt, strict=with_optimizer).optimizer_loaded == \
+        with_optimizer
     _assert_loaded(net, opt, ref, ref_opt, with_optimizer)
 
 

@@ -12,13 +12,17 @@ from ..formats import FormatIO
 from ..formats._megatron import COMMON, extra_states
 from ..formats.dcp import check_blobs
 from ..models.detect import check_family, detect_family
+from ..models.engine import NameTable
 from ..models.hfconfig import check_single_file, find_config
 from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
 from ..models.registry import MEGATRON, preset
+from ..models.table import ModelShape
+from ._optimizer import Entry, carry_training_state
 from .report import Changes
 from .select import select_model
 
-__all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "key_mapping_for", "map_model", "megatron_preset", "model_part"]
+__all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "key_mapping_for", "map_model", "megatron_preset", "model_part",
+           "resolve_mapping"]
 
 TO_MEGATRON = "megatron"
 """The ``--to`` name of a megatron-core checkpoint: SHARDED, with megatron-core's names and files."""
@@ -38,7 +42,9 @@ def key_mapping_for(io: FormatIO, to: str, src: Path, hf_assets: Path | str | No
 def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, src: Path,
                hf_assets: Path | str | None) -> tuple[Manifest, Changes, tuple[str, ...]]:
     """What a conversion writes of ``manifest``: all of it; or, to a model-only output or under a key mapping,
-    the model part under the mapping's names. With the renames and drops made, and notes for the report."""
+    the model part under the mapping's names, with (to a checkpoint that holds training state) the optimizer
+    state mapped alike (:mod:`._optimizer`) and the rest of the training state. With the renames and drops
+    made, and notes for the report."""
     if not (io.hf_model or mapping):
         return manifest, Changes(), ()
     # A model file holds the model: the same part, under the same names, as export-hf writes. The entries it
@@ -47,22 +53,42 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
     check_blobs(manifest)
     sel = select_model(manifest)
     tensors, notes, changes = sel.tensors, sel.notes, Changes()
+    state: tuple[Entry, ...] = ()
     if mapping:
-        mapped = map_model(tensors, mapping, src, hf_assets,
-                           to_hf=True if io.hf_model else False if to == TO_MEGATRON else None)
-        tensors, notes = mapped.tensors, notes + mapped.notes
+        to_hf = True if io.hf_model else False if to == TO_MEGATRON else None
+        resolved, shape, said = resolve_mapping(tensors, mapping, src, hf_assets)
+        mapped = map_keys(tensors, resolved, shape=shape, to_hf=to_hf)
+        tensors, notes = mapped.tensors, notes + said + mapped.notes
         changes = Changes(mapped.renamed, mapped.dropped, permuted=mapped.permuted)
-        if not io.hf_model:
-            notes += ("a key mapping renames the model's weights: the output holds the model part only",)
+        if not io.hf_model and to != TO_MEGATRON:
+            carried = carry_training_state(manifest, sel, mapped,
+                                           lambda ts: map_keys(ts, resolved, shape=shape, to_hf=to_hf),
+                                           _into_titan(resolved, mapped))
+            state = carried.entries
+            left = tuple(d for d in sel.left_out if d.split(" (", 1)[0] not in carried.groups)
+            notes = dataclasses.replace(sel, left_out=left).notes + notes[len(sel.notes):] + carried.notes
     objects = (*extra_states(tensors), *MEGATRON_STEP_0) if to == TO_MEGATRON else ()
+    tensors += tuple(e for e in state if isinstance(e, TensorEntry))
+    objects += tuple(e for e in state if isinstance(e, ObjectEntry))
     return Manifest(manifest.format, manifest.root, tensors, objects), changes, notes
 
 
-def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path | str,
-              hf_assets: Path | str | None, to_hf: bool | None) -> MappedKeys:
-    """The model's tensors under ``mapping``; a preset gets its head counts from the model's config
-    (:func:`ckptkit.models.hfconfig.find_config`: ``hf_assets``, the source's own ``config.json``, Meta's
-    ``params.json`` beside it)."""
+def _into_titan(mapping: KeyMapping, mapped: MappedKeys) -> bool:
+    """Whether ``mapped`` names the model as torchtitan does (its optimizer state then takes torchtitan's
+    layout, which its CheckpointManager loads)."""
+    if mapping.preset is None or not mapped.tensors:
+        return False
+    chosen = preset(mapping.preset)
+    table = NameTable(chosen)
+    key = mapped.tensors[0].key
+    return chosen.other_side == "torchtitan" and bool(table.find(table.other, key)) and not table.find(table.hf, key)
+
+
+def resolve_mapping(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path | str,
+                    hf_assets: Path | str | None) -> tuple[KeyMapping, ModelShape | None, tuple[str, ...]]:
+    """``mapping`` with ``--preset auto`` resolved to a family's preset, the model's shape a preset needs (its
+    head counts from the model's config: :func:`ckptkit.models.hfconfig.find_config`: ``hf_assets``, the
+    source's own ``config.json``, Meta's ``params.json`` beside it), and notes."""
     shape = None
     notes: tuple[str, ...] = ()
     if mapping.preset is not None:
@@ -83,7 +109,15 @@ def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path |
             if config is None and chosen.needs_shape:
                 config = find_config(Path(src), hf_assets)
             shape = config.shape() if config is not None else None
-    mapped = map_keys(tensors, mapping, shape=shape, to_hf=to_hf)
+    return mapping, shape, notes
+
+
+def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path | str,
+              hf_assets: Path | str | None, to_hf: bool | None) -> MappedKeys:
+    """The model's tensors under ``mapping`` (``--preset auto`` and the shape resolved by
+    :func:`resolve_mapping`)."""
+    resolved, shape, notes = resolve_mapping(tensors, mapping, src, hf_assets)
+    mapped = map_keys(tensors, resolved, shape=shape, to_hf=to_hf)
     return dataclasses.replace(mapped, notes=notes + mapped.notes)
 
 

@@ -45,7 +45,7 @@ from ..errors import UsageError
 from ..models.names import strip_names
 
 __all__ = ["MODEL_KEYS", "OPTIMIZER_SLOTS", "ModelSelection", "meta_groups", "model_keys",
-           "optimizer_sections", "select_model"]
+           "optimizer_sections", "select_model", "training_groups"]
 
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
 """Model sections tried, in order, by rule 1."""
@@ -135,6 +135,14 @@ def optimizer_sections(manifest: Manifest) -> tuple[str, ...]:
             found.append(f"{n}.{listed[0]}")
     preferred = [n for n in ("optim", "optimizer", "optimizer_0") if n in found]
     return (*preferred, *sorted(n for n in found if n not in preferred))
+
+
+def training_groups(manifest: Manifest, optimizer: bool = False) -> tuple[str, ...]:
+    """The top-level groups of ``manifest`` that are training state (see the module docstring); with
+    ``optimizer``, those that are optimizer state only."""
+    groups = _groups(manifest)
+    test = _is_optimizer if optimizer else _is_training_state
+    return tuple(n for n, es in groups.items() if test(n, es, set(groups)))
 
 
 def meta_groups(manifest: Manifest) -> tuple[str, ...] | None:

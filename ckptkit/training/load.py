@@ -85,14 +85,15 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
 
     Raises :class:`ckptkit.CheckpointError` listing the keys when, under ``strict``, the model needs keys the
     checkpoint lacks or the checkpoint holds model keys the model does not have, or the optimizer state
-    present does not fit the optimizer.
+    present does not fit the optimizer; and, given an optimizer, when the checkpoint holds no optimizer state,
+    so that training never goes on from a fresh optimizer unnoticed.
 
     Args:
         path: A checkpoint directory or file, or a run directory whose ``latest`` names the step.
         model: The model to load into: a plain module, DDP, FSDP1 or FSDP2, at any world size.
         optimizer: Its optimizer, loaded when the checkpoint holds optimizer state.
         scheduler: An object with ``load_state_dict()``, loaded from a ``scheduler`` entry.
-        strict: Refuse model keys that do not match, and optimizer state that does not fit.
+        strict: Refuse model keys that do not match, and optimizer state that is missing or does not fit.
         load_optimizer: Load the optimizer state; False leaves ``optimizer`` as it is.
         load_scheduler: Load the scheduler state.
         verify_checksums: Check every tensor against the checksums ``ckptkit.json`` recorded.
@@ -101,7 +102,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
         The directory loaded, the saved step and ``extra_state``, and whether optimizer state was loaded.
 
     Raises:
-        CheckpointError: Under ``strict``, the keys do not match or the optimizer state does not fit.
+        CheckpointError: Under ``strict``, the keys do not match, or ``optimizer`` is given and the checkpoint
+            holds no optimizer state or state that does not fit.
         FormatError: ``latest`` is not a small file naming a step directory inside the run directory, or a
             file of the checkpoint is not what its format promises.
         ChecksumError: A tensor's bytes differ from the checksum recorded when it was saved.
@@ -135,6 +137,11 @@ def _load_state(ckpt: Path, manifest: Manifest, training: Manifest | None, model
     model_src = _model_sources(manifest, sel, model, msd, strict)
     optim_src = (_optimizer_sources(training, sel, osd, strict)
                  if optimizer is not None and training is not None else None)
+    if optimizer is not None and optim_src is None and strict:
+        held = f"{len(sel.tensors)} model tensors" + (f"; beside them {'; '.join(sel.left_out)}" if sel.left_out
+                                                       else ", nothing else")
+        raise UsageError(f"{ckpt}: holds no optimizer state for the model ({held}); pass load_optimizer=False "
+                         "(or no optimizer) to load the weights alone")
     with Files() as files:
         if fmt is Format.SHARDED:
             # DCP reads each rank's part of every tensor into the tensors get_state_dict gave, keyed as saved.
