@@ -14,7 +14,8 @@ the executor stream such an entry as they stream any other, across chunk boundar
   are a split and a join;
 - :func:`materialize_rows` turns a row gather (:attr:`TensorEntry.rows`, the rotary order) into chunks, so
   gathered tensors split and join too;
-- :func:`transposed` and :func:`dequantized` describe computed tensors (:class:`~ckptkit.core.manifest.Derived`).
+- :func:`transposed`, :func:`dequantized` and :func:`zeros` describe computed tensors
+  (:class:`~ckptkit.core.manifest.Derived`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .dtypes import DType
 from .manifest import Chunk, Derived, Span, TensorEntry
 
 __all__ = ["dequantized", "join_rows", "materialize_rows", "split_rows", "squeeze0", "stack", "take_rows",
-           "transposed", "unsqueeze0", "unstack"]
+           "transposed", "unsqueeze0", "unstack", "zeros"]
 
 
 def _crop(c: Chunk, a: int, b: int, shift: int, itemsize: int) -> Chunk | None:
@@ -202,3 +203,8 @@ def dequantized(weight: TensorEntry, scale: TensorEntry, key: str, dtype: DType,
         raise UsageError(f"{scale.key!r}: shape {list(scale.shape)} ({scale.dtype}); the {block}x{block} block grid "
                          f"of {weight.key!r} {list(weight.shape)} is {list(grid)} floats")
     return TensorEntry(key, (key,), dtype, weight.shape, (), derived=Derived("dequant_fp8", (weight, scale), block))
+
+
+def zeros(key: str, dtype: DType, shape: tuple[int, ...]) -> TensorEntry:
+    """A tensor of ``shape`` whose every element is zero, computed box by box: read from nothing."""
+    return TensorEntry(key, (key,), dtype, shape, (), derived=Derived("zeros", ()))

@@ -6,7 +6,8 @@ tensor one row block at a time, within its memory setting, and never holds the m
   ``o`` and ``s`` swapped (the input's columns, read as strided rows);
 - ``dequant_fp8``: the weight's box in float32 times each element's block scale (the scale rows and columns
   of the blocks the box meets, repeated ``block`` times and cropped), then cast: what torch's
-  ``QuantizedHuggingFaceStorageReader._dequantize_tensor`` computes block by block.
+  ``QuantizedHuggingFaceStorageReader._dequantize_tensor`` computes block by block;
+- ``zeros``: zeros of the box's size, read from nothing.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def compute_region(region: Region, read: Read) -> memoryview:
         out = _tensor(Region(derived.inputs[0], *box), read).transpose(-1, -2).contiguous()
     elif derived.op in ("rows", "stack"):
         out = _rows(region, derived, read)
+    elif derived.op == "zeros":
+        out = torch.zeros(region.sizes, dtype=getattr(torch, region.entry.dtype.name))
     else:
         out = _dequantized(region, derived, read).to(getattr(torch, region.entry.dtype.name))
     return out.view(torch.uint8).numpy().data if out.numel() else memoryview(b"")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..core.dtypes import by_name
 from ..core.manifest import TensorEntry
-from ..core.reshape import dequantized, join_rows, split_rows, stack, take_rows, transposed, unstack
+from ..core.reshape import dequantized, join_rows, split_rows, stack, take_rows, transposed, unstack, zeros
 from ..errors import UsageError
 from .table import STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
 
@@ -77,7 +77,7 @@ class NameTable:
     def __init__(self, p: Preset) -> None:
         self.hf = [(_pattern(n), r, i) for r in p.rows if not r.read_only for i, n in enumerate(r.hf_names)]
         self.other = [(_pattern(n), r, 0) for r in p.rows for n in r.other]
-        self.dropped = [_pattern(d) for d in p.dropped]
+        self.dropped = [_pattern(d) for d in (*p.dropped, *(b.other for b in p.buffers))]
         self.refused = [(_pattern(n), why) for n, why in p.refuse]
 
     @staticmethod
@@ -148,10 +148,15 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
     present = {(canonical.get(m.row.hf_names, m.row), None if "n" in m.row.stack_axes else m.binding.get("n"))
                for _, m in matched}
     tied = _check_complete(p, present, shape, towards, {s.entry.key: s for s, _ in matched})
-    out += tied
+    filled = [] if towards else _buffers(p, present, shape)
+    out += tied + filled
     notes = _notes(p, out, shape, towards, build.gathered)
     notes += tuple(f"{t.entry.key} written from {t.origin}: {shape.source if shape else 'the config'} ties them, "
                    f"and {p.other_side} keeps both" for t in tied)
+    if filled:
+        notes += (f"{len(filled)} buffers that {p.other_side}'s model holds and HF has no tensor for written at "
+                  f"their initial value ({', '.join(sorted({b.init for b in p.buffers}))}): "
+                  f"{listed([f.entry.key for f in filled])}",)
     return Adapted(tuple(out), tuple(dropped), notes, build.gathered)
 
 
@@ -381,6 +386,10 @@ def _check_complete(p: Preset, present: set[tuple[Row, str | None]], shape: Mode
             name = _fill(r.other[0] if towards else r.hf_names[0], binding)
             if r.tied_to and (shape is None or shape.tied is not False):
                 tied = by_key.get(r.tied_to)
+                if not towards and tied is not None and (shape is None or shape.tied is None):
+                    raise UsageError(f"--preset {p.name}: the checkpoint lacks {name!r}, and no config.json says "
+                                     f"whether it is tied to {r.tied_to!r} ({p.other_side} keeps both); pass "
+                                     "--hf-assets DIR with the model's config.json")
                 if not towards and shape is not None and shape.tied and tied is not None:
                     new = _fill(r.other[0], binding)
                     added.append(Source(tied.origin, _renamed(tied.entry, new)))
@@ -391,6 +400,25 @@ def _check_complete(p: Preset, present: set[tuple[Row, str | None]], shape: Mode
                          f"{f' ({layers} layers, from {shape.source})' if layers and shape else ''}: "
                          f"{listed(missing)}")
     return added
+
+
+def _buffers(p: Preset, present: set[tuple[Row, str | None]], shape: ModelShape | None) -> list[Source]:
+    """The preset's buffers at their initial value, one in each layer that holds them (its group's variant, or
+    any tensor where it names no group), for an import towards the other side."""
+    layers = sorted({int(n) for _, n in present if n is not None})
+    held = {(r.group, n) for r, n in present}
+    out: list[Source] = []
+    for b in p.buffers:
+        for n in [str(i) for i in layers] if "{n}" in b.other else [None]:
+            if b.group is not None and (b.group, n) not in held:
+                continue
+            name = _fill(b.other, {"n": n} if n is not None else {})
+            if shape is None:
+                raise UsageError(f"--preset {p.name}: {name!r} is sized by the model's config; pass --hf-assets DIR "
+                                 "with the model's config.json")
+            dims = tuple(shape.count(c, f"{name!r} ({p.other_side}'s model holds it)") for c in b.shape)
+            out.append(Source(name, zeros(name, by_name(b.dtype), dims)))
+    return out
 
 
 def _first_variant(rows: list[Row], slot: str) -> str:

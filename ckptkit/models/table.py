@@ -30,6 +30,10 @@ The table format. A row names one tensor of the other side and the HF tensor(s) 
 - ``read_only``: a spelling read on the way to HF but never written (an older layout under its own row).
 - ``tied_to``: the HF name of the tensor this one may be tied to (``lm_head`` to the embedding).
 
+A :class:`Buffer` names a persistent buffer of the other side's model that HF has no tensor for (torchtitan's
+router load-balancing ``moe.expert_bias_E``): left out on the way to HF, and written on the way back as the
+value the other side's model initialises it to, so that its strict load finds every key of its model.
+
 On import from HF, a preset with ``fp8`` dequantizes each float8 ``X.weight`` with its ``X.weight_scale_inv``
 (128x128 blocks) into float32 before the table applies (what torchtitan's DeepSeek-V3 import reads through
 torch's ``QuantizedHuggingFaceStorageReader``).
@@ -56,7 +60,7 @@ from typing import Any, Literal
 
 from ..errors import UsageError
 
-__all__ = ["STACK_FIELDS", "TRANSFORMS", "ModelShape", "Preset", "Row", "model_shape", "rotary_rows"]
+__all__ = ["STACK_FIELDS", "TRANSFORMS", "Buffer", "ModelShape", "Preset", "Row", "model_shape", "rotary_rows"]
 
 Heads = Literal["n_heads", "n_kv_heads"]
 Count = tuple[str | int, ...]
@@ -105,6 +109,21 @@ class Row:
         return {m for name in self.hf_names for m in _PLACEHOLDER.findall(name)}
 
 
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """A persistent buffer of the other side's model that HF has no tensor for (module docstring)."""
+
+    other: str
+    """Its name on the other side, with a ``{n}`` layer placeholder where each layer holds one."""
+    shape: tuple[Count, ...]
+    """Each dim's size, as a row count (``(("experts",),)``: one float per routed expert)."""
+    dtype: str = "float32"
+    init: Literal["zeros"] = "zeros"
+    """The value the other side's model gives it at initialisation, which an import writes."""
+    group: str | None = None
+    """Held only by the layers that hold this variant of a slot (``"mlp:moe"``); None: by every layer."""
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str
@@ -121,6 +140,9 @@ class Preset:
     """On import from HF, float8 weights with a ``weight_scale_inv`` are dequantized (module docstring)."""
     refuse: tuple[tuple[str, str], ...] = ()
     """(HF name pattern, why): keys refused with that reason (GPT-OSS's MXFP4 ``_blocks``)."""
+    buffers: tuple[Buffer, ...] = ()
+    """The other side's buffers HF has no tensor for: left out on export, written at their initial value on
+    import (module docstring)."""
     model_types: tuple[str, ...] = ()
     """The ``config.json`` ``model_type`` values of the family: detection picks this preset by them for the
     framework's names (:mod:`ckptkit.models.registry`)."""
@@ -132,7 +154,7 @@ class Preset:
 
     @property
     def needs_shape(self) -> bool:
-        return any(r.transform or not r.plain for r in self.rows)
+        return bool(self.buffers) or any(r.transform or not r.plain for r in self.rows)
 
 
 @dataclass(frozen=True)

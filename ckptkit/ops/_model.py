@@ -80,7 +80,7 @@ def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path |
             chosen = preset(mapping.preset)
             check_single_file(chosen, Path(src))
             check_family(chosen, keys, model_type if isinstance(model_type, str) else None, where)
-            if config is None and chosen.needs_shape:
+            if config is None and (chosen.needs_shape or any(r.tied_to for r in chosen.rows)):
                 config = find_config(Path(src), hf_assets)
             shape = config.shape() if config is not None else None
     mapped = map_keys(tensors, mapping, shape=shape, to_hf=to_hf)

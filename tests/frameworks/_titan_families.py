@@ -122,8 +122,9 @@ def family(name: str):
             "gpt_oss": _gpt_oss}[name]()
 
 
-def build(name: str, seed: int = 0) -> torch.nn.Module:
-    """The family's torchtitan model on CPU, its weights initialised from ``seed``."""
+def build(name: str, seed: int = 0, perturb: bool = True) -> torch.nn.Module:
+    """The family's torchtitan model on CPU, its weights initialised from ``seed``: by its own ``init_weights``
+    alone, or with every parameter and float buffer moved off its initial value (``perturb``)."""
     config = family(name)[0]
     torch.manual_seed(seed)
     with torch.device("meta"):
@@ -132,9 +133,10 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
-        for p in model.parameters():  # init_weights leaves some at zero (router biases): make every value count
+        # init_weights leaves some at zero (router biases): make every value count
+        for p in model.parameters() if perturb else ():
             p.add_(torch.randn_like(p) * 0.02)
-        for b in model.buffers():
+        for b in model.buffers() if perturb else ():
             if b.is_floating_point():
                 b.add_(torch.randn_like(b) * 0.02)
     return model

@@ -9,7 +9,7 @@ Older torchtitan spellings are read too. ``--preset auto`` picks a table by ``co
 
 from __future__ import annotations
 
-from ..table import Heads, Preset, Row
+from ..table import Buffer, Heads, Preset, Row
 from ._llama import META as _META, TITAN as _TITAN, llama_rows
 
 __all__ = ["PRESETS"]
@@ -61,6 +61,9 @@ def _experts(group: str = "mlp:moe") -> list[Row]:
 _QWEN3_NORMS = (("self_attn.q_norm.weight", "attention.q_norm.weight"),
                 ("self_attn.k_norm.weight", "attention.k_norm.weight"))
 _INV_FREQ = "model.layers.{n}.self_attn.rotary_emb.inv_freq"
+_EXPERT_BIAS = _T + "moe.expert_bias_E"
+"""The router's load-balancing bias: a persistent float32 buffer of torchtitan's MoE, zeros at initialisation,
+that HF's Qwen3-MoE and GPT-OSS have no tensor for (DeepSeek-V3's is its ``e_score_correction_bias``)."""
 _MLA = _renames((("self_attn.kv_a_proj_with_mqa.weight", "attention.wkv_a.weight"),
                  ("self_attn.kv_a_layernorm.weight", "attention.kv_norm.weight"),
                  ("self_attn.kv_b_proj.weight", "attention.wkv_b.weight"),
@@ -96,13 +99,14 @@ PRESETS = (
            model_types=("qwen3",)),
     Preset("torchtitan-qwen3-moe", "torchtitan's Qwen3-MoE (stacked experts <-> one weight per expert) <-> HF "
            "Qwen3-MoE", "torchtitan", tuple(_titan_common(_QWEN3_NORMS) + _gqa() + _dense_mlp() + _experts()),
-           dropped=(_INV_FREQ, _T + "moe.expert_bias_E"), model_types=("qwen3_moe",)),
+           dropped=(_INV_FREQ,), buffers=(Buffer(_EXPERT_BIAS, (("experts",),), group="mlp:moe"),),
+           model_types=("qwen3_moe",)),
     Preset("torchtitan-deepseek-v3", "torchtitan's DeepSeek-V3 (MLA, shared experts, router correction bias) <-> "
            "HF DeepSeek-V3; FP8 weights dequantized on import", "torchtitan",
            tuple(_titan_common() + _MLA + _dense_mlp() + _DEEPSEEK_MOE), dropped=(_INV_FREQ,), fp8=True,
            model_types=("deepseek_v3",)),
     Preset("torchtitan-gpt-oss", "torchtitan's GPT-OSS in bf16 (attention sinks, expert biases; experts "
            "[experts, 2 x hidden, dim] <-> HF's transposed) <-> HF GPT-OSS; MXFP4 refused", "torchtitan",
-           tuple(_titan_common() + _gqa(biases=True) + _GPT_OSS), dropped=(_INV_FREQ, _T + "moe.expert_bias_E"),
-           refuse=_MXFP4, model_types=("gpt_oss",)),
+           tuple(_titan_common() + _gqa(biases=True) + _GPT_OSS), dropped=(_INV_FREQ,),
+           buffers=(Buffer(_EXPERT_BIAS, (("experts",),)),), refuse=_MXFP4, model_types=("gpt_oss",)),
 )
