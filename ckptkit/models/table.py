@@ -25,6 +25,11 @@ The table format. A row names one tensor of the other side and the HF tensor(s) 
 - ``transform``: a row gather from :data:`TRANSFORMS` (``"rotary"``), applied to each HF part on the way to
   HF and inverted on the way back; ``heads`` checks the rows against the config's head count.
 - ``transpose``: the other side holds the transpose (last two dims) of HF's tensor; computed tile by tile.
+- ``hf_fuses``: the reverse of a tuple ``hf``: HF's one tensor is the other side's tensors, all of ``other``
+  in order, one after another along dim ``fuse_dim`` (0; or 1 under a leading expert dim); ``split`` gives
+  their sizes (None: equal). Kimi's and Qwen3.5's vision ``qkv``; Qwen3.5's ``gate_up_proj`` ``[E, 2F, D]``.
+- ``hf_dims``: HF's dims past the first, which the other side holds flattened into one (a convolution's
+  kernel as a linear layer's row); each a row count as in ``split``. Moves no byte.
 - ``group``: ``"slot:variant"``. A layer holds exactly one variant of each slot, and all of its rows:
   ``"mlp:dense"`` or ``"mlp:moe"`` (DeepSeek-V3's first dense layers), ``"q:plain"`` or ``"q:lora"``.
 - ``read_only``: a spelling read on the way to HF but never written (an older layout under its own row).
@@ -90,6 +95,9 @@ class Row:
     transpose: bool = False
     group: str | None = None
     read_only: bool = False
+    hf_fuses: bool = False
+    fuse_dim: int = 0
+    hf_dims: tuple[Count, ...] | None = None
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -98,7 +106,7 @@ class Row:
     @property
     def plain(self) -> bool:
         """A rename, perhaps with a row gather: one tensor each side, same shape."""
-        return not (self.stacked or isinstance(self.hf, tuple) or self.transpose)
+        return not (self.stacked or isinstance(self.hf, tuple) or self.transpose or self.hf_fuses or self.hf_dims)
 
     @property
     def stack_axes(self) -> tuple[str, ...]:
@@ -210,7 +218,9 @@ def _int(value: Any) -> int | None:
 def model_shape(config: dict, source: str, tied: bool | None = None) -> ModelShape:
     """Head counts from an HF ``config.json`` (its ``text_config`` for a composite model) or Meta's
     ``params.json`` (fields under ``model`` in some releases). ``head_dim`` is the config's own where it
-    states one (Mistral-Nemo's differs from ``hidden_size / num_attention_heads``)."""
+    states one (Mistral-Nemo's differs from ``hidden_size / num_attention_heads``). The integer fields of the
+    config's sub-configs are fields too, by their dotted name (``vision_config.patch_size``)."""
+    top = config
     if isinstance(config.get("text_config"), dict) and "num_attention_heads" not in config:
         config = config["text_config"]
     if isinstance(config.get("model"), dict) and "n_heads" not in config:
@@ -229,6 +239,8 @@ def model_shape(config: dict, source: str, tied: bool | None = None) -> ModelSha
     experts = next((n for k in ("num_experts", "num_local_experts", "n_routed_experts") if (n := _int(config.get(k)))),
                    None)
     integers = tuple((k, v) for k, v in config.items() if _int(v) is not None)
+    integers += tuple((f"{k}.{k2}", v2) for k, sub in top.items() if isinstance(sub, dict)  # vision_config.patch_size
+                      for k2, v2 in sub.items() if _int(v2) is not None)
     return ModelShape(head_dim, n_heads, n_kv, layers, tied, source, experts, integers)
 
 

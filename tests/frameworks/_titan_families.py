@@ -116,10 +116,52 @@ def _gpt_oss():
     return config, GptOssStateDictAdapter, hf
 
 
+def _kimi():
+    """Kimi K2.5: DeepSeek-V3's MLA and MoE under ``language_model.``, and a MoonViT vision tower."""
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.rope import ComplexRoPE
+    from torchtitan.models.kimi_k2_7 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        KimiK25Model,
+        _build_kimi_layers,
+        _output_linear_init,
+        _vision_encoder_config,
+    )
+    from torchtitan.models.kimi_k2_7.state_dict_adapter import KimiK25StateDictAdapter
+
+    layers = _build_kimi_layers(
+        n_layers=2, n_dense_layers=1, dim=DIM, n_heads=4, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, mscale=1.0, dense_hidden_dim=96, moe_hidden_dim=32, num_experts=4,
+        num_shared_experts=1, router_top_k=2, router_score_func="sigmoid", router_route_norm=True,
+        attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=8, max_seq_len=64, theta=50000.0))
+    vision = _vision_encoder_config(dim=32, ffn_dim=48, num_layers=2, num_heads=2, patch_size=2,
+                                    init_pos_emb_height=4, init_pos_emb_width=4, text_hidden_size=DIM)
+    config = KimiK25Model.Config(
+        vocab_size=VOCAB, dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+        layers=layers, vision_encoder=vision)
+    text = dict(model_type="deepseek_v3", vocab_size=VOCAB, hidden_size=DIM, intermediate_size=96,
+                moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                head_dim=8, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+                scoring_func="sigmoid", rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=64,
+                tie_word_embeddings=False, rope_interleave=True, hidden_act="silu")
+    hf = dict(model_type="kimi_k25", architectures=["Kimi_K25ForConditionalGeneration"], text_config=text,
+              vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                                 patch_size=2, pos_emb_height=4, pos_emb_width=4, merge_kernel_size=[2, 2]),
+              projection_hidden_size=32, tie_word_embeddings=False)
+    return config, KimiK25StateDictAdapter, hf
+
+
 def family(name: str):
     """``(torchtitan model config, its state-dict adapter class, HF config dict)`` of family ``name``."""
     return {"qwen3": lambda: _qwen3(False), "qwen3_moe": lambda: _qwen3(True), "deepseek_v3": _deepseek_v3,
-            "gpt_oss": _gpt_oss}[name]()
+            "gpt_oss": _gpt_oss, "kimi_k2_7": _kimi}[name]()
 
 
 def build(name: str, seed: int = 0, perturb: bool = True) -> torch.nn.Module:
@@ -148,7 +190,7 @@ def write_hf_assets(name: str, out: Path) -> Path:
     return out
 
 
-def save_families(rank: int, world: int, out: str) -> None:
+def save_families(rank: int, world: int, out: str, names: tuple[str, ...] = FAMILIES) -> None:
     """Each family's model saved as torchtitan's CheckpointManager saves it at a step (model keys flat at the
     top level) over ``world`` gloo ranks, ``Shard(0)`` DTensors; rank 0 also saves the full state dicts."""
     import torch.distributed as dist
@@ -159,7 +201,7 @@ def save_families(rank: int, world: int, out: str) -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,))
     try:
-        for name in FAMILIES:
+        for name in names:
             state = build(name).state_dict()
             sharded = {k: distribute_tensor(v.detach(), mesh, [Shard(0)]) for k, v in state.items()}
             dcp.save(sharded, checkpoint_id=f"{out}/{name}/step-0")
