@@ -158,10 +158,83 @@ def _kimi():
     return config, KimiK25StateDictAdapter, hf
 
 
+def _stub_fla() -> None:
+    """torchtitan's Qwen3.5 imports the flash-linear-attention package (``fla``) at load time, for the
+    GatedDeltaNet kernels of its linear-attention layers. Conversion never runs them: stand-in modules with
+    the names it imports let it load without the package (and without a GPU)."""
+    import sys
+    import types
+
+    if "fla" in sys.modules:
+        return
+    names = {"fla.modules.conv.triton.ops": ("CausalConv1dFunction",),
+             "fla.modules.conv.causal_conv1d": ("causal_conv1d",),
+             "fla.ops.gated_delta_rule": ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+             "fla.ops.gated_delta_rule.chunk": ("ChunkGatedDeltaRuleFunction",),
+             "fla.ops.gated_delta_rule.fused_recurrent": ("FusedRecurrentFunction",)}
+    for name, attributes in names.items():
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+        for attribute in attributes:
+            setattr(sys.modules[name], attribute, None)
+
+
+def _qwen3_5(moe: bool):
+    """Qwen3.5: layers of GatedDeltaNet linear attention with every second one full attention (q/k norms, gated
+    q), a dense or MoE MLP (stacked experts, a sigmoid-gated shared expert), and a vision tower."""
+    _stub_fla()
+    from torchtitan.models.common import Embedding, Linear
+    from torchtitan.models.qwen3_5 import (
+        _EMBEDDING_INIT,
+        Qwen35Model,
+        _build_qwen35_layers,
+        _build_qwen35_moe_layers,
+        _offset_norm,
+        _output_linear_init,
+        _qwen35_vision_encoder_config,
+    )
+    from torchtitan.models.qwen3_5.rope import MRoPE
+    from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
+
+    common = dict(n_layers=2, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=16, rotary_dim=8, n_key_heads=2,
+                  n_value_heads=4, key_head_dim=16, value_head_dim=16, full_attention_interval=2, attn_backend="flex",
+                  rope=MRoPE.Config(dim=8, max_seq_len=64, theta=10_000_000.0, mrope_section=[2, 1, 1]))
+    layers = (_build_qwen35_moe_layers(**common, moe_hidden_dim=24, num_experts=4, top_k=2,
+                                       shared_expert_hidden_dim=48) if moe
+              else _build_qwen35_layers(**common, hidden_dim=96))
+    vision = _qwen35_vision_encoder_config(dim=32, ffn_dim=48, num_layers=2, num_heads=2, patch_size=2,
+                                           temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=DIM,
+                                           num_position_embeddings=16)
+    config = Qwen35Model.Config(
+        vocab_size=VOCAB, dim=DIM, norm=_offset_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+        layers=layers, vision_encoder=vision)
+    text = dict(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6, max_position_embeddings=64,
+                layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False,
+                rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.5,
+                                     mrope_section=[2, 1, 1], mrope_interleaved=True))
+    if moe:
+        text.update(model_type="qwen3_5_moe_text", moe_intermediate_size=24, shared_expert_intermediate_size=48,
+                    num_experts=4, num_experts_per_tok=2)
+    else:
+        text.update(model_type="qwen3_5_text", intermediate_size=96)
+    hf = dict(model_type="qwen3_5_moe" if moe else "qwen3_5", tie_word_embeddings=False, text_config=text,
+              architectures=["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+              vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3,
+                                 patch_size=2, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=DIM,
+                                 num_position_embeddings=16))
+    return config, Qwen35StateDictAdapter, hf
+
+
 def family(name: str):
     """``(torchtitan model config, its state-dict adapter class, HF config dict)`` of family ``name``."""
     return {"qwen3": lambda: _qwen3(False), "qwen3_moe": lambda: _qwen3(True), "deepseek_v3": _deepseek_v3,
-            "gpt_oss": _gpt_oss, "kimi_k2_7": _kimi}[name]()
+            "gpt_oss": _gpt_oss, "kimi_k2_7": _kimi,
+            "qwen3_5": lambda: _qwen3_5(False), "qwen3_5_moe": lambda: _qwen3_5(True)}[name]()
 
 
 def build(name: str, seed: int = 0, perturb: bool = True) -> torch.nn.Module:

@@ -1,5 +1,5 @@
 """torchtitan 0.3's multimodal families both ways, against torchtitan's own state-dict adapters and transformers:
-Kimi K2.5 (``kimi_k2_7``).
+Kimi K2.5 (``kimi_k2_7``) and Qwen3.5 (``qwen3_5``), dense and MoE.
 
 Tiny models of torchtitan's own classes (:mod:`_titan_families`) are saved as torchtitan's CheckpointManager
 saves them, over 2 gloo ranks, once for the module. Then:
@@ -27,8 +27,9 @@ pytest.importorskip("torchtitan")
 pytest.importorskip("transformers")
 import _titan_families as fam  # noqa: E402  (imports torchtitan's models lazily, after the skip)
 
-NAMES = ("kimi_k2_7",)
-_PRESETS = {"kimi_k2_7": "torchtitan-kimi-k2.5"}
+NAMES = ("kimi_k2_7", "qwen3_5", "qwen3_5_moe")
+_PRESETS = {"kimi_k2_7": "torchtitan-kimi-k2.5", "qwen3_5": "torchtitan-qwen3.5",
+            "qwen3_5_moe": "torchtitan-qwen3.5-moe"}
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +40,34 @@ def saved(tmp_path_factory) -> Path:
 
 
 def to_hf(name: str, state: dict) -> dict:
-    """torchtitan's ``to_hf()`` of ``state``."""
+    """torchtitan's ``to_hf()`` of ``state``. torchtitan 0.3.0's Qwen3.5-MoE adapter writes the experts
+    transposed (``gate_up_proj`` ``[experts, dim, 2 x hidden]``), which transformers cannot load: for those
+    tensors the oracle is transformers' ``Qwen3_5MoeExperts`` layout, ``[experts, 2 x hidden, dim]`` (gate rows,
+    then up rows) and ``down_proj`` ``[experts, dim, hidden]``: torchtitan's own tensors, joined along dim 1."""
     config, adapter, _ = fam.family(name)
-    return adapter(config, None).to_hf({k: v.clone() for k, v in state.items()})
+    out = adapter(config, None).to_hf({k: v.clone() for k, v in state.items()})
+    for layer in _moe_layers(name, state):
+        experts = f"layers.{layer}.moe.routed_experts.inner_experts."
+        hf = f"model.language_model.layers.{layer}.mlp.experts."
+        out[hf + "gate_up_proj"] = torch.cat([state[experts + "w1_EFD"], state[experts + "w3_EFD"]], dim=1)
+        out[hf + "down_proj"] = state[experts + "w2_EDF"]
+    return out
 
 
 def from_hf(name: str, hf: dict) -> dict:
-    """torchtitan's ``from_hf()`` of ``hf``."""
+    """torchtitan's ``from_hf()`` of ``hf`` (Qwen3.5-MoE's experts as in :func:`to_hf`)."""
     config, adapter, _ = fam.family(name)
-    return adapter(config, None).from_hf(dict(hf))
+    out = adapter(config, None).from_hf(dict(hf))
+    for layer in _moe_layers(name, out):
+        experts = f"layers.{layer}.moe.routed_experts.inner_experts."
+        gate_up = hf[f"model.language_model.layers.{layer}.mlp.experts.gate_up_proj"]
+        out[experts + "w1_EFD"], out[experts + "w3_EFD"] = (t.contiguous() for t in gate_up.chunk(2, dim=1))
+        out[experts + "w2_EDF"] = hf[f"model.language_model.layers.{layer}.mlp.experts.down_proj"]
+    return out
+
+
+def _moe_layers(name: str, state: dict) -> list[str]:
+    return sorted({k.split(".")[1] for k in state if name == "qwen3_5_moe" and ".inner_experts." in k})
 
 
 def hf_class_loads(directory: Path) -> None:
@@ -91,3 +111,24 @@ def test_convert_hf_to_torchtitan_dcp_resumes_in_torchtitan_as_from_hf_and_expor
     assert_same_tree(state, {k: expected.get(k, v) for k, v in initial.items()})
     ckptkit.export_hf(tmp_path / "titan", tmp_path / "back", hf_assets=src)
     assert_same_tree(load_hf(tmp_path / "back"), hf)
+
+
+def test_export_hf_qwen3_5_moe_experts_compute_in_transformers_what_they_compute_in_torchtitan(saved, tmp_path):
+    """The experts in transformers' layout are the same function: transformers' MoE block of each exported layer
+    gives torchtitan's MoE output for the same input (the router's load-balancing bias, which HF has no tensor
+    for and which only moves the expert choice, at zero on both sides)."""
+    import transformers
+
+    state = torch.load(saved / "qwen3_5_moe" / "expected.pt", weights_only=True)
+    ckptkit.export_hf(saved / "qwen3_5_moe" / "step-0", tmp_path / "hf", hf_assets=saved / "qwen3_5_moe" / "assets")
+    hf_model = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    titan = fam.build("qwen3_5_moe", seed=5)
+    titan.load_state_dict({k: torch.zeros_like(v) if k.endswith("expert_bias_E") else v for k, v in state.items()})
+    x = torch.randn(2, 7, fam.DIM, generator=torch.Generator().manual_seed(0))
+    for layer in range(2):
+        with torch.no_grad():
+            theirs = titan.layers[str(layer)].moe(x)
+            ours = hf_model.model.language_model.layers[layer].mlp(x)
+        # torchtitan's grouped experts multiply in bfloat16: agreement within its rounding (a transposed or
+        # misordered layout is off by the output's own size)
+        assert (ours - theirs).abs().max() <= 2e-2 * theirs.abs().max(), layer
