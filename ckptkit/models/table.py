@@ -65,7 +65,8 @@ from typing import Any, Literal
 
 from ..errors import UsageError
 
-__all__ = ["STACK_FIELDS", "TRANSFORMS", "Buffer", "ModelShape", "Preset", "Row", "model_shape", "rotary_rows"]
+__all__ = ["STACK_FIELDS", "TRANSFORMS", "Buffer", "ModelShape", "Preset", "Row", "Unmapped", "model_shape",
+           "rotary_rows"]
 
 Heads = Literal["n_heads", "n_kv_heads"]
 Count = tuple[str | int, ...]
@@ -163,6 +164,20 @@ class Preset:
     @property
     def needs_shape(self) -> bool:
         return bool(self.buffers) or any(r.transform or not r.plain for r in self.rows)
+
+
+@dataclass(frozen=True)
+class Unmapped:
+    """A family that a framework ships and ckptkit has no table for: ``--preset auto`` refuses it by name, rather
+    than writing its tensors under their own names into an HF folder."""
+
+    family: str
+    """What the family is, for the message (``torchtitan's flux``)."""
+    why: str
+    model_types: tuple[str, ...] = ()
+    """The ``config.json`` ``model_type`` values (or diffusers' ``_class_name``) that name it."""
+    keys: tuple[str, ...] = ()
+    """Names, with ``{n}`` placeholders, any of which recognises the family's own checkpoint."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from ..models.detect import check_family, detect_family
 from ..models.hfconfig import check_single_file, find_config
 from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
 from ..models.registry import MEGATRON, preset
+from ..models.unmapped import refuse_unmapped
 from .report import Changes
 from .select import select_model
 
@@ -73,6 +74,7 @@ def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path |
         where = str(config.path) if config is not None else "config.json"
         keys = [t.key for t in tensors]
         if mapping.preset == "auto":
+            refuse_unmapped(keys, config.data if config is not None else None, where)
             found = detect_family(keys, model_type if isinstance(model_type, str) else None, where)
             mapping = dataclasses.replace(mapping, preset=found.preset)
             notes = (f"--preset auto: {found.preset} ({found.why})",) if found.preset else ()

@@ -9,10 +9,10 @@ Older torchtitan spellings are read too. ``--preset auto`` picks a table by ``co
 
 from __future__ import annotations
 
-from ..table import Buffer, Heads, Preset, Row
+from ..table import Buffer, Heads, Preset, Row, Unmapped
 from ._llama import META as _META, TITAN as _TITAN, llama_rows
 
-__all__ = ["DEEPSEEK_V3_ROWS", "EXPERT_BIAS", "PRESETS"]
+__all__ = ["DEEPSEEK_V3_ROWS", "EXPERT_BIAS", "PRESETS", "UNMAPPED"]
 
 _HF, _T = "model.layers.{n}.", "layers.{n}."
 
@@ -112,3 +112,10 @@ PRESETS = (
            tuple(_titan_common() + _gqa(biases=True) + _GPT_OSS), dropped=(_INV_FREQ,),
            buffers=(Buffer(EXPERT_BIAS, (("experts",),)),), refuse=_MXFP4, model_types=("gpt_oss",)),
 )
+
+UNMAPPED = (
+    Unmapped("torchtitan's flux", "it is a diffusion model, whose Hugging Face form is diffusers' "
+             "(FluxTransformer2DModel), not a transformers model", ("FluxTransformer2DModel", "flux"),
+             ("img_in.weight", "double_blocks.{n}.img_attn.qkv.weight", "single_blocks.{n}.linear1.weight")),
+)
+"""torchtitan 0.3's families without a table here."""
