@@ -132,3 +132,13 @@ def test_export_hf_qwen3_5_moe_experts_compute_in_transformers_what_they_compute
         # torchtitan's grouped experts multiply in bfloat16: agreement within its rounding (a transposed or
         # misordered layout is off by the output's own size)
         assert (ours - theirs).abs().max() <= 2e-2 * theirs.abs().max(), layer
+
+
+def test_convert_hf_to_torchtitan_refuses_qwen3_5_moe_experts_in_torchtitan_0_3_0s_transposed_layout(tmp_path):
+    from ckptkit.errors import UsageError
+
+    config, adapter, _ = fam.family("qwen3_5_moe")
+    hf = adapter(config, None).to_hf(fam.build("qwen3_5_moe", seed=1).state_dict())  # gate_up_proj [E, D, 2F]
+    src = hf_dir("qwen3_5_moe", {k: v.contiguous() for k, v in hf.items()}, tmp_path / "hf")
+    with pytest.raises(UsageError, match=r"gate_up_proj' has 64 along dim 1, but its parts .* take 24 \+ 24"):
+        ckptkit.convert(src, tmp_path / "titan", to="sharded", world_size=2, preset="torchtitan-qwen3.5-moe")

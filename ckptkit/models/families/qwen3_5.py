@@ -69,7 +69,8 @@ _DENSE = _renames((("mlp.gate_proj.weight", "feed_forward.w1.weight"), ("mlp.up_
                    ("mlp.down_proj.weight", "feed_forward.w2.weight")))
 _EXPERTS = _T + "moe.routed_experts.inner_experts."
 _MOE = [
-    Row(_HF + "mlp.experts.gate_up_proj", (_EXPERTS + "w1_EFD", _EXPERTS + "w3_EFD"), hf_fuses=True, fuse_dim=1),
+    Row(_HF + "mlp.experts.gate_up_proj", (_EXPERTS + "w1_EFD", _EXPERTS + "w3_EFD"), hf_fuses=True, fuse_dim=1,
+        split=(("moe_intermediate_size",), ("moe_intermediate_size",))),  # a transposed [E, D, 2F] is refused
     Row(_HF + "mlp.experts.down_proj", (_EXPERTS + "w2_EDF",)),
     *_renames((("mlp.gate.weight", "moe.router.gate.weight"),
                ("mlp.shared_expert.gate_proj.weight", "moe.shared_experts.w1.weight"),
