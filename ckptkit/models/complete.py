@@ -68,7 +68,8 @@ def check_complete(p: Preset, present: set[tuple[Row, str | None]], shape: Model
             if r.group:
                 slot, _, variant = r.group.partition(":")
                 chosen = variants.get(slot)
-                if chosen is None and _first_variant(rows, slot) != variant or chosen and variant not in chosen:
+                first = None if slot.endswith("?") else _first_variant(rows, slot)  # "slot?": may hold none
+                if chosen is None and first != variant or chosen and variant not in chosen:
                     continue
             binding = {"n": n} if n is not None else {}
             name = fill(r.other[0] if towards else r.hf_names[0], binding)

@@ -229,7 +229,11 @@ class _Builder:
         if not row.transform or self.p.identity:
             return entry
         shape = self._shape()
-        order = TRANSFORMS[row.transform](entry.shape[0], shape.head_dim, to_hf)
+        head_dim = shape.head_dim if row.head_dim is None else shape.value(row.head_dim, f"{entry.key!r}'s rotary rows")
+        if entry.shape[0] % head_dim:
+            raise UsageError(f"--preset {self.p.name}: {entry.key!r} has {entry.shape[0]} rows, not whole heads of "
+                             f"{row.head_dim or 'head_dim'} {head_dim} ({shape.source})")
+        order = TRANSFORMS[row.transform](entry.shape[0], head_dim, to_hf)
         old = entry.rows
         self.gathered += 1
         return dataclasses.replace(entry, rows=order if old is None else tuple(old[r] for r in order))

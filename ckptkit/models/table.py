@@ -31,7 +31,9 @@ The table format. A row names one tensor of the other side and the HF tensor(s) 
 - ``hf_dims``: HF's dims past the first, which the other side holds flattened into one (a convolution's
   kernel as a linear layer's row); each a row count as in ``split``. Moves no byte.
 - ``group``: ``"slot:variant"``. A layer holds exactly one variant of each slot, and all of its rows:
-  ``"mlp:dense"`` or ``"mlp:moe"`` (DeepSeek-V3's first dense layers), ``"q:plain"`` or ``"q:lora"``.
+  ``"mlp:dense"`` or ``"mlp:moe"`` (DeepSeek-V3's first dense layers), ``"q:plain"`` or ``"q:lora"``. A
+  slot named with a trailing ``?`` may be absent altogether (``"vision?:tower"``: a text-only checkpoint of
+  a multimodal family).
 - ``read_only``: a spelling read on the way to HF but never written (an older layout under its own row).
 - ``tied_to``: the HF name of the tensor this one may be tied to (``lm_head`` to the embedding).
 
@@ -99,6 +101,8 @@ class Row:
     hf_fuses: bool = False
     fuse_dim: int = 0
     hf_dims: tuple[Count, ...] | None = None
+    head_dim: str | None = None
+    """The shape field of the head size ``transform`` works in (``vision_config.head_dim``); None: the model's."""
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -234,7 +238,8 @@ def model_shape(config: dict, source: str, tied: bool | None = None) -> ModelSha
     """Head counts from an HF ``config.json`` (its ``text_config`` for a composite model) or Meta's
     ``params.json`` (fields under ``model`` in some releases). ``head_dim`` is the config's own where it
     states one (Mistral-Nemo's differs from ``hidden_size / num_attention_heads``). The integer fields of the
-    config's sub-configs are fields too, by their dotted name (``vision_config.patch_size``)."""
+    config's sub-configs are fields too, by their dotted name (``vision_config.patch_size``), with a
+    ``head_dim`` (width over heads) where a sub-config states none."""
     top = config
     if isinstance(config.get("text_config"), dict) and "num_attention_heads" not in config:
         config = config["text_config"]
@@ -255,8 +260,14 @@ def model_shape(config: dict, source: str, tied: bool | None = None) -> ModelSha
                    None)
     integers = tuple((k, v) for k, v in config.items() if _int(v) is not None)
     integers += tuple((f"{k}.{k2}", v2) for k, sub in top.items() if isinstance(sub, dict)  # vision_config.patch_size
-                      for k2, v2 in sub.items() if _int(v2) is not None)
+                      for k2, v2 in {**_head_dim(sub), **sub}.items() if _int(v2) is not None)
     return ModelShape(head_dim, n_heads, n_kv, layers, tied, source, experts, integers)
+
+
+def _head_dim(sub: dict) -> dict[str, int]:
+    """A sub-config's head size where it states none: its width over its head count."""
+    width, heads = _int(sub.get("hidden_size")), _int(sub.get("num_attention_heads") or sub.get("num_heads"))
+    return {"head_dim": width // heads} if width and heads and width % heads == 0 else {}
 
 
 def rotary_rows(n_rows: int, head_dim: int, to_hf: bool) -> tuple[int, ...]:

@@ -230,11 +230,42 @@ def _qwen3_5(moe: bool):
     return config, Qwen35StateDictAdapter, hf
 
 
+def _muse_glimmer(vision: bool = True):
+    """Muse Glimmer: gated attention with split-half rotary in HF, four norms a layer, a soft-capped head, and a
+    vision encoder, adapter and projection."""
+    from torchtitan.models.muse_glimmer import (
+        _muse_glimmer_config,
+        muse_glimmer_vision_adapter_config,
+        muse_glimmer_vision_encoder_config,
+    )
+    from torchtitan.models.muse_glimmer.state_dict_adapter import MuseGlimmerStateDictAdapter
+
+    encoder = muse_glimmer_vision_encoder_config(latent_dim=32, num_layers=2, num_heads=4, mlp_ratio=1.5,
+                                                 patch_size=2, patch_temporal=2, downsample_factor=2,
+                                                 sparse_attention_factor=2, pos_emb_grid_h=2, pos_emb_grid_w=2)
+    adapter = muse_glimmer_vision_adapter_config(input_dim=encoder.output_dim, output_dim=48)
+    parts = dict(vision_adapter_dim=48, vision_encoder=encoder, vision_adapter=adapter) if vision else {}
+    config = _muse_glimmer_config(dim=DIM, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=VOCAB,
+                                  max_seq_len=64, window_pattern=[16, 0], output_multiplier=1.0,
+                                  attn_backend="flex", **parts)
+    text = dict(model_type="muse_glimmer_text", vocab_size=VOCAB, hidden_size=DIM, intermediate_size=192,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=64, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    hf = dict(model_type="muse_glimmer", architectures=["MuseGlimmerForConditionalGeneration"], text_config=text,
+              vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                 patch_size=2, patch_temporal=2, merge_size=2, pos_emb_height=2, pos_emb_width=2,
+                                 max_position_embeddings=4),
+              projector_hidden_size=48, out_hidden_size=128, tie_word_embeddings=False)
+    return config, MuseGlimmerStateDictAdapter, hf
+
+
 def family(name: str):
     """``(torchtitan model config, its state-dict adapter class, HF config dict)`` of family ``name``."""
     return {"qwen3": lambda: _qwen3(False), "qwen3_moe": lambda: _qwen3(True), "deepseek_v3": _deepseek_v3,
             "gpt_oss": _gpt_oss, "kimi_k2_7": _kimi,
-            "qwen3_5": lambda: _qwen3_5(False), "qwen3_5_moe": lambda: _qwen3_5(True)}[name]()
+            "qwen3_5": lambda: _qwen3_5(False), "qwen3_5_moe": lambda: _qwen3_5(True),
+            "muse_glimmer": _muse_glimmer, "muse_glimmer_text": lambda: _muse_glimmer(False)}[name]()
 
 
 def build(name: str, seed: int = 0, perturb: bool = True) -> torch.nn.Module:
