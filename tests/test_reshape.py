@@ -18,13 +18,17 @@ from ckptkit.core.manifest import Chunk, TensorEntry
 from ckptkit.core.plan import FilePlan, Region
 from ckptkit.core.reshape import (
     dequantized,
+    join_along,
     join_rows,
     materialize_rows,
+    reshaped,
+    split_along,
     split_rows,
     stack,
     take_rows,
     transposed,
     unstack,
+    zeros,
 )
 from ckptkit.errors import UsageError
 from ckptkit.io.storage.local.writer import write_files
@@ -80,6 +84,31 @@ def test_split_rows_into_parts_and_join_them_back(tmp_path):
     joined = join_rows("fc1", [gate, up])
     got = written(tmp_path, [gate, up, joined])
     assert torch.equal(got[0], w[:4]) and torch.equal(got[1], w[4:]) and torch.equal(got[2], w)
+
+
+def test_split_along_dim_1_under_experts_and_join_back_as_torch_cat(tmp_path):
+    # Qwen3.5-MoE's gate_up_proj [experts, 2 x hidden, dim]: gate rows then up rows of each expert
+    w = torch.randn(3, 10, 4, generator=G)
+    entry = sharded(tmp_path, "gate_up", w, [1, 2])
+    gate, up = split_along(entry, [4, 6], ["gate", "up"], 1)
+    got = written(tmp_path, [gate, up, join_along("gate_up", [gate, up], 1)])
+    assert torch.equal(got[0], w[:, :4]) and torch.equal(got[1], w[:, 4:]) and torch.equal(got[2], w)
+
+
+def test_reshaped_regroups_whole_rows_and_refuses_a_chunk_holding_part_of_a_row(tmp_path):
+    w = torch.randn(6, 12, generator=G)
+    conv = reshaped(sharded(tmp_path, "patch", w, [2, 5]), "conv", (3, 2, 2))
+    (got,) = written(tmp_path, [conv])
+    assert torch.equal(got, w.reshape(6, 3, 2, 2))
+    half = dataclasses.replace(conv, chunks=tuple(dataclasses.replace(c, sizes=(c.sizes[0], 1, 2, 2))
+                                                  for c in conv.chunks))
+    with pytest.raises(UsageError, match="holds part of a row"):
+        reshaped(half, "flat", (12,))
+
+
+def test_zeros_writes_zeros_of_its_dtype(tmp_path):
+    (got,) = written(tmp_path, [zeros("expert_bias_E", by_name("float32"), (5,))], max_memory=8)
+    assert torch.equal(got, torch.zeros(5))
 
 
 def test_take_rows_per_query_group_as_a_fused_qkv_holds_them(tmp_path):

@@ -12,15 +12,19 @@ the executor stream such an entry as they stream any other, across chunk boundar
 - :func:`squeeze0`/:func:`unsqueeze0` drop or add a leading dimension of size 1, so that
   :func:`unstack` (a leading expert or layer dimension into one tensor each) and :func:`stack` (the reverse)
   are a split and a join;
+- :func:`join_along` and :func:`split_along` do the same along dim 1 of a tensor with a leading (expert)
+  dim, one leading index at a time; :func:`reshaped` regroups the dims past the first (a convolution's
+  kernel as one flat row), which moves no byte;
 - :func:`materialize_rows` turns a row gather (:attr:`TensorEntry.rows`, the rotary order) into chunks, so
   gathered tensors split and join too;
-- :func:`transposed`, :func:`dequantized` (FP8), :func:`dequantized_mxfp4` and :func:`quantized_fp8` describe
-  computed tensors (:class:`~ckptkit.core.manifest.Derived`).
+- :func:`transposed`, :func:`dequantized` (FP8), :func:`dequantized_mxfp4`, :func:`quantized_fp8` and
+  :func:`zeros` describe computed tensors (:class:`~ckptkit.core.manifest.Derived`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from ..errors import UsageError
@@ -28,8 +32,9 @@ from .boxes import extent
 from .dtypes import DType
 from .manifest import Chunk, Derived, Span, TensorEntry
 
-__all__ = ["FP8_MAX", "MXFP4_BLOCK", "dequantized", "dequantized_mxfp4", "join_rows", "materialize_rows",
-           "quantized_fp8", "split_rows", "squeeze0", "stack", "take_rows", "transposed", "unsqueeze0", "unstack"]
+__all__ = ["FP8_MAX", "MXFP4_BLOCK", "dequantized", "dequantized_mxfp4", "join_along", "join_rows",
+           "materialize_rows", "quantized_fp8", "reshaped", "split_along", "split_rows", "squeeze0", "stack",
+           "take_rows", "transposed", "unsqueeze0", "unstack", "zeros"]
 
 
 def _crop(c: Chunk, a: int, b: int, shift: int, itemsize: int) -> Chunk | None:
@@ -130,6 +135,52 @@ def split_rows(entry: TensorEntry, counts: Sequence[int], keys: Sequence[str]) -
 def join_rows(key: str, entries: Sequence[TensorEntry]) -> TensorEntry:
     """``entries`` one after another along dim 0, named ``key``."""
     return take_rows(key, [(e, 0, e.shape[0] if e.shape else 0) for e in entries])
+
+
+def join_along(key: str, entries: Sequence[TensorEntry], dim: int) -> TensorEntry:
+    """``entries`` one after another along ``dim`` (0, or 1 under a leading dim they share), named ``key``."""
+    if dim == 0:
+        return join_rows(key, entries)
+    count = entries[0].shape[0] if entries[0].shape else 0
+    pieces = [unstack(e, [f"{e.key}[{i}]" for i in range(count)]) for e in entries]
+    return stack(key, [join_rows(f"{key}[{i}]", [p[i] for p in pieces]) for i in range(count)])
+
+
+def split_along(entry: TensorEntry, counts: Sequence[int], keys: Sequence[str], dim: int) -> list[TensorEntry]:
+    """``entry`` cut along ``dim`` (0, or 1 under a leading dim) into parts of ``counts``, named ``keys``."""
+    if dim == 0:
+        return split_rows(entry, counts, keys)
+    count = entry.shape[0] if entry.shape else 0
+    per_index = [split_rows(e, counts, [f"{k}[{i}]" for k in keys])
+                 for i, e in enumerate(unstack(entry, [f"{entry.key}[{i}]" for i in range(count)]))]
+    return [stack(key, [parts[j] for parts in per_index]) for j, key in enumerate(keys)]
+
+
+def reshaped(entry: TensorEntry, key: str, tail: tuple[int, ...]) -> TensorEntry:
+    """``entry`` with its dims past the first regrouped as ``tail`` (the same elements), named ``key``: each
+    chunk holds whole rows in row-major order, so it keeps its bytes and takes the new row shape.
+
+    Raises:
+        UsageError: ``tail`` holds another number of elements; a chunk holds part of a row, or is computed.
+    """
+    entry = materialize_rows(entry)
+    old = entry.shape[1:]
+    if not entry.shape or math.prod(old) != math.prod(tail):
+        raise UsageError(f"{entry.key!r}: shape {list(entry.shape)} does not regroup as "
+                         f"{[entry.shape[0] if entry.shape else 0, *tail]}")
+    chunks = []
+    for c in entry.chunks:
+        if c.sizes[1:] != old or any(c.offsets[1:]) or (c.strides is not None and c.strides != _contiguous(c.sizes)):
+            raise UsageError(f"{entry.key!r}: a chunk of shape {list(c.sizes)} at {list(c.offsets)} holds part of a "
+                             f"row; regrouping {list(old)} as {list(tail)} needs whole rows")
+        chunks.append(Chunk((c.offsets[0], *(0 for _ in tail)), (c.sizes[0], *tail), c.span))
+    if entry.derived is not None:
+        raise UsageError(f"{entry.key!r}: a computed tensor ({entry.derived.op}) is not regrouped")
+    return TensorEntry(key, (key,), entry.dtype, (entry.shape[0], *tail), tuple(chunks))
+
+
+def _contiguous(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(sizes[i + 1:]) for i in range(len(sizes)))
 
 
 def squeeze0(entry: TensorEntry, key: str) -> TensorEntry:
@@ -250,3 +301,8 @@ def quantized_fp8(weight: TensorEntry, key: str, float8: DType, scale_dtype: DTy
     scale_key = key + "_scale_inv"
     scale = TensorEntry(scale_key, (scale_key,), scale_dtype, grid, (), derived=Derived("fp8_scale", (weight,), block))
     return values, scale
+
+
+def zeros(key: str, dtype: DType, shape: tuple[int, ...]) -> TensorEntry:
+    """A tensor of ``shape`` whose every element is zero, computed box by box: read from nothing."""
+    return TensorEntry(key, (key,), dtype, shape, (), derived=Derived("zeros", ()))

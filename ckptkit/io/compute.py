@@ -11,7 +11,8 @@ tensor one row block at a time, within its memory setting, and never holds the m
   the FP4 table in the output dtype and scaled by ``ldexp``, as transformers' ``convert_moe_packed_tensors``
   does, then cropped to the box;
 - ``quant_fp8`` and ``fp8_scale``: the rows of whole 128x128 tiles the box meets, in float32, each tile's
-  largest magnitude / 448 (the scale) and the weight divided by it (the float8 values), cropped to the box.
+  largest magnitude / 448 (the scale) and the weight divided by it (the float8 values), cropped to the box;
+- ``zeros``: zeros of the box's size, read from nothing.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def compute_region(region: Region, read: Read) -> memoryview:
         out = _mxfp4(region, derived, read)
     elif derived.op in ("quant_fp8", "fp8_scale"):
         out = _fp8(region, derived, read)
+    elif derived.op == "zeros":
+        out = torch.zeros(region.sizes, dtype=getattr(torch, region.entry.dtype.name))
     else:
         out = _dequantized(region, derived, read).to(getattr(torch, region.entry.dtype.name))
     return out.view(torch.uint8).numpy().data if out.numel() else memoryview(b"")

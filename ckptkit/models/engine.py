@@ -11,29 +11,33 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.dtypes import by_name
 from ..core.manifest import TensorEntry
-from ..core.reshape import dequantized, dequantized_mxfp4, join_rows, split_rows, stack, take_rows, transposed, unstack
+from ..core.reshape import (
+    dequantized,
+    dequantized_mxfp4,
+    join_along,
+    join_rows,
+    reshaped,
+    split_along,
+    split_rows,
+    stack,
+    take_rows,
+    transposed,
+    unstack,
+)
 from ..errors import UsageError
+from .complete import Source, buffers, check_complete, fill, listed
 from .table import STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
 
 __all__ = ["Adapted", "NameTable", "Source", "apply_preset", "listed"]
 
-_SHOWN = 8
 _CONFIG_FIELDS = {"experts": "num_experts (or num_local_experts, n_routed_experts)", "layers": "num_hidden_layers"}
 Binding = tuple[tuple[str, str], ...]
-
-
-@dataclass(frozen=True)
-class Source:
-    """A tensor to adapt, and the key the user knows it by (before any rename)."""
-
-    origin: str
-    entry: TensorEntry
 
 
 @dataclass(frozen=True)
@@ -46,22 +50,11 @@ class Adapted:
     """Tensors whose rows the rotary transform reordered."""
 
 
-def listed(keys: Sequence[str]) -> str:
-    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
-    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
-
-
 def _pattern(name: str) -> re.Pattern:
     text = re.escape(name)
     for ph in re.findall(r"\\\{(\w+)\\\}", text):
         text = text.replace(f"\\{{{ph}\\}}", f"(?P<{ph}>\\d+)", 1)
     return re.compile(text)
-
-
-def _fill(name: str, binding: dict[str, str]) -> str:
-    for k, v in binding.items():
-        name = name.replace("{" + k + "}", v)
-    return name
 
 
 @dataclass(frozen=True)
@@ -76,8 +69,8 @@ class NameTable:
 
     def __init__(self, p: Preset) -> None:
         self.hf = [(_pattern(n), r, i) for r in p.rows if not r.read_only for i, n in enumerate(r.hf_names)]
-        self.other = [(_pattern(n), r, 0) for r in p.rows for n in r.other]
-        self.dropped = [_pattern(d) for d in p.dropped]
+        self.other = [(_pattern(n), r, i if r.hf_fuses else 0) for r in p.rows for i, n in enumerate(r.other)]
+        self.dropped = [_pattern(d) for d in (*p.dropped, *(b.other for b in p.buffers))]
         self.refused = [(_pattern(n), why) for n, why in p.refuse]
 
     @staticmethod
@@ -149,11 +142,16 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
     canonical = {r.hf_names: r for r in p.rows if not r.read_only}
     present = {(canonical.get(m.row.hf_names, m.row), None if "n" in m.row.stack_axes else m.binding.get("n"))
                for _, m in matched}
-    tied = _check_complete(p, present, shape, towards, {s.entry.key: s for s, _ in matched})
-    out += tied
+    tied = check_complete(p, present, shape, towards, {s.entry.key: s for s, _ in matched})
+    filled = [] if towards else buffers(p, present, shape)
+    out += tied + filled
     notes = _notes(p, out, shape, towards, build.gathered)
     notes += tuple(f"{t.entry.key} written from {t.origin}: {shape.source if shape else 'the config'} ties them, "
                    f"and {p.other_side} keeps both" for t in tied)
+    if filled:
+        notes += (f"{len(filled)} buffers that {p.other_side}'s model holds and HF has no tensor for written at "
+                  f"their initial value ({', '.join(sorted({b.init for b in p.buffers}))}): "
+                  f"{listed([f.entry.key for f in filled])}",)
     return Adapted(tuple(out), tuple(dropped), notes, build.gathered)
 
 
@@ -241,7 +239,7 @@ class _Builder:
 
     def _part_rows(self, row: Row, total: int, key: str) -> list[int]:
         """Rows of each HF part in one group of a fused tensor of ``total`` rows."""
-        n = len(row.hf_names)
+        n = len(row.other) if row.hf_fuses else len(row.hf_names)
         if row.split is None:
             groups = self._groups(row, key)
             if total % (n * groups):
@@ -256,7 +254,11 @@ class _Builder:
         if not row.transform or self.p.identity:
             return entry
         shape = self._shape()
-        order = TRANSFORMS[row.transform](entry.shape[0], shape.head_dim, to_hf)
+        head_dim = shape.head_dim if row.head_dim is None else shape.value(row.head_dim, f"{entry.key!r}'s rotary rows")
+        if entry.shape[0] % head_dim:
+            raise UsageError(f"--preset {self.p.name}: {entry.key!r} has {entry.shape[0]} rows, not whole heads of "
+                             f"{row.head_dim or 'head_dim'} {head_dim} ({shape.source})")
+        order = TRANSFORMS[row.transform](entry.shape[0], head_dim, to_hf)
         old = entry.rows
         self.gathered += 1
         return dataclasses.replace(entry, rows=order if old is None else tuple(old[r] for r in order))
@@ -278,18 +280,51 @@ class _Builder:
 
     def to_hf(self, matched: list[tuple[Source, _Match]]) -> list[Source]:
         out: list[Source] = []
+        fused: dict[tuple[Row, Binding], dict[int, Source]] = {}
         for s, m in matched:
             row, entry = m.row, s.entry
+            if row.hf_fuses:
+                fused.setdefault((row, tuple(sorted(m.binding.items()))), {})[m.part] = s
+                continue
+            if row.hf_dims:
+                dims = tuple(self._shape().count(c, f"{entry.key!r}'s HF shape") for c in row.hf_dims)
+                name = fill(row.hf_names[0], m.binding)
+                out.append(Source(s.origin, reshaped(entry, name, dims)))
+                continue
             pieces = self._unstacked(row, m.binding, entry)
             for binding, piece in pieces:
-                names = [_fill(n, binding) for n in row.hf_names]
+                names = [fill(n, binding) for n in row.hf_names]
                 if len(names) == 1:
                     self._check_heads(row, piece)
                 if row.transpose:  # after the unstacking: a computed tensor is not cut into byte ranges
                     piece = transposed(piece, piece.key)
                 parts = self._split(row, piece, names) if len(names) > 1 else [_renamed(piece, names[0])]
                 out += [Source(s.origin, self._gather(row, part, True)) for part in parts]
-        return out
+        return out + [self._fuse(row, dict(binding), parts) for (row, binding), parts in fused.items()]
+
+    def _fuse(self, row: Row, binding: dict[str, str], found: dict[int, Source]) -> Source:
+        """HF's tensor of a ``hf_fuses`` row from the other side's parts, one after another along its dim."""
+        name = fill(row.hf_names[0], binding)
+        missing = [fill(n, binding) for i, n in enumerate(row.other) if i not in found]
+        if missing:
+            raise UsageError(f"--preset {self.p.name}: {name!r} is made of {len(row.other)} tensors; the checkpoint "
+                             f"lacks {listed(missing)}")
+        parts = [found[i].entry for i in range(len(row.other))]
+        sizes = [p.shape[row.fuse_dim] if len(p.shape) > row.fuse_dim else 0 for p in parts]
+        if sizes != self._part_rows(row, sum(sizes), name):
+            raise UsageError(f"--preset {self.p.name}: {name!r}: its parts have {sizes} along dim {row.fuse_dim}, "
+                             f"but {self._shape().source} gives {self._part_rows(row, sum(sizes), name)}")
+        return Source(found[0].origin, join_along(name, parts, row.fuse_dim))
+
+    def _unfuse(self, row: Row, binding: dict[str, str], entry: TensorEntry) -> list[Source]:
+        """The other side's parts of HF's tensor of a ``hf_fuses`` row."""
+        names = [fill(n, binding) for n in row.other]
+        total = entry.shape[row.fuse_dim] if len(entry.shape) > row.fuse_dim else 0
+        counts = self._part_rows(row, total, entry.key)
+        if sum(counts) != total:
+            raise UsageError(f"--preset {self.p.name}: {entry.key!r} has {total} along dim {row.fuse_dim}, but its "
+                             f"parts ({', '.join(names)}) take {' + '.join(map(str, counts))}")
+        return [Source(entry.key, e) for e in split_along(entry, counts, names, row.fuse_dim)]
 
     def _split(self, row: Row, entry: TensorEntry, names: list[str]) -> list[TensorEntry]:
         counts = self._part_rows(row, entry.shape[0] if entry.shape else 0, entry.key)
@@ -306,15 +341,19 @@ class _Builder:
     def from_hf(self, matched: list[tuple[Source, _Match]]) -> list[Source]:
         """Gathers each row's HF tensors (its parts, its stacked indices) and builds the other side's tensor."""
         groups: dict[tuple[Row, Binding], dict[tuple[str, int], Source]] = {}
+        out: list[Source] = []
         for s, m in matched:
+            if m.row.hf_fuses:
+                out += [Source(s.origin, p.entry) for p in self._unfuse(m.row, m.binding, s.entry)]
+                continue
             axes = m.row.stack_axes
             rest = tuple(sorted((k, v) for k, v in m.binding.items() if k not in axes))
             index = ",".join(m.binding.get(a, "") for a in axes)
             groups.setdefault((m.row, rest), {})[(index, m.part)] = s
-        return [self._joined(row, dict(rest), found) for (row, rest), found in groups.items()]
+        return out + [self._joined(row, dict(rest), found) for (row, rest), found in groups.items()]
 
     def _joined(self, row: Row, binding: dict[str, str], found: dict[tuple[str, int], Source]) -> Source:
-        name = _fill(row.other[0], binding)
+        name = fill(row.other[0], binding)
         axes = row.stack_axes
         counts = [self._stack_count(a, name) for a in axes]
         indices = [",".join(map(str, i)) for i in itertools.product(*map(range, counts))]
@@ -323,7 +362,7 @@ class _Builder:
             raise UsageError(f"--preset {self.p.name}: {name!r}: the checkpoint holds {'/'.join(axes)} "
                              f"{', '.join(extra)}, but {self._shape().source} gives "
                              f"{' x '.join(map(str, counts))} {'/'.join(STACK_FIELDS.get(a, a) for a in axes)}")
-        missing = [_fill(n, {**binding, **dict(zip(axes, i.split(","), strict=True))} if axes else binding)
+        missing = [fill(n, {**binding, **dict(zip(axes, i.split(","), strict=True))} if axes else binding)
                    for i in indices for p, n in enumerate(row.hf_names) if (i, p) not in found]
         if missing:
             raise UsageError(f"--preset {self.p.name}: {name!r} is made of {len(indices) * len(row.hf_names)} "
@@ -340,6 +379,8 @@ class _Builder:
             if row.stacked:
                 raise UsageError(f"--preset {self.p.name}: {name!r}: a transposed row is not stacked on import")
         entry = _stack_nested(name, stacked, counts) if row.stacked else stacked[0]
+        if row.hf_dims:
+            entry = reshaped(entry, name, (int(math.prod(entry.shape[1:])),))
         origin = found[(indices[0], 0)].origin
         return Source(origin, entry if not row.plain else _renamed(entry, name))
 
@@ -367,55 +408,3 @@ def _stack_nested(name: str, entries: list[TensorEntry], counts: list[int]) -> T
 
 def _renamed(entry: TensorEntry, key: str) -> TensorEntry:
     return dataclasses.replace(entry, key=key, path=(key,))
-
-
-def _check_complete(p: Preset, present: set[tuple[Row, str | None]], shape: ModelShape | None, towards: bool,
-                    by_key: dict[str, Source]) -> list[Source]:
-    """Refuses tensors of the table that the checkpoint lacks, layer by layer (a layer holds one variant of
-    each slot, whole); returns the tied tensors written from what they are tied to (HF names -> the other's,
-    which has no ties)."""
-    layers = shape.layers if shape is not None and shape.layers else None
-    seen = {int(n) for _, n in present if n is not None}
-    if layers is not None and seen and max(seen) >= layers:
-        raise UsageError(f"--preset {p.name}: {shape.source if shape else 'the config'} gives {layers} layers, but "
-                         f"the checkpoint has layer {max(seen)}")
-    numbers = [str(i) for i in range(layers if layers else (max(seen) + 1 if seen else 0))]
-    missing: list[str] = []
-    added: list[Source] = []
-    for n in [None, *numbers]:
-        rows = [r for r in p.rows
-                if not r.read_only and ("n" in r.placeholders() and "n" not in r.stack_axes) == (n is not None)]
-        variants: dict[str, set[str]] = {}
-        for r in rows:
-            if r.group and (r, n) in present:
-                slot, _, variant = r.group.partition(":")
-                variants.setdefault(slot, set()).add(variant)
-        for slot, held in variants.items():
-            if len(held) > 1:
-                raise UsageError(f"--preset {p.name}: layer {n} holds both {' and '.join(sorted(held))} {slot} tensors")
-        for r in rows:
-            if (r, n) in present:
-                continue
-            if r.group:
-                slot, _, variant = r.group.partition(":")
-                chosen = variants.get(slot)
-                if chosen is None and _first_variant(rows, slot) != variant or chosen and variant not in chosen:
-                    continue
-            binding = {"n": n} if n is not None else {}
-            name = _fill(r.other[0] if towards else r.hf_names[0], binding)
-            if r.tied_to and (shape is None or shape.tied is not False):
-                tied = by_key.get(r.tied_to)
-                if not towards and shape is not None and shape.tied and tied is not None:
-                    new = _fill(r.other[0], binding)
-                    added.append(Source(tied.origin, _renamed(tied.entry, new)))
-                continue
-            missing.append(name)
-    if missing:
-        raise UsageError(f"--preset {p.name}: the checkpoint lacks {len(missing)} keys of the model"
-                         f"{f' ({layers} layers, from {shape.source})' if layers and shape else ''}: "
-                         f"{listed(missing)}")
-    return added
-
-
-def _first_variant(rows: list[Row], slot: str) -> str:
-    return next(r.group.partition(":")[2] for r in rows if r.group and r.group.partition(":")[0] == slot)

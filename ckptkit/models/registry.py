@@ -1,5 +1,6 @@
 """Every model family's presets, found in :mod:`ckptkit.models.families` (one module a family, each with a
-``PRESETS`` tuple), and the ``model_type`` maps that detection and ``convert --to megatron`` use."""
+``PRESETS`` tuple, and an ``UNMAPPED`` one naming the families it refuses), and the ``model_type`` maps that
+detection and ``convert --to megatron`` use."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import pkgutil
 
 from ..errors import UsageError
 from . import families
-from .table import Preset
+from .table import Preset, Unmapped
 
-__all__ = ["DETECT", "MEGATRON", "PRESETS", "preset"]
+__all__ = ["DETECT", "MEGATRON", "PRESETS", "UNMAPPED", "preset"]
 
 # The framework modules first, so that ``--help`` and ``ckptkit presets`` list the converting tables before
 # the checking ones; every other module follows in name order.
@@ -35,6 +36,11 @@ def _load() -> dict[str, Preset]:
 
 PRESETS: dict[str, Preset] = _load()
 """The presets by name."""
+
+UNMAPPED: tuple[Unmapped, ...] = tuple(u for name in _family_modules()
+                                       for u in getattr(importlib.import_module(f"{families.__name__}.{name}"),
+                                                        "UNMAPPED", ()))
+"""The families a module names as not mapped (its ``UNMAPPED`` tuple): refused by name."""
 
 
 def _by_model_type(framework: str) -> dict[str, str]:

@@ -25,10 +25,21 @@ The table format. A row names one tensor of the other side and the HF tensor(s) 
 - ``transform``: a row gather from :data:`TRANSFORMS` (``"rotary"``), applied to each HF part on the way to
   HF and inverted on the way back; ``heads`` checks the rows against the config's head count.
 - ``transpose``: the other side holds the transpose (last two dims) of HF's tensor; computed tile by tile.
+- ``hf_fuses``: the reverse of a tuple ``hf``: HF's one tensor is the other side's tensors, all of ``other``
+  in order, one after another along dim ``fuse_dim`` (0; or 1 under a leading expert dim); ``split`` gives
+  their sizes (None: equal). Kimi's and Qwen3.5's vision ``qkv``; Qwen3.5's ``gate_up_proj`` ``[E, 2F, D]``.
+- ``hf_dims``: HF's dims past the first, which the other side holds flattened into one (a convolution's
+  kernel as a linear layer's row); each a row count as in ``split``. Moves no byte.
 - ``group``: ``"slot:variant"``. A layer holds exactly one variant of each slot, and all of its rows:
-  ``"mlp:dense"`` or ``"mlp:moe"`` (DeepSeek-V3's first dense layers), ``"q:plain"`` or ``"q:lora"``.
+  ``"mlp:dense"`` or ``"mlp:moe"`` (DeepSeek-V3's first dense layers), ``"q:plain"`` or ``"q:lora"``. A
+  slot named with a trailing ``?`` may be absent altogether (``"vision?:tower"``: a text-only checkpoint of
+  a multimodal family).
 - ``read_only``: a spelling read on the way to HF but never written (an older layout under its own row).
 - ``tied_to``: the HF name of the tensor this one may be tied to (``lm_head`` to the embedding).
+
+A :class:`Buffer` names a persistent buffer of the other side's model that HF has no tensor for (torchtitan's
+router load-balancing ``moe.expert_bias_E``): left out on the way to HF, and written on the way back as the
+value the other side's model initialises it to, so that its strict load finds every key of its model.
 
 On import from HF, a preset with ``fp8`` dequantizes each float8 ``X.weight`` with its ``X.weight_scale_inv``
 (128x128 blocks) into float32 before the table applies (what torchtitan's DeepSeek-V3 import reads through
@@ -59,7 +70,8 @@ from typing import Any, Literal
 
 from ..errors import UsageError
 
-__all__ = ["STACK_FIELDS", "TRANSFORMS", "ModelShape", "Preset", "Row", "model_shape", "rotary_rows"]
+__all__ = ["STACK_FIELDS", "TRANSFORMS", "Buffer", "ModelShape", "Preset", "Row", "Unmapped", "model_shape",
+           "rotary_rows"]
 
 Heads = Literal["n_heads", "n_kv_heads"]
 Count = tuple[str | int, ...]
@@ -89,6 +101,11 @@ class Row:
     transpose: bool = False
     group: str | None = None
     read_only: bool = False
+    hf_fuses: bool = False
+    fuse_dim: int = 0
+    hf_dims: tuple[Count, ...] | None = None
+    head_dim: str | None = None
+    """The shape field of the head size ``transform`` works in (``vision_config.head_dim``); None: the model's."""
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -97,7 +114,7 @@ class Row:
     @property
     def plain(self) -> bool:
         """A rename, perhaps with a row gather: one tensor each side, same shape."""
-        return not (self.stacked or isinstance(self.hf, tuple) or self.transpose)
+        return not (self.stacked or isinstance(self.hf, tuple) or self.transpose or self.hf_fuses or self.hf_dims)
 
     @property
     def stack_axes(self) -> tuple[str, ...]:
@@ -106,6 +123,21 @@ class Row:
 
     def placeholders(self) -> set[str]:
         return {m for name in self.hf_names for m in _PLACEHOLDER.findall(name)}
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """A persistent buffer of the other side's model that HF has no tensor for (module docstring)."""
+
+    other: str
+    """Its name on the other side, with a ``{n}`` layer placeholder where each layer holds one."""
+    shape: tuple[Count, ...]
+    """Each dim's size, as a row count (``(("experts",),)``: one float per routed expert)."""
+    dtype: str = "float32"
+    init: Literal["zeros"] = "zeros"
+    """The value the other side's model gives it at initialisation, which an import writes."""
+    group: str | None = None
+    """Held only by the layers that hold this variant of a slot (``"mlp:moe"``); None: by every layer."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +158,9 @@ class Preset:
     """On import from HF, MXFP4 ``X_blocks`` with their ``X_scales`` are dequantized into ``X`` (module docstring)."""
     refuse: tuple[tuple[str, str], ...] = ()
     """(HF name pattern, why): keys refused with that reason (GPT-OSS's MXFP4 ``_blocks``)."""
+    buffers: tuple[Buffer, ...] = ()
+    """The other side's buffers HF has no tensor for: left out on export, written at their initial value on
+    import (module docstring)."""
     model_types: tuple[str, ...] = ()
     """The ``config.json`` ``model_type`` values of the family: detection picks this preset by them for the
     framework's names (:mod:`ckptkit.models.registry`)."""
@@ -137,7 +172,21 @@ class Preset:
 
     @property
     def needs_shape(self) -> bool:
-        return any(r.transform or not r.plain for r in self.rows)
+        return bool(self.buffers) or any(r.transform or not r.plain for r in self.rows)
+
+
+@dataclass(frozen=True)
+class Unmapped:
+    """A family that a framework ships and ckptkit has no table for: ``--preset auto`` refuses it by name, rather
+    than writing its tensors under their own names into an HF folder."""
+
+    family: str
+    """What the family is, for the message (``torchtitan's flux``)."""
+    why: str
+    model_types: tuple[str, ...] = ()
+    """The ``config.json`` ``model_type`` values (or diffusers' ``_class_name``) that name it."""
+    keys: tuple[str, ...] = ()
+    """Names, with ``{n}`` placeholders, any of which recognises the family's own checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -193,7 +242,10 @@ def _int(value: Any) -> int | None:
 def model_shape(config: dict, source: str, tied: bool | None = None) -> ModelShape:
     """Head counts from an HF ``config.json`` (its ``text_config`` for a composite model) or Meta's
     ``params.json`` (fields under ``model`` in some releases). ``head_dim`` is the config's own where it
-    states one (Mistral-Nemo's differs from ``hidden_size / num_attention_heads``)."""
+    states one (Mistral-Nemo's differs from ``hidden_size / num_attention_heads``). The integer fields of the
+    config's sub-configs are fields too, by their dotted name (``vision_config.patch_size``), with a
+    ``head_dim`` (width over heads) where a sub-config states none."""
+    top = config
     if isinstance(config.get("text_config"), dict) and "num_attention_heads" not in config:
         config = config["text_config"]
     if isinstance(config.get("model"), dict) and "n_heads" not in config:
@@ -212,7 +264,15 @@ def model_shape(config: dict, source: str, tied: bool | None = None) -> ModelSha
     experts = next((n for k in ("num_experts", "num_local_experts", "n_routed_experts") if (n := _int(config.get(k)))),
                    None)
     integers = tuple((k, v) for k, v in config.items() if _int(v) is not None)
+    integers += tuple((f"{k}.{k2}", v2) for k, sub in top.items() if isinstance(sub, dict)  # vision_config.patch_size
+                      for k2, v2 in {**_head_dim(sub), **sub}.items() if _int(v2) is not None)
     return ModelShape(head_dim, n_heads, n_kv, layers, tied, source, experts, integers)
+
+
+def _head_dim(sub: dict) -> dict[str, int]:
+    """A sub-config's head size where it states none: its width over its head count."""
+    width, heads = _int(sub.get("hidden_size")), _int(sub.get("num_attention_heads") or sub.get("num_heads"))
+    return {"head_dim": width // heads} if width and heads and width % heads == 0 else {}
 
 
 def rotary_rows(n_rows: int, head_dim: int, to_hf: bool) -> tuple[int, ...]:

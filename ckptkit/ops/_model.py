@@ -17,6 +17,7 @@ from ..models.hfconfig import check_single_file, find_config
 from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
 from ..models.registry import MEGATRON, preset
 from ..models.table import ModelShape
+from ..models.unmapped import refuse_unmapped
 from ._optimizer import Entry, carry_training_state
 from .report import Changes
 from .select import select_model
@@ -99,6 +100,7 @@ def resolve_mapping(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: 
         where = str(config.path) if config is not None else "config.json"
         keys = [t.key for t in tensors]
         if mapping.preset == "auto":
+            refuse_unmapped(keys, config.data if config is not None else None, where)
             found = detect_family(keys, model_type if isinstance(model_type, str) else None, where)
             mapping = dataclasses.replace(mapping, preset=found.preset)
             notes = (f"--preset auto: {found.preset} ({found.why})",) if found.preset else ()
@@ -106,7 +108,7 @@ def resolve_mapping(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: 
             chosen = preset(mapping.preset)
             check_single_file(chosen, Path(src))
             check_family(chosen, keys, model_type if isinstance(model_type, str) else None, where)
-            if config is None and chosen.needs_shape:
+            if config is None and (chosen.needs_shape or any(r.tied_to for r in chosen.rows)):
                 config = find_config(Path(src), hf_assets)
             shape = config.shape() if config is not None else None
     return mapping, shape, notes

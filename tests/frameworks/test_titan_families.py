@@ -113,15 +113,22 @@ def hf_saved(tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
-def titan_load(name: str, dcp_dir: Path, keys) -> dict:
-    """``dcp.load`` of ``keys`` (torchtitan's model's) from ``dcp_dir``, as CheckpointManager loads a model at
-    step 0: the model's keys flat at the top level."""
+def titan_load(name: str, dcp_dir: Path) -> dict:
+    """``dcp.load`` of torchtitan's model's whole ``state_dict()`` from ``dcp_dir`` with the default planner, as
+    CheckpointManager loads a model-only checkpoint (strict: a key of the model the checkpoint lacks fails)."""
     import torch.distributed.checkpoint as dcp
 
-    model = fam.build(name, seed=5)
-    state = {k: v for k, v in model.state_dict().items() if k in keys}
+    state = fam.build(name, seed=5).state_dict()
     dcp.load(state, checkpoint_id=str(dcp_dir))
     return state
+
+
+def resumed(name: str, expected: dict) -> dict:
+    """What torchtitan's model holds after loading an import of HF weights: ``from_hf()``'s tensors (``expected``),
+    and for the keys HF has no tensor for (the router's ``expert_bias_E`` buffers), the model's own
+    initial value."""
+    initial = fam.build(name, seed=5, perturb=False).state_dict()
+    return {k: expected.get(k, v) for k, v in initial.items()}
 
 
 @pytest.mark.parametrize("name", fam.FAMILIES)
@@ -129,11 +136,23 @@ def titan_load(name: str, dcp_dir: Path, keys) -> dict:
 def test_convert_hf_to_torchtitan_dcp_loads_as_from_hf_and_exports_back_unchanged(hf_saved, tmp_path, name, ranks):
     hf = load_hf(hf_saved[name])
     expected = from_hf(name, hf)
-    ckptkit.convert(hf_saved[name], tmp_path / "titan", to="sharded", world_size=ranks,
-                    preset=_PRESETS[name], hf_assets=hf_saved[name])
-    assert_same_tree(titan_load(name, tmp_path / "titan", expected), expected)
+    ckptkit.convert(hf_saved[name], tmp_path / "titan", to="sharded", world_size=ranks, preset=_PRESETS[name])
+    assert_same_tree(titan_load(name, tmp_path / "titan"), resumed(name, expected))
     ckptkit.export_hf(tmp_path / "titan", tmp_path / "back", hf_assets=hf_saved[name])
     assert_same_tree(load_hf(tmp_path / "back"), hf)
+
+
+def test_convert_hf_to_torchtitan_refuses_a_missing_lm_head_that_no_config_calls_tied(hf_saved, tmp_path):
+    import shutil
+
+    from ckptkit.errors import UsageError
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_saved["qwen3"], src)
+    (src / "config.json").unlink()  # transformers left lm_head.weight out because the model ties it
+    with pytest.raises(UsageError, match="lacks 'lm_head.weight', and no config.json says whether it is tied"):
+        ckptkit.convert(src, tmp_path / "titan", to="sharded", world_size=2, preset="torchtitan-qwen3")
+    assert not (tmp_path / "titan").exists()
 
 
 _PRESETS = {"qwen3": "torchtitan-qwen3", "qwen3_moe": "torchtitan-qwen3-moe", "deepseek_v3": "torchtitan-deepseek-v3",
@@ -181,7 +200,7 @@ def test_fp8_deepseek_v3_import_equals_torchs_quantized_reader_and_transformers_
                                                                      block_size=128, thread_count=1))
     expected = from_hf("deepseek_v3", read)
     report = ckptkit.convert(fp8, tmp_path / "titan", to="sharded", world_size=2, preset="torchtitan-deepseek-v3")
-    assert_same_tree(titan_load("deepseek_v3", tmp_path / "titan", expected), expected)
+    assert_same_tree(titan_load("deepseek_v3", tmp_path / "titan"), resumed("deepseek_v3", expected))
     # Back to HF, the dequantized weights are transformers' fine-grained FP8 dequantization in float32.
     ckptkit.export_hf(tmp_path / "titan", tmp_path / "hf", hf_assets=fp8)
     back = load_hf(tmp_path / "hf")

@@ -9,10 +9,10 @@ Older torchtitan spellings are read too. ``--preset auto`` picks a table by ``co
 
 from __future__ import annotations
 
-from ..table import Heads, Preset, Row
+from ..table import Buffer, Heads, Preset, Row, Unmapped
 from ._llama import META as _META, TITAN as _TITAN, llama_rows
 
-__all__ = ["PRESETS"]
+__all__ = ["DEEPSEEK_V3_ROWS", "EXPERT_BIAS", "PRESETS", "UNMAPPED"]
 
 _HF, _T = "model.layers.{n}.", "layers.{n}."
 
@@ -61,6 +61,9 @@ def _experts(group: str = "mlp:moe") -> list[Row]:
 _QWEN3_NORMS = (("self_attn.q_norm.weight", "attention.q_norm.weight"),
                 ("self_attn.k_norm.weight", "attention.k_norm.weight"))
 _INV_FREQ = "model.layers.{n}.self_attn.rotary_emb.inv_freq"
+EXPERT_BIAS = _T + "moe.expert_bias_E"
+"""The router's load-balancing bias: a persistent float32 buffer of torchtitan's MoE, zeros at initialisation,
+that HF's Qwen3-MoE and GPT-OSS have no tensor for (DeepSeek-V3's is its ``e_score_correction_bias``)."""
 _MLA = _renames((("self_attn.kv_a_proj_with_mqa.weight", "attention.wkv_a.weight"),
                  ("self_attn.kv_a_layernorm.weight", "attention.kv_norm.weight"),
                  ("self_attn.kv_b_proj.weight", "attention.wkv_b.weight"),
@@ -73,6 +76,8 @@ _DEEPSEEK_MOE = _experts() + _renames((("mlp.shared_experts.gate_proj.weight", "
                                        ("mlp.shared_experts.up_proj.weight", "moe.shared_experts.w3.weight"),
                                        ("mlp.shared_experts.down_proj.weight", "moe.shared_experts.w2.weight"),
                                        ("mlp.gate.e_score_correction_bias", "moe.expert_bias_E")), "mlp:moe")
+DEEPSEEK_V3_ROWS = tuple(_titan_common() + _MLA + _dense_mlp() + _DEEPSEEK_MOE)
+"""DeepSeek-V3's language model (Kimi K2's too)."""
 _OSS = _T + "moe.routed_experts.inner_experts."
 _GPT_OSS = [Row(_HF + "self_attn.sinks", (_T + "attention.sinks",)),
             Row(_HF + "mlp.experts.gate_up_proj", (_OSS + "mlp1_weight_EGD", _OSS + "mlp1_weight"), transpose=True),
@@ -92,14 +97,21 @@ PRESETS = (
            model_types=("qwen3",)),
     Preset("torchtitan-qwen3-moe", "torchtitan's Qwen3-MoE (stacked experts <-> one weight per expert) <-> HF "
            "Qwen3-MoE", "torchtitan", tuple(_titan_common(_QWEN3_NORMS) + _gqa() + _dense_mlp() + _experts()),
-           dropped=(_INV_FREQ, _T + "moe.expert_bias_E"), model_types=("qwen3_moe",)),
+           dropped=(_INV_FREQ,), buffers=(Buffer(EXPERT_BIAS, (("experts",),), group="mlp:moe"),),
+           model_types=("qwen3_moe",)),
     Preset("torchtitan-deepseek-v3", "torchtitan's DeepSeek-V3 (MLA, shared experts, router correction bias) <-> "
            "HF DeepSeek-V3; FP8 weights dequantized on import", "torchtitan",
-           tuple(_titan_common() + _MLA + _dense_mlp() + _DEEPSEEK_MOE), dropped=(_INV_FREQ,), fp8=True,
+           DEEPSEEK_V3_ROWS, dropped=(_INV_FREQ,), fp8=True,
            model_types=("deepseek_v3",)),
     Preset("torchtitan-gpt-oss", "torchtitan's GPT-OSS in bf16 (attention sinks, expert biases; experts "
            "[experts, 2 x hidden, dim] <-> HF's transposed) <-> HF GPT-OSS; MXFP4 experts dequantized on import",
-           "torchtitan",
-           tuple(_titan_common() + _gqa(biases=True) + _GPT_OSS), dropped=(_INV_FREQ, _T + "moe.expert_bias_E"),
-           mxfp4=True, model_types=("gpt_oss",)),
+           "torchtitan", tuple(_titan_common() + _gqa(biases=True) + _GPT_OSS), dropped=(_INV_FREQ,),
+           buffers=(Buffer(EXPERT_BIAS, (("experts",),)),), mxfp4=True, model_types=("gpt_oss",)),
 )
+
+UNMAPPED = (
+    Unmapped("torchtitan's flux", "it is a diffusion model, whose Hugging Face form is diffusers' "
+             "(FluxTransformer2DModel), not a transformers model", ("FluxTransformer2DModel", "flux"),
+             ("img_in.weight", "double_blocks.{n}.img_attn.qkv.weight", "single_blocks.{n}.linear1.weight")),
+)
+"""torchtitan 0.3's families without a table here."""
