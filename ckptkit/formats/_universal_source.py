@@ -119,11 +119,19 @@ def _tensor(entry: Entry, manifest: Manifest) -> TensorEntry:
 
 
 def _groups(manifest: Manifest, optim: str, names: list[str]) -> tuple[tuple[dict[str, Any], list[str]], ...]:
-    """The param groups' hyperparameters (``<optim>.param_groups.<i>.<field>``) and parameter names."""
+    """The param groups' hyperparameters and parameter names: listed (``<optim>.param_groups.<i>.<field>``), or
+    flattened per parameter (``<optim>.param_groups.<param>.<field>``, torchtitan's), where parameters with the
+    same hyperparameters make one group."""
     fields: dict[int, dict[str, Any]] = {}
+    per_param: dict[str, dict[str, Any]] = {}
+    head = f"{optim}.param_groups."
     for o in manifest.objects:
         if len(o.path) == 4 and o.path[:2] == (optim, "param_groups"):
             fields.setdefault(int(o.path[2]), {})[str(o.path[3])] = object_value(o)
+        elif o.key.startswith(head) and (split := o.key[len(head):].rpartition("."))[0] in names:
+            per_param.setdefault(split[0], {})[split[2]] = object_value(o)
+    if not fields and per_param:
+        return _grouped(per_param)
     if not fields:
         return (({}, names),)
     out = []
@@ -132,6 +140,18 @@ def _groups(manifest: Manifest, optim: str, names: list[str]) -> tuple[tuple[dic
         listed = [p for p in params if p in names] if isinstance(params, list) and len(fields) > 1 else names
         out.append((fields[i], listed))
     return tuple(out)
+
+
+def _grouped(per_param: dict[str, dict[str, Any]]) -> tuple[tuple[dict[str, Any], list[str]], ...]:
+    groups: list[tuple[dict[str, Any], list[str]]] = []
+    for name, hyper in per_param.items():
+        hyper = {k: v for k, v in hyper.items() if k != "params"}
+        same = next((g for g in groups if g[0] == hyper), None)
+        if same is None:
+            groups.append((hyper, [name]))
+        else:
+            same[1].append(name)
+    return tuple(groups)
 
 
 def read_step(src: Source) -> int:
