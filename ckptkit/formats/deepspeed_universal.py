@@ -41,7 +41,7 @@ from ..core.plan import Bytes, FilePlan, Region, WritePlan
 from ..core.tree import ListIndex
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
 from ._universal_source import Source, read_step, source_of
-from .base import FormatIO, FormatOptions, Target, plain_object
+from .base import FormatIO, FormatOptions, Target, object_value, plain_object
 from .deepspeed import _GLOBALS
 
 __all__ = ["DeepSpeedUniversalIO", "UniversalOptions"]
@@ -112,7 +112,7 @@ def _fp32(entry: TensorEntry) -> Region:
 
 def _step_value(src: Source, name: str) -> Any:
     step = src.steps[name]
-    return Region.whole(step) if isinstance(step, TensorEntry) else step.value
+    return Region.whole(step) if isinstance(step, TensorEntry) else object_value(step)
 
 
 def _plan(src: Source, options: UniversalOptions) -> WritePlan:

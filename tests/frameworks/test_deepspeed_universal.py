@@ -20,7 +20,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptkit
-from _ds_universal import ds_resume, ds_save, fsdp2_run
+from _ds_universal import Net, ds_resume, ds_save, fsdp2_run
 from _spawn import spawn
 from ckptkit.cli import cli
 from ckptkit.errors import IncompleteCheckpointError, UsageError
@@ -146,6 +146,21 @@ def test_read_deepspeed_universal_of_ds_to_universal_gives_deepspeeds_own_tensor
         assert torch.equal(full["optim"]["state"][name]["step"], torch.load(uc / "zero" / name / "step.pt"))
     groups = torch.load(uc / "zero" / "optimizer_state.pt", weights_only=False)["param_groups"]
     assert full["optim"]["param_groups"] == [{**groups[0], "params": list(full["model"])}]
+
+
+@needs_deepspeed
+def test_load_deepspeed_universal_of_ds_to_universal_restores_a_torch_model_and_adamw(ds_own):
+    uc = ds_own[1]
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    result = ckptkit.load(uc, model, optimizer=optimizer)
+    assert result.optimizer_loaded and optimizer.param_groups[0]["lr"] == 1e-2
+    state = optimizer.state_dict()["state"]
+    for i, (name, param) in enumerate(model.named_parameters()):
+        assert torch.equal(param.detach(), torch.load(uc / "zero" / name / "fp32.pt")["param"]), name
+        for slot in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[i][slot], torch.load(uc / "zero" / name / f"{slot}.pt")["param"]), name
+        assert torch.equal(state[i]["step"], torch.load(uc / "zero" / name / "step.pt"))
 
 
 @needs_deepspeed
