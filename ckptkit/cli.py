@@ -177,7 +177,6 @@ def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, st
     "ckptkit convert ckpt/step-1000 model.pt --to full",
     "ckptkit convert ckpt/step-1000 hf-out --to hf --max-shard-size 2GB",
     "ckptkit convert Llama-3.2-1B titan-init --to sharded --world-size 8 --preset torchtitan-llama",
-    "ckptkit convert fsdp2/step-1000 ds-run --to deepspeed-universal",
 ))
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
