@@ -181,7 +181,8 @@ def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, st
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
 @option("--to", "to", required=True, type=click.Choice(TO),
-         help="Target format (megatron: megatron-core's torch_dist, from an HF model).")
+         help="Target format (megatron: megatron-core's torch_dist, from an HF model; deepspeed-universal: "
+              "DeepSpeed's universal checkpoint, model and Adam state, which its engine loads at any ZeRO stage).")
 @option("--world-size", type=click.IntRange(min=1),
          help="Ranks to lay the output out for (sharded, local, megatron; default: the source's world size).")
 @option("--max-shard-size", default=None, metavar="SIZE", callback=size,

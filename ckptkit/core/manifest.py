@@ -32,6 +32,7 @@ class Format(str, enum.Enum):
     HF_SHARDS = "hf-shards"
     VERL = "verl"
     DEEPSPEED = "deepspeed"
+    DEEPSPEED_UNIVERSAL = "deepspeed-universal"
 
 
 FormName = Literal["full", "sharded", "local", "hf"]

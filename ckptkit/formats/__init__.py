@@ -32,6 +32,7 @@ __all__ = ["TO", "WRITABLE", "FormatIO", "FormatOptions", "LocalOptions", "Locat
 _ALL: tuple[tuple[Format, str, str, tuple[str, ...]], ...] = (
     (Format.SHARDED, "dcp", "DcpIO", ("sharded", "megatron")), (Format.HF_SHARDS, "hf_shards", "HfShardsIO", ()),
     (Format.HF, "hf", "HfIO", ("hf",)), (Format.VERL, "verl", "VerlIO", ()),
+    (Format.DEEPSPEED_UNIVERSAL, "deepspeed_universal", "DeepSpeedUniversalIO", ("deepspeed-universal",)),
     (Format.DEEPSPEED, "deepspeed", "DeepSpeedIO", ()), (Format.FULL, "full", "FullIO", ("full",)),
     (Format.LOCAL, "local", "LocalIO", ("local",)))
 

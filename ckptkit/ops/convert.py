@@ -142,7 +142,7 @@ def _a(name: str) -> str:
 
 
 @all_ranks
-def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal["megatron"],
+def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal["megatron", "deepspeed-universal"],
             world_size: int | None = None, max_shard_size: int | str | None = None, local: LocalOptions | None = None,
             preset: str | None = None, renames: Renames = (), key_map: KeyMapSource = None, strict_map: bool = False,
             hf_assets: Path | str | None = None, options: WriteOptions | None = None,
@@ -162,7 +162,8 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     Args:
         src: The checkpoint to read: a file, a directory, a run directory or a URL (``s3://``, ``hf://``, ...).
         dst: Where to write; must not exist unless ``overwrite``.
-        to: The output form: ``full``, ``sharded``, ``local``, ``hf`` or ``megatron``.
+        to: The output form: ``full``, ``sharded``, ``local``, ``hf``, ``megatron`` or ``deepspeed-universal``
+            (DeepSpeed's universal checkpoint: the model and its Adam state, for DeepSpeed's ``load_universal``).
         world_size: Ranks of a ``sharded``, ``local`` or ``megatron`` output (default: the source's, 1 for a
             single-file source); the other forms have no ranks and refuse more than 1.
         max_shard_size: Largest output file of a FULL or HF output (``"5GB"``, ``"1GiB"`` or bytes); None: one file.
