@@ -19,12 +19,11 @@ from ..core.dtypes import by_name
 from ..core.manifest import TensorEntry
 from ..core.reshape import dequantized, join_rows, split_rows, stack, take_rows, transposed, unstack
 from ..errors import UsageError
-from .table import STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
+from .table import CONFIG_NAMES, STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
 
 __all__ = ["Adapted", "NameTable", "Source", "apply_preset", "listed"]
 
 _SHOWN = 8
-_CONFIG_FIELDS = {"experts": "num_experts (or num_local_experts, n_routed_experts)", "layers": "num_hidden_layers"}
 Binding = tuple[tuple[str, str], ...]
 
 
@@ -115,9 +114,8 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
         if all(r.plain for r in p.rows):
             raise UsageError(f"--preset {p.name} needs the model's head_dim for the rotary q/k row order: pass "
                              "--hf-assets DIR whose config.json states num_attention_heads and num_key_value_heads")
-        fields = dict.fromkeys(_CONFIG_FIELDS.get(STACK_FIELDS.get(r.stacked, r.stacked), r.stacked)
-                               for r in p.rows if r.stacked)
-        fields.update(dict.fromkeys(r.groups for r in p.rows if r.groups))
+        needed = [STACK_FIELDS.get(a, a) for r in p.rows for a in r.stack_axes] + [r.groups for r in p.rows if r.groups]
+        fields = dict.fromkeys(CONFIG_NAMES.get(f, f) for f in needed if f)
         raise UsageError(f"--preset {p.name} needs config.json's {', '.join(f for f in fields if f)}: pass "
                          "--hf-assets DIR with the model's config.json")
     towards = True if p.identity else _direction(p, table, [s.entry.key for s in sources], to_hf)
@@ -228,8 +226,9 @@ class _Builder:
     def _groups(self, row: Row, key: str) -> int:
         return self._shape().value(row.groups, f"splitting {key!r}") if row.groups else 1
 
-    def _gather(self, row: Row, entry: TensorEntry, to_hf: bool) -> TensorEntry:
-        if not row.transform or self.p.identity:
+    def _gather(self, row: Row, entry: TensorEntry, to_hf: bool, part: int = 0) -> TensorEntry:
+        skipped = row.transform_parts is not None and part not in row.transform_parts  # a fused qkv's v
+        if not row.transform or self.p.identity or skipped:
             return entry
         shape = self._shape()
         order = TRANSFORMS[row.transform](entry.shape[0], shape.head_dim, to_hf)
@@ -264,7 +263,7 @@ class _Builder:
                 if row.transpose:  # after the unstacking: a computed tensor is not cut into byte ranges
                     piece = transposed(piece, piece.key)
                 parts = self._split(row, piece, names) if len(names) > 1 else [_renamed(piece, names[0])]
-                out += [Source(s.origin, self._gather(row, part, True)) for part in parts]
+                out += [Source(s.origin, self._gather(row, part, True, i)) for i, part in enumerate(parts)]
         return out
 
     def _split(self, row: Row, entry: TensorEntry, names: list[str]) -> list[TensorEntry]:
@@ -309,7 +308,7 @@ class _Builder:
             parts = [found[(i, p)].entry for p in range(len(row.hf_names))]
             for part in parts if len(parts) == 1 else ():
                 self._check_heads(row, part)
-            parts = [self._gather(row, part, False) for part in parts]
+            parts = [self._gather(row, part, False, i) for i, part in enumerate(parts)]
             stacked.append(self._fused(row, parts, name) if len(parts) > 1 else parts[0])
         if row.transpose:  # before the stacking: a computed tensor is not joined by byte ranges
             stacked = [transposed(e, name) for e in stacked]

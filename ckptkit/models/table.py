@@ -22,8 +22,9 @@ The table format. A row names one tensor of the other side and the HF tensor(s) 
   (``(("heads_per_group", "head_dim"), ("head_dim",), ("head_dim",))``); None: equal parts. ``groups`` (a shape
   field) repeats the parts that many times down the rows: Megatron's ``linear_qkv`` holds, per query group,
   its q rows, then its k rows, then its v rows.
-- ``transform``: a row gather from :data:`TRANSFORMS` (``"rotary"``), applied to each HF part on the way to
-  HF and inverted on the way back; ``heads`` checks the rows against the config's head count.
+- ``transform``: a row gather from :data:`TRANSFORMS` (``"rotary"``), applied to each HF part (or to those
+  ``transform_parts`` names) on the way to HF and inverted on the way back; ``heads`` checks the rows against
+  the config's head count.
 - ``transpose``: the other side holds the transpose (last two dims) of HF's tensor; computed tile by tile.
 - ``group``: ``"slot:variant"``. A layer holds exactly one variant of each slot, and all of its rows:
   ``"mlp:dense"`` or ``"mlp:moe"`` (DeepSeek-V3's first dense layers), ``"q:plain"`` or ``"q:lora"``.
@@ -56,7 +57,8 @@ from typing import Any, Literal
 
 from ..errors import UsageError
 
-__all__ = ["STACK_FIELDS", "TRANSFORMS", "ModelShape", "Preset", "Row", "model_shape", "rotary_rows"]
+__all__ = ["CONFIG_NAMES", "STACK_FIELDS", "TRANSFORMS", "ModelShape", "Preset", "Row", "model_shape",
+           "rotary_rows"]
 
 Heads = Literal["n_heads", "n_kv_heads"]
 Count = tuple[str | int, ...]
@@ -86,6 +88,9 @@ class Row:
     transpose: bool = False
     group: str | None = None
     read_only: bool = False
+    transform_parts: tuple[int, ...] | None = None
+    """With several ``hf`` names, the indices of those the transform applies to (a fused ``linear_qkv``'s q and
+    k, not its v); None: all of them."""
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -169,7 +174,7 @@ class ModelShape:
             known["heads_per_group"] = self.n_heads // self.n_kv_heads
         value = known.get(name)
         if value is None:
-            raise UsageError(f"{self.source}: states no {_CONFIG_NAMES.get(name, name)}; {why} needs it "
+            raise UsageError(f"{self.source}: states no {CONFIG_NAMES.get(name, name)}; {why} needs it "
                              "(pass --hf-assets DIR with the model's config.json)")
         return value
 
@@ -177,8 +182,9 @@ class ModelShape:
         return math.prod(f if isinstance(f, int) else self.value(f, why) for f in factors)
 
 
-_CONFIG_NAMES = {"experts": "num_experts (or num_local_experts, n_routed_experts)", "layers": "num_hidden_layers",
-                 "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads"}
+CONFIG_NAMES = {"experts": "num_experts (or num_local_experts, n_routed_experts)", "layers": "num_hidden_layers",
+                "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads"}
+"""A shape field (:meth:`ModelShape.value`) -> the config.json field(s) that state it, for messages."""
 
 
 def _int(value: Any) -> int | None:

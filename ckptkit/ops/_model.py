@@ -14,6 +14,7 @@ from ..formats.dcp import check_blobs
 from ..models.detect import check_family, detect_family
 from ..models.hfconfig import check_single_file, find_config
 from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
+from ..models.megatron_args import for_run, run_args
 from ..models.registry import MEGATRON, preset
 from .report import Changes
 from .select import select_model
@@ -36,7 +37,8 @@ def key_mapping_for(io: FormatIO, to: str, src: Path, hf_assets: Path | str | No
 
 
 def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, src: Path,
-               hf_assets: Path | str | None) -> tuple[Manifest, Changes, tuple[str, ...]]:
+               hf_assets: Path | str | None, megatron_args: dict | None = None
+               ) -> tuple[Manifest, Changes, tuple[str, ...]]:
     """What a conversion writes of ``manifest``: all of it; or, to a model-only output or under a key mapping,
     the model part under the mapping's names. With the renames and drops made, and notes for the report."""
     if not (io.hf_model or mapping):
@@ -49,7 +51,8 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
     tensors, notes, changes = sel.tensors, sel.notes, Changes()
     if mapping:
         mapped = map_model(tensors, mapping, src, hf_assets,
-                           to_hf=True if io.hf_model else False if to == TO_MEGATRON else None)
+                           to_hf=True if io.hf_model else False if to == TO_MEGATRON else None,
+                           megatron_args=megatron_args)
         tensors, notes = mapped.tensors, notes + mapped.notes
         changes = Changes(mapped.renamed, mapped.dropped, permuted=mapped.permuted)
         if not io.hf_model:
@@ -59,11 +62,13 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
 
 
 def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path | str,
-              hf_assets: Path | str | None, to_hf: bool | None) -> MappedKeys:
+              hf_assets: Path | str | None, to_hf: bool | None, megatron_args: dict | None = None) -> MappedKeys:
     """The model's tensors under ``mapping``; a preset gets its head counts from the model's config
     (:func:`ckptkit.models.hfconfig.find_config`: ``hf_assets``, the source's own ``config.json``, Meta's
-    ``params.json`` beside it)."""
+    ``params.json`` beside it), and a Megatron preset is adjusted to the run's arguments, or refused
+    (:mod:`ckptkit.models.megatron_args`: the source's own, with ``megatron_args`` over them)."""
     shape = None
+    adjusted = None
     notes: tuple[str, ...] = ()
     if mapping.preset is not None:
         remote = any(not isinstance(p, (str, os.PathLike, type(None))) for p in (src, hf_assets))  # read by name
@@ -83,8 +88,11 @@ def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path |
             if config is None and chosen.needs_shape:
                 config = find_config(Path(src), hf_assets)
             shape = config.shape() if config is not None else None
-    mapped = map_keys(tensors, mapping, shape=shape, to_hf=to_hf)
-    return dataclasses.replace(mapped, notes=notes + mapped.notes)
+            own = None if remote or to_hf is False else Path(src)  # an HF source has no Megatron arguments
+            adjusted, shape, said = for_run(chosen, shape, run_args(own, megatron_args))
+            notes += said
+    mapped = map_keys(tensors, mapping, shape=shape, to_hf=to_hf, preset=adjusted)
+    return dataclasses.replace(mapped, notes=notes + mapped.notes, preset=mapping.preset)
 
 
 MEGATRON_STEP_0 = tuple(ObjectEntry(k, (k,), v, sidecar=COMMON) for k, v in (("checkpoint_version", 3.0),

@@ -34,6 +34,8 @@ FAMILIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                    "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
                    "moe_token_dispatcher_type": "allgather"},
                   {"qk_layernorm": True, "num_experts": 4}),
+    # Llama 3 trained with Megatron's interleaved rotary embeddings: q/k rotate adjacent pairs of each head.
+    "llama_interleaved": ({"rotary_interleaved": True}, {}),
 }
 
 
@@ -110,19 +112,22 @@ def megatron_lm_args(family: str, tp: int) -> argparse.Namespace:
         qk_layernorm=FAMILIES[family][1].get("qk_layernorm", False), num_experts=config.num_moe_experts,
         moe_ffn_hidden_size=config.moe_ffn_hidden_size, moe_router_topk=config.moe_router_topk,
         tensor_model_parallel_size=tp, params_dtype=torch.float32, attention_backend=AttnBackend.auto,
+        rotary_interleaved=config.rotary_interleaved, rotary_percent=1.0, add_bias_linear=config.add_bias_linear,
+        add_qkv_bias=config.add_qkv_bias, apply_query_key_layer_scaling=config.apply_query_key_layer_scaling,
+        apply_layernorm_1p=False, squared_relu=False, make_vocab_size_divisible_by=VOCAB, bf16=False, fp16=False,
         **{k: v for k, v in fields.items() if k not in vars(config)})
 
 
-def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool) -> None:
+def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool, prefix: str = "") -> None:
     """Build ``family`` at ``tp`` and save it to ``out`` with ``dist_checkpointing.save`` (torch_dist);
     ``with_args``: beside the model, the common state Megatron-LM saves (its ``args``, ``iteration``,
-    ``checkpoint_version``), which goes into ``common.pt``."""
+    ``checkpoint_version``), which goes into ``common.pt``; ``prefix``: before every key (NeMo 2's ``module.``)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
     _init(rank, world, tp)
     model = build(family, tp)
-    state = model.sharded_state_dict()
+    state = model.sharded_state_dict(prefix=prefix)
     if with_args:
         state = {**state, "args": megatron_lm_args(family, tp), "checkpoint_version": 3.0, "iteration": 0}
     os.makedirs(out, exist_ok=True)
@@ -163,15 +168,17 @@ def _cpu_forward():
         tracker.fork, torch.cuda.current_device = fork, current
 
 
-def load(rank: int, world: int, family: str, tp: int, ckpt: str, forward: bool, result: str) -> None:
-    """megatron-core's own ``dist_checkpointing.load`` of ``ckpt`` into a fresh ``family`` model at ``tp``;
-    saves to ``result``/rank{rank}.pt this rank's parts of every parameter (:func:`assemble` joins them) and the
-    logits over the whole vocabulary (tensors cannot go back through the spawn queue once a rank has exited)."""
+def load(rank: int, world: int, family: str, tp: int, ckpt: str, forward: bool, result: str, prefix: str = "") -> None:
+    """megatron-core's own ``dist_checkpointing.load`` of ``ckpt`` (its keys under ``prefix``) into a fresh
+    ``family`` model at ``tp``; saves to ``result``/rank{rank}.pt this rank's parts of every parameter
+    (:func:`assemble` joins them) and the logits over the whole vocabulary (tensors cannot go back through the
+    spawn queue once a rank has exited)."""
     from megatron.core import dist_checkpointing
 
     _init(rank, world, tp)
     model = build(family, tp, seed=1)  # weights unlike the saved ones: a tensor not loaded shows
-    state = dist_checkpointing.load(model.sharded_state_dict(), ckpt)
+    state = dist_checkpointing.load(model.sharded_state_dict(prefix=prefix), ckpt)
+    state = {k.removeprefix(prefix): v for k, v in state.items()}
     common = {k: state.pop(k) for k in list(state) if k not in model.state_dict()}  # common.pt's, merged in
     model.load_state_dict(state)
     out: dict[str, Any] = {"params": _local(model), "common": common}
@@ -232,14 +239,14 @@ def _gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def loaded(tmp: Path, family: str, tp: int, ckpt: Path, forward: bool = False) -> dict[str, Any]:
-    """megatron-core's own load of ``ckpt`` at ``tp`` over 2 ranks: ``{"params": whole tensors, "common": the
-    entries its load merged in beside the model's, "logits": ...}``."""
+def loaded(tmp: Path, family: str, tp: int, ckpt: Path, forward: bool = False, prefix: str = "") -> dict[str, Any]:
+    """megatron-core's own load of ``ckpt`` (keys under ``prefix``) at ``tp`` over 2 ranks: ``{"params": whole
+    tensors, "common": the entries its load merged in beside the model's, "logits": ...}``."""
     from _spawn import spawn
 
-    result = tmp / f"loaded-{family}-tp{tp}"
+    result = tmp / f"loaded-{family}-tp{tp}{prefix.rstrip('.')}"
     result.mkdir()
-    spawn(load, 2, family, tp, str(ckpt), forward, str(result))
+    spawn(load, 2, family, tp, str(ckpt), forward, str(result), prefix)
     # (weights_only=False: the common state holds megatron-core's own classes; these files are the test's own.)
     ranks = [torch.load(result / f"rank{r}.pt", weights_only=False) for r in range(2)]
     out: dict[str, Any] = {"params": assemble([r["params"] for r in ranks]), "common": ranks[0]["common"]}
@@ -249,10 +256,11 @@ def loaded(tmp: Path, family: str, tp: int, ckpt: Path, forward: bool = False) -
     return out
 
 
-def saved(tmp: Path, family: str, tp: int, with_args: bool = True) -> Path:
-    """A ``family`` checkpoint saved by megatron-core at ``tp`` over 2 ranks (see :func:`save`)."""
+def saved(tmp: Path, family: str, tp: int, with_args: bool = True, prefix: str = "", out: Path | None = None) -> Path:
+    """A ``family`` checkpoint saved by megatron-core at ``tp`` over 2 ranks (see :func:`save`), in ``out``
+    (default: a folder of ``tmp`` named after the family)."""
     from _spawn import spawn
 
-    out = tmp / f"{family}-tp{tp}"
-    spawn(save, 2, family, tp, str(out), with_args)
+    out = out or tmp / f"{family}-tp{tp}"
+    spawn(save, 2, family, tp, str(out), with_args, prefix)
     return out
