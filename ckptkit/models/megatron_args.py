@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ..formats._megatron import COMMON, read_common, read_config
+from ..formats._megatron import COMMON, hf_fields, read_common, read_config
 from ..formats._nemo import CONTEXT, MODEL_YAML, nemo2_root, read_model_yaml
-from .table import ModelShape, Preset, Row
+from .table import ModelShape, Preset, Row, model_shape
 
-__all__ = ["ARGS", "Arg", "RunArgs", "for_run", "run_args"]
+__all__ = ["ARGS", "MEGATRON_SIDE", "Arg", "RunArgs", "for_run", "run_args"]
 
-MEGATRON = "Megatron"
+MEGATRON_SIDE = "Megatron"
 """A Megatron preset's ``other_side``."""
 
 
@@ -49,7 +49,7 @@ class Arg:
 ARGS = (
     Arg("position_embedding_type", ("rope",), "position embeddings other than rotary ones, which the HF classes of "
         "these families do not have"),
-    Arg("rotary_interleaved", (False,), adjust=((True, "rotary"),)),
+    Arg("rotary_interleaved", (False,), "q/k rows in an order the table does not know", adjust=((True, "rotary"),)),
     Arg("rotary_percent", (1.0,), means="rotary embeddings over part of each head only"),
     Arg("normalization", ("RMSNorm",), "another norm than RMSNorm (LayerNorm has biases and centres)"),
     Arg("apply_layernorm_1p", (False,), "norm weights stored as weight - 1 (zero-centred gamma)"),
@@ -57,8 +57,10 @@ ARGS = (
     Arg("squared_relu", (False,), "a squared-ReLU MLP, not SwiGLU"),
     Arg("add_bias_linear", (False,), "biases on the linear layers, which the HF classes do not hold"),
     Arg("softmax_type", ("vanilla",), "attention with sinks or an offset softmax"),
-    Arg("apply_query_key_layer_scaling", (False, True)),  # 1/layer on Q·K^T, undone by the softmax's scale
-    Arg("untie_embeddings_and_output_weights", adjust=((True, "untied"), (False, "tied"))),
+    Arg("apply_query_key_layer_scaling", (False, True),  # 1/layer on Q·K^T, undone by the softmax's scale
+        "neither true nor false"),
+    Arg("untie_embeddings_and_output_weights", means="neither true nor false",
+        adjust=((True, "untied"), (False, "tied"))),
     Arg("moe_router_score_function", ("softmax",), "a router scoring experts otherwise than by softmax",
         when="num_experts"),
     Arg("moe_router_topk_scaling_factor", (None, 1.0), "routing weights scaled by a factor", when="num_experts"),
@@ -67,6 +69,7 @@ ARGS = (
     Arg("qk_layernorm", row="self_attention.q_layernorm.weight"),
     Arg("multi_latent_attention", row="self_attention.linear_kv_down_proj.weight"),
     Arg("num_experts", row="mlp.experts.experts.linear_fc1.weight"),
+    Arg("moe_shared_expert_intermediate_size", row="mlp.shared_experts.linear_fc1.weight"),
 )
 """The arguments a Megatron preset reads, in the order they are checked."""
 
@@ -134,13 +137,17 @@ def run_args(src: Path | None, given: dict[str, Any] | None = None) -> RunArgs |
 
 def for_run(p: Preset, shape: ModelShape | None, args: RunArgs | None) -> tuple[Preset, ModelShape | None,
                                                                              tuple[str, ...]]:
-    """Preset ``p`` (a Megatron one) and the model's shape as the run's ``args`` make them, with notes.
+    """Preset ``p`` (a Megatron one) and the model's shape as the run's ``args`` make them, with notes; a shape
+    the config did not give comes from the arguments' counts.
 
     Raises:
         UsageError: an argument's value the preset does not map, naming the argument, its value and why.
     """
-    if p.other_side != MEGATRON or args is None:
+    if p.other_side != MEGATRON_SIDE or args is None:
         return p, shape, ()
+    if shape is None and "num_attention_heads" in args.values:
+        counts = hf_fields(args.values)
+        shape = model_shape(counts, args.source, counts.get("tie_word_embeddings"))
     notes: list[str] = []
     for arg in ARGS:
         if arg.name not in args.values or (arg.when and not args.get(arg.when)):
@@ -168,7 +175,7 @@ def _check_row(p: Preset, arg: Arg, value: Any, args: RunArgs) -> None:
     from .registry import PRESETS  # the registry loads the families' tables, which import this layer
 
     nearest = [q.name for q in PRESETS.values()
-               if q.other_side == MEGATRON and q is not p and _maps(q, arg.row) == has]
+               if q.other_side == MEGATRON_SIDE and q is not p and _maps(q, arg.row) == has]
     hint = f" (--preset {' or '.join(nearest)} {'maps' if has else 'leaves out'} them)" if nearest else ""
     maps = f"the table {'maps no' if has else 'expects'} {arg.row} tensors"
     raise UsageError(f"--preset {p.name}: {arg.name} {value!r} ({args.source}), but {maps}{hint}")

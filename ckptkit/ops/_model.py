@@ -14,12 +14,13 @@ from ..formats.dcp import check_blobs
 from ..models.detect import check_family, detect_family
 from ..models.hfconfig import check_single_file, find_config
 from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
-from ..models.megatron_args import for_run, run_args
+from ..models.megatron_args import MEGATRON_SIDE, for_run, run_args
 from ..models.registry import MEGATRON, preset
 from .report import Changes
 from .select import select_model
 
-__all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "key_mapping_for", "map_model", "megatron_preset", "model_part"]
+__all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "check_megatron_args", "key_mapping_for", "map_model", "megatron_preset",
+           "model_part"]
 
 TO_MEGATRON = "megatron"
 """The ``--to`` name of a megatron-core checkpoint: SHARDED, with megatron-core's names and files."""
@@ -58,6 +59,9 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
         if not io.hf_model:
             notes += ("a key mapping renames the model's weights: the output holds the model part only",)
     objects = (*extra_states(tensors), *MEGATRON_STEP_0) if to == TO_MEGATRON else ()
+    if to == TO_MEGATRON and megatron_args:
+        notes += ("common.pt holds no run arguments (Megatron-LM checks a checkpoint's against its own): pass the "
+                  "same --megatron-args to read this checkpoint back",)
     return Manifest(manifest.format, manifest.root, tensors, objects), changes, notes
 
 
@@ -88,11 +92,20 @@ def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path |
             if config is None and chosen.needs_shape:
                 config = find_config(Path(src), hf_assets)
             shape = config.shape() if config is not None else None
-            own = None if remote or to_hf is False else Path(src)  # an HF source has no Megatron arguments
-            adjusted, shape, said = for_run(chosen, shape, run_args(own, megatron_args))
-            notes += said
+            if chosen.other_side == MEGATRON_SIDE:
+                own = None if remote or to_hf is False else Path(src)  # an HF source has no Megatron arguments
+                adjusted, shape, said = for_run(chosen, shape, run_args(own, megatron_args))
+                notes += said
+    check_megatron_args(megatron_args, mapping.preset)
     mapped = map_keys(tensors, mapping, shape=shape, to_hf=to_hf, preset=adjusted)
     return dataclasses.replace(mapped, notes=notes + mapped.notes, preset=mapping.preset)
+
+
+def check_megatron_args(megatron_args: dict | None, preset_name: str | None) -> None:
+    """Refuses ``--megatron-args`` under a mapping that is not a Megatron preset's: they would go unread."""
+    if megatron_args and (preset_name in (None, "auto") or preset(preset_name).other_side != MEGATRON_SIDE):
+        raise UsageError(f"--megatron-args applies to a Megatron preset ({', '.join(MEGATRON.values())}), not "
+                         f"--preset {preset_name or 'none'}")
 
 
 MEGATRON_STEP_0 = tuple(ObjectEntry(k, (k,), v, sidecar=COMMON) for k, v in (("checkpoint_version", 3.0),

@@ -28,7 +28,7 @@ from ..io.parallel import execute_parallel, writers
 from ..io.progress import progress_bar
 from ..io.storage import Storage, storage_at
 from ..models.mapping import KeyMapSource, Renames
-from ._model import key_mapping_for, model_part
+from ._model import check_megatron_args, key_mapping_for, model_part
 from ._options import WriteKeywords, storage_of, write_options
 from .report import Changes, Report
 from .select import meta_groups
@@ -196,6 +196,8 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     io = writer_for(to, local)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     mapping = key_mapping_for(io, to, src, hf_assets, preset, renames, key_map, strict_map)
+    if mapping.preset is None:
+        check_megatron_args(megatron_args, None)
     found = locate(src, local)
     manifest = found.reader.read(found.path)
     world_size, notes = _world_size(world_size, manifest, io)

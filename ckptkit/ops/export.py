@@ -43,10 +43,10 @@ from ..io.sources import Files
 from ..io.storage import storage_at
 from ..models.hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
 from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping
-from ..models.megatron_args import MEGATRON, run_args
-from ..models.megatron_config import hf_config
+from ..models.megatron_args import MEGATRON_SIDE, run_args
+from ..models.megatron_config import ARCHITECTURES, hf_config
 from ..models.registry import preset as preset_named
-from ._model import map_model
+from ._model import check_megatron_args, map_model
 from ._options import WriteKeywords, storage_of, write_options
 from .assets import find_assets
 from .convert import parse_size, write
@@ -173,6 +173,8 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     if keep_patterns and cast is None:
         raise UsageError("--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype bf16 or fp16")
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
+    if mapping.preset is None:
+        check_megatron_args(megatron_args, None)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets,
                        megatron_args)
@@ -215,19 +217,24 @@ def _model_part(src: Path, local: LocalOptions | None, model_key: str, strip_pre
     if not mapping:
         return _Part(manifest, sel.tensors, notes, hf_assets)
     mapped = map_model(sel.tensors, mapping, found.path, hf_assets, to_hf=True, megatron_args=megatron_args)
-    made = _megatron_config(found.path, mapped, megatron_args) if hf_assets is None else None
-    return _Part(manifest, mapped.tensors, notes + mapped.notes + ((made[1],) if made else ()), hf_assets,
-                 mapped.renamed, mapped.dropped, mapped.permuted, config=made[0] if made else None)
+    config, said = _megatron_config(found.path, mapped, megatron_args) if hf_assets is None else (None, None)
+    return _Part(manifest, mapped.tensors, notes + mapped.notes + ((said,) if said else ()), hf_assets,
+                 mapped.renamed, mapped.dropped, mapped.permuted, config=config)
 
 
-def _megatron_config(src: Path, mapped: MappedKeys, megatron_args: dict | None) -> tuple[dict, str] | None:
+def _megatron_config(src: Path, mapped: MappedKeys, megatron_args: dict | None) -> tuple[dict | None, str | None]:
     """The config.json made from a Megatron checkpoint's run arguments (:mod:`ckptkit.models.megatron_config`),
-    for an export under a Megatron preset given no ``--hf-assets``; None where there are no such arguments."""
+    for an export under a Megatron preset given no ``--hf-assets``, and a note; (None, None) where there are no
+    such arguments."""
     chosen = preset_named(mapped.preset) if mapped.preset not in (None, "auto") else None
-    if chosen is None or chosen.other_side != MEGATRON or not isinstance(src, Path):
-        return None
+    if chosen is None or chosen.other_side != MEGATRON_SIDE or not isinstance(src, Path):
+        return None, None
     args = run_args(src, megatron_args)
-    return hf_config(args, chosen, mapped.tensors) if args is not None else None
+    made = hf_config(args, chosen, mapped.tensors) if args is not None else None
+    if args is not None and made is None:
+        return None, (f"no config.json written: ckptkit makes one from Megatron's arguments for "
+                      f"{', '.join(ARCHITECTURES)} only; pass --hf-assets DIR with the model's config.json")
+    return made or (None, None)
 
 
 def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int) -> _Part:

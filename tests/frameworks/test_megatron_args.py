@@ -173,6 +173,20 @@ def test_megatron_export_hf_without_args_names_config_jsons_own_fields(interleav
     assert "num_hidden_layers, num_key_value_heads" in out and "n_kv_heads" not in out, out
 
 
+def test_megatron_export_hf_takes_megatron_args_for_a_checkpoint_that_states_none(interleaved, interleaved_hf,
+                                                                                  tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(interleaved[0], bare)
+    torch.save({}, bare / "common.pt")  # megatron-core alone: nothing says the rotary layout is interleaved
+    code, out = _run("export-hf", bare, tmp_path / "hf", "--preset", "megatron-llama", "--hf-assets",
+                     interleaved_hf[0], "--megatron-args", '{"rotary_interleaved": true}')
+    assert code == 0, out
+    assert _difference(_hf_model(tmp_path / "hf"), interleaved[1]) < 1e-5
+    code, out = _run("export-hf", bare, tmp_path / "hf2", "--preset", "none", "--megatron-args",
+                     '{"rotary_interleaved": true}')
+    assert code == 2 and "--megatron-args applies to a Megatron preset" in out, out
+
+
 # ------------------------------------------------------------------------------- config.json from the args
 
 
@@ -191,6 +205,28 @@ def test_megatron_export_hf_makes_config_json_from_args_that_transformers_loads(
                for n in report.notes), report.notes
     llama = json.loads((interleaved_hf[0] / "config.json").read_text())
     assert llama["architectures"] == ["LlamaForCausalLM"] and llama["rope_parameters"]["rope_theta"] == 10000.0
+
+
+def test_megatron_export_hf_makes_a_qwen3_moe_config_from_megatron_args(tmp_path):
+    import transformers
+
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                  max_position_embeddings=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(5)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**fields)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    ckptkit.convert(tmp_path / "hf", tmp_path / "mcore", to="megatron", world_size=2)  # common.pt: no args
+    args = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, group_query_attention=True,
+                num_query_groups=2, kv_channels=8, norm_epsilon=1e-6, max_position_embeddings=16, rotary_base=10000,
+                untie_embeddings_and_output_weights=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                qk_layernorm=True, swiglu=True, moe_router_pre_softmax=False, params_dtype="float32")
+    ckptkit.export_hf(tmp_path / "mcore", tmp_path / "back", preset="megatron-qwen3-moe", megatron_args=args)
+    back = _hf_model(tmp_path / "back")
+    assert type(back) is transformers.Qwen3MoeForCausalLM
+    with torch.no_grad():
+        assert torch.equal(back(tokens()).logits, model(tokens()).logits)
 
 
 def test_megatron_export_hf_config_vocab_size_is_the_padded_embeddings_rows(qwen3, tmp_path):
