@@ -118,10 +118,13 @@ def megatron_lm_args(family: str, tp: int) -> argparse.Namespace:
         **{k: v for k, v in fields.items() if k not in vars(config)})
 
 
-def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool, prefix: str = "") -> None:
+def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool, prefix: str = "",
+         logits: str | None = None) -> None:
     """Build ``family`` at ``tp`` and save it to ``out`` with ``dist_checkpointing.save`` (torch_dist);
     ``with_args``: beside the model, the common state Megatron-LM saves (its ``args``, ``iteration``,
-    ``checkpoint_version``), which goes into ``common.pt``; ``prefix``: before every key (NeMo 2's ``module.``)."""
+    ``checkpoint_version``), which goes into ``common.pt``; ``prefix``: before every key (NeMo 2's ``module.``);
+    ``logits``: a file where rank 0 then saves megatron-core's forward (:func:`_forward`) of the checkpoint, as
+    its own ``dist_checkpointing.load`` reads it back."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
@@ -135,6 +138,11 @@ def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool,
         dist_checkpointing.save(state, out,
                                 sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
     _stop_writer_manager()
+    if logits is not None:  # the ranks' replicated norms differ until they load the one copy saved
+        _load_into(model, out, prefix)
+        result = _forward(model, tp)
+        if rank == 0:
+            torch.save(result, logits)
     _done()
 
 
@@ -168,30 +176,42 @@ def _cpu_forward():
         tracker.fork, torch.cuda.current_device = fork, current
 
 
-def load(rank: int, world: int, family: str, tp: int, ckpt: str, forward: bool, result: str, prefix: str = "") -> None:
-    """megatron-core's own ``dist_checkpointing.load`` of ``ckpt`` (its keys under ``prefix``) into a fresh
-    ``family`` model at ``tp``; saves to ``result``/rank{rank}.pt this rank's parts of every parameter
-    (:func:`assemble` joins them) and the logits over the whole vocabulary (tensors cannot go back through the
-    spawn queue once a rank has exited)."""
-    from megatron.core import dist_checkpointing
+def load(rank: int, world: int, family: str, tp: int, ckpt: str, forward: bool, result: str) -> None:
+    """megatron-core's own ``dist_checkpointing.load`` of ``ckpt`` into a fresh ``family`` model at ``tp``;
+    saves to ``result``/rank{rank}.pt this rank's parts of every parameter (:func:`assemble` joins them) and the
+    logits over the whole vocabulary (tensors cannot go back through the spawn queue once a rank has exited)."""
 
     _init(rank, world, tp)
     model = build(family, tp, seed=1)  # weights unlike the saved ones: a tensor not loaded shows
+    common = _load_into(model, ckpt)
+    out: dict[str, Any] = {"params": _local(model), "common": common}
+    if forward:
+        out["logits"] = _forward(model, tp)
+    torch.save(out, Path(result) / f"rank{rank}.pt")
+    _done()
+
+
+def _load_into(model, ckpt: str, prefix: str = "") -> dict[str, Any]:
+    """megatron-core's own ``dist_checkpointing.load`` of ``ckpt`` (its keys under ``prefix``) into ``model``;
+    returns the entries of ``common.pt`` its load merged in beside the model's."""
+    from megatron.core import dist_checkpointing
+
     state = dist_checkpointing.load(model.sharded_state_dict(prefix=prefix), ckpt)
     state = {k.removeprefix(prefix): v for k, v in state.items()}
     common = {k: state.pop(k) for k in list(state) if k not in model.state_dict()}  # common.pt's, merged in
     model.load_state_dict(state)
-    out: dict[str, Any] = {"params": _local(model), "common": common}
-    if forward:
-        ids = tokens()
-        mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]  # True: masked out
-        position_ids = torch.arange(SEQ)[None].expand_as(ids)
-        model.eval()
-        with torch.no_grad(), _cpu_forward():
-            logits = model(ids, position_ids, mask)
-        out["logits"] = _gather_vocab(logits) if tp > 1 else logits
-    torch.save(out, Path(result) / f"rank{rank}.pt")
-    _done()
+    return common
+
+
+def _forward(model, tp: int) -> torch.Tensor:
+    """megatron-core's forward of :func:`tokens`, logits over the whole vocabulary."""
+    ids = tokens()
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]  # True: masked out
+    position_ids = torch.arange(SEQ)[None].expand_as(ids)
+    model.eval()
+    with torch.no_grad(), _cpu_forward():
+        logits = model(ids, position_ids, mask)
+    return _gather_vocab(logits) if tp > 1 else logits
 
 
 def _local(model) -> dict[str, list[tuple]]:
@@ -239,14 +259,14 @@ def _gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def loaded(tmp: Path, family: str, tp: int, ckpt: Path, forward: bool = False, prefix: str = "") -> dict[str, Any]:
-    """megatron-core's own load of ``ckpt`` (keys under ``prefix``) at ``tp`` over 2 ranks: ``{"params": whole
-    tensors, "common": the entries its load merged in beside the model's, "logits": ...}``."""
+def loaded(tmp: Path, family: str, tp: int, ckpt: Path, forward: bool = False) -> dict[str, Any]:
+    """megatron-core's own load of ``ckpt`` at ``tp`` over 2 ranks: ``{"params": whole tensors, "common": the
+    entries its load merged in beside the model's, "logits": ...}``."""
     from _spawn import spawn
 
-    result = tmp / f"loaded-{family}-tp{tp}{prefix.rstrip('.')}"
+    result = tmp / f"loaded-{family}-tp{tp}"
     result.mkdir()
-    spawn(load, 2, family, tp, str(ckpt), forward, str(result), prefix)
+    spawn(load, 2, family, tp, str(ckpt), forward, str(result))
     # (weights_only=False: the common state holds megatron-core's own classes; these files are the test's own.)
     ranks = [torch.load(result / f"rank{r}.pt", weights_only=False) for r in range(2)]
     out: dict[str, Any] = {"params": assemble([r["params"] for r in ranks]), "common": ranks[0]["common"]}
@@ -256,11 +276,22 @@ def loaded(tmp: Path, family: str, tp: int, ckpt: Path, forward: bool = False, p
     return out
 
 
-def saved(tmp: Path, family: str, tp: int, with_args: bool = True, prefix: str = "", out: Path | None = None) -> Path:
-    """A ``family`` checkpoint saved by megatron-core at ``tp`` over 2 ranks (see :func:`save`), in ``out``
-    (default: a folder of ``tmp`` named after the family)."""
+def saved(tmp: Path, family: str, tp: int, with_args: bool = True) -> Path:
+    """A ``family`` checkpoint saved by megatron-core at ``tp`` over 2 ranks (see :func:`save`)."""
+    from _spawn import spawn
+
+    out = tmp / f"{family}-tp{tp}"
+    spawn(save, 2, family, tp, str(out), with_args)
+    return out
+
+
+def saved_with_logits(tmp: Path, family: str, tp: int, with_args: bool = True, prefix: str = "",
+                      out: Path | None = None) -> tuple[Path, torch.Tensor]:
+    """:func:`saved` (in ``out``, its keys under ``prefix``), and megatron-core's own load and forward of it, in
+    one launch of the ranks."""
     from _spawn import spawn
 
     out = out or tmp / f"{family}-tp{tp}"
-    spawn(save, 2, family, tp, str(out), with_args, prefix)
-    return out
+    logits = tmp / f"{out.name}-logits.pt"
+    spawn(save, 2, family, tp, str(out), with_args, prefix, str(logits))
+    return out, torch.load(logits)

@@ -19,7 +19,7 @@ import torch
 
 import ckptkit
 from _checks import assert_same_tree, load_dcp, load_hf
-from _megatron import VOCAB, loaded, saved, tokens
+from _megatron import VOCAB, loaded, saved_with_logits, tokens
 from ckptkit.cli import cli
 
 pytest.importorskip("megatron.core")
@@ -35,14 +35,12 @@ def tmp(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def interleaved(tmp) -> tuple[Path, torch.Tensor]:
     """A Llama trained with ``rotary_interleaved=True`` (so its args say), and megatron-core's logits."""
-    ckpt = saved(tmp, "llama_interleaved", 2)
-    return ckpt, loaded(tmp, "llama_interleaved", 2, ckpt, forward=True)["logits"]
+    return saved_with_logits(tmp, "llama_interleaved", 2)
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp) -> tuple[Path, torch.Tensor]:
-    ckpt = saved(tmp, "qwen3", 2)
-    return ckpt, loaded(tmp, "qwen3", 2, ckpt, forward=True)["logits"]
+    return saved_with_logits(tmp, "qwen3", 2)
 
 
 def _run(*args) -> tuple[int, str]:
@@ -117,6 +115,12 @@ def test_megatron_export_hf_of_rotary_interleaved_llama_matches_megatrons_forwar
     assert difference < 1e-5
     assert any("rotary_interleaved True" in n for n in report.notes), report.notes
     assert any("q/k rows of 4 tensors reordered" in n for n in report.notes), report.notes
+    # The same weights with the rows as Megatron keeps them: transformers' logits are far off.
+    ckptkit.export_hf(ckpt, tmp_path / "as-stored", preset="megatron-llama",
+                      megatron_args={"rotary_interleaved": False})
+    wrong = _difference(_hf_model(tmp_path / "as-stored"), megatron_logits)
+    print(f"rotary_interleaved llama exported without the reorder: largest logit difference {wrong:.3g}")
+    assert wrong > 1e-3  # a hundred times the tolerance above
 
 
 def test_megatron_convert_to_megatron_with_rotary_interleaved_gives_megatron_its_own_weights_back(
@@ -296,11 +300,11 @@ tokenizer:
 def nemo2(tmp) -> tuple[Path, torch.Tensor]:
     """A NeMo 2 checkpoint of the tiny Llama (see the module docstring), and megatron-core's logits."""
     root = tmp / "nemo2"
-    saved(tmp, "llama", 2, with_args=False, prefix="module.", out=root / "weights")
+    _, logits = saved_with_logits(tmp, "llama", 2, with_args=False, prefix="module.", out=root / "weights")
     (root / "context").mkdir()
     (root / "context" / "model.yaml").write_text(_MODEL_YAML)
     (root / "context" / "io.json").write_text('{"root": {}, "objects": {}}')
-    return root, loaded(tmp, "llama", 2, root / "weights", forward=True, prefix="module.")["logits"]
+    return root, logits
 
 
 def test_nemo2_top_directory_is_read_as_its_weights_on_every_command(nemo2, tmp_path):
