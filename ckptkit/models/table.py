@@ -183,7 +183,8 @@ class ModelShape:
 
 
 CONFIG_NAMES = {"experts": "num_experts (or num_local_experts, n_routed_experts)", "layers": "num_hidden_layers",
-                "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads"}
+                "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+                "heads_per_group": "num_attention_heads and num_key_value_heads"}
 """A shape field (:meth:`ModelShape.value`) -> the config.json field(s) that state it, for messages."""
 
 
