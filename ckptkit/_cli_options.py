@@ -146,7 +146,25 @@ _MAPPING = (
     option("--strict-map", is_flag=True, section=MAPPING,
             help="Refuse keys that neither --key-map nor a --rename maps (a --preset always refuses keys it does "
                  "not know)."),
+    option("--megatron-args", metavar="JSON", section=MAPPING, callback=lambda c, p, v: _megatron_args(v),
+            help="Megatron-LM arguments of the model, for a megatron-* preset, as a JSON object or the path of a "
+                 "JSON file, e.g. '{\"rotary_interleaved\": true}': over those of SRC's common.pt, or those of the "
+                 "run that --to megatron's output is for."),
 )
+
+
+def _megatron_args(value: str | None) -> dict | None:
+    if value is None:
+        return None
+    try:
+        text = value if value.lstrip().startswith("{") else Path(value).read_text()
+        args = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise click.BadParameter(f"expected a JSON object or the path of a JSON file, got {value!r:.80} ({e})",
+                                 param_hint="--megatron-args") from None
+    if not isinstance(args, dict):
+        raise click.BadParameter(f"expected a JSON object, got {type(args).__name__}", param_hint="--megatron-args")
+    return args
 
 
 def _storage_options(ctx: click.Context, param: click.Parameter, value: str | None) -> dict | None:

@@ -193,14 +193,14 @@ def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, st
 @mapping_options
 @writing_options
 @local_options
-def convert(src, dst, to, world_size, max_shard_size, hf_assets, key_map, renames, preset, strict_map, options,
-            quiet, **local) -> None:
+def convert(src, dst, to, world_size, max_shard_size, hf_assets, key_map, renames, preset, strict_map, megatron_args,
+            options, quiet, **local) -> None:
     """Convert SRC (any format) to DST in format --to; with a key mapping, the model part under new names."""
     from .ops.convert import convert as _convert
 
     _write(_convert, src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, local=local_from(**local),
            preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, hf_assets=hf_assets,
-           options=options, quiet=quiet)
+           megatron_args=megatron_args, options=options, quiet=quiet)
 
 
 @cli.command(examples=(
@@ -252,14 +252,14 @@ def reshard(src, dst, world_size, options, quiet, **local) -> None:
 @writing_options
 @local_options
 def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
-              key_map, renames, preset, strict_map, options, quiet, **local) -> None:
+              key_map, renames, preset, strict_map, megatron_args, options, quiet, **local) -> None:
     """Write the model part of SRC as Hugging Face safetensors in DST, with the files of --hf-assets."""
     from .ops.export import export_hf as _export
 
     _write(_export, src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
            strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
            preset=preset or "auto", renames=renames, key_map=key_map, strict_map=strict_map, keep_fp32=keep_fp32,
-           local=local_from(**local), options=options, quiet=quiet)
+           megatron_args=megatron_args, local=local_from(**local), options=options, quiet=quiet)
 
 
 @cli.command(examples=(

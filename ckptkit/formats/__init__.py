@@ -16,6 +16,7 @@ from typing import Any
 from ..core.manifest import Format, Manifest
 from ..errors import CheckpointError, FormatError, UsageError
 from ..io.storage import storage_at
+from ._nemo import WEIGHTS, nemo2_weights
 from .base import FormatIO, FormatOptions, LocalOptions, Target, is_empty_container, object_value
 from .run_directory import LATEST, is_run_directory, latest_step
 
@@ -83,14 +84,16 @@ class Located:
     """A checkpoint found at a path the user gave (:func:`locate`)."""
 
     path: Path
-    """The checkpoint itself: the path given, or the step of a run directory."""
+    """The checkpoint itself: the path given, the step of a run directory, or a NeMo 2 checkpoint's ``weights/``."""
     reader: FormatIO
     note: str | None = None
-    """Which step of a run directory was read, for the report; None for a checkpoint given as itself."""
+    """Which step of a run directory (or which part of a NeMo 2 checkpoint) was read, for the report; None for a
+    checkpoint given as itself."""
 
 
 def locate(path: Path | str, local: LocalOptions | None = None) -> Located:
-    """The checkpoint at ``path`` (a local path or a URL) and its reader. A run directory ``ckptkit.save`` wrote
+    """The checkpoint at ``path`` (a local path or a URL) and its reader. A NeMo 2 checkpoint's top directory gives
+    its ``weights/`` (:mod:`ckptkit.formats._nemo`). A run directory ``ckptkit.save`` wrote
     (``latest``, ``step-NNNNNNNN/``) gives the step ``ckptkit.load`` would read: the one ``latest`` names, once
     what killed saves left there is recovered (:func:`ckptkit.formats.run_directory.latest_step`).
 
@@ -106,6 +109,9 @@ def locate(path: Path | str, local: LocalOptions | None = None) -> Located:
         IncompleteCheckpointError: a run directory's ``latest`` names a step that is missing or incomplete.
     """
     path = storage_at(path)[1]
+    weights = nemo2_weights(path)
+    if weights is not None and _reader(path, local) is None:
+        return Located(weights, detect(weights, local), f"read {WEIGHTS}/ of the NeMo 2 checkpoint {path}")
     if is_run_directory(path) and _reader(path, local) is None:  # (a checkpoint of another kind may hold latest)
         step = latest_step(path)
         how = f"the step {LATEST} names" if (path / LATEST).exists() else "the most recent complete save"

@@ -38,7 +38,7 @@ from ..errors import FormatError
 from .base import cast_for, regions_in
 
 __all__ = ["COMMON", "COMMON_GLOBALS", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS", "args_config", "common_parts",
-           "extra_states", "is_megatron", "read_common", "read_config"]
+           "extra_states", "hf_fields", "is_megatron", "read_common", "read_config"]
 
 COMMON = "common.pt"
 CONFIG = "metadata.json"
@@ -135,7 +135,12 @@ def args_config(root: Path) -> dict | None:
     args = next((o.value for o in read_common(root)[1] if o.path == ("args",)), None)
     if args is None or not hasattr(args, "num_attention_heads"):
         return None
-    fields = vars(args)
+    return hf_fields(vars(args))
+
+
+def hf_fields(fields: dict) -> dict:
+    """Megatron-LM's arguments ``fields`` (by name) as the HF ``config.json`` fields that give a preset the
+    model's counts."""
     config = {hf: fields[name] for name, hf in _ARGS.items() if fields.get(name) is not None}
     groups = fields.get("num_query_groups") if fields.get("group_query_attention") else None
     config["num_key_value_heads"] = groups or fields.get("num_attention_heads")

@@ -32,11 +32,9 @@ from ..core.reshape import (
 )
 from ..errors import UsageError
 from .complete import Source, buffers, check_complete, fill, listed
-from .table import STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
+from .table import CONFIG_NAMES, STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
 
 __all__ = ["Adapted", "NameTable", "Source", "apply_preset", "listed"]
-
-_CONFIG_FIELDS = {"experts": "num_experts (or num_local_experts, n_routed_experts)", "layers": "num_hidden_layers"}
 Binding = tuple[tuple[str, str], ...]
 
 
@@ -108,9 +106,8 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
         if all(r.plain for r in p.rows):
             raise UsageError(f"--preset {p.name} needs the model's head_dim for the rotary q/k row order: pass "
                              "--hf-assets DIR whose config.json states num_attention_heads and num_key_value_heads")
-        fields = dict.fromkeys(_CONFIG_FIELDS.get(STACK_FIELDS.get(r.stacked, r.stacked), r.stacked)
-                               for r in p.rows if r.stacked)
-        fields.update(dict.fromkeys(r.groups for r in p.rows if r.groups))
+        needed = [STACK_FIELDS.get(a, a) for r in p.rows for a in r.stack_axes] + [r.groups for r in p.rows if r.groups]
+        fields = dict.fromkeys(CONFIG_NAMES.get(f, f) for f in needed if f)
         raise UsageError(f"--preset {p.name} needs config.json's {', '.join(f for f in fields if f)}: pass "
                          "--hf-assets DIR with the model's config.json")
     towards = True if p.identity else _direction(p, table, [s.entry.key for s in sources], to_hf)
@@ -250,8 +247,9 @@ class _Builder:
     def _groups(self, row: Row, key: str) -> int:
         return self._shape().value(row.groups, f"splitting {key!r}") if row.groups else 1
 
-    def _gather(self, row: Row, entry: TensorEntry, to_hf: bool) -> TensorEntry:
-        if not row.transform or self.p.identity:
+    def _gather(self, row: Row, entry: TensorEntry, to_hf: bool, part: int = 0) -> TensorEntry:
+        skipped = row.transform_parts is not None and part not in row.transform_parts  # a fused qkv's v
+        if not row.transform or self.p.identity or skipped:
             return entry
         shape = self._shape()
         head_dim = shape.head_dim if row.head_dim is None else shape.value(row.head_dim, f"{entry.key!r}'s rotary rows")
@@ -299,7 +297,7 @@ class _Builder:
                 if row.transpose:  # after the unstacking: a computed tensor is not cut into byte ranges
                     piece = transposed(piece, piece.key)
                 parts = self._split(row, piece, names) if len(names) > 1 else [_renamed(piece, names[0])]
-                out += [Source(s.origin, self._gather(row, part, True)) for part in parts]
+                out += [Source(s.origin, self._gather(row, part, True, i)) for i, part in enumerate(parts)]
         return out + [self._fuse(row, dict(binding), parts) for (row, binding), parts in fused.items()]
 
     def _fuse(self, row: Row, binding: dict[str, str], found: dict[int, Source]) -> Source:
@@ -372,7 +370,7 @@ class _Builder:
             parts = [found[(i, p)].entry for p in range(len(row.hf_names))]
             for part in parts if len(parts) == 1 else ():
                 self._check_heads(row, part)
-            parts = [self._gather(row, part, False) for part in parts]
+            parts = [self._gather(row, part, False, i) for i, part in enumerate(parts)]
             stacked.append(self._fused(row, parts, name) if len(parts) > 1 else parts[0])
         if row.transpose:  # before the stacking: a computed tensor is not joined by byte ranges
             stacked = [transposed(e, name) for e in stacked]

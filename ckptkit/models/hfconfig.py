@@ -12,8 +12,9 @@ from pathlib import Path
 
 from ..core.dtypes import DType
 from ..errors import FormatError, UsageError
-from ..formats._megatron import COMMON, args_config
+from ..formats._megatron import COMMON, args_config, hf_fields
 from .mapping import read_json
+from .megatron_args import run_args
 from .table import ModelShape, Preset, model_shape
 
 __all__ = ["TIE_DEFAULTS", "ModelConfig", "check_single_file", "find_config", "keep_in_fp32", "read_model_config",
@@ -105,8 +106,9 @@ def check_single_file(p: Preset, src: Path) -> None:
 
 def find_config(src: Path, hf_assets: Path | str | None) -> ModelConfig | None:
     """The model's config: ``hf_assets/config.json``; else the source's own (an HF directory's
-    ``config.json``); else a megatron-core checkpoint's ``args`` in its ``common.pt``, under HF's field names;
-    else Meta's ``params.json`` beside a ``consolidated.00.pth`` or in its directory."""
+    ``config.json``); else a megatron-core checkpoint's ``args`` in its ``common.pt``, or a NeMo 2 checkpoint's
+    ``context/model.yaml``, under HF's field names; else Meta's ``params.json`` beside a ``consolidated.00.pth``
+    or in its directory."""
     src = Path(src)
     home = src if src.is_dir() else src.parent
     candidates = [Path(hf_assets) / "config.json"] if hf_assets is not None else []
@@ -117,6 +119,9 @@ def find_config(src: Path, hf_assets: Path | str | None) -> ModelConfig | None:
     args = args_config(src) if src.is_dir() else None  # a megatron-core checkpoint's own run arguments
     if args is not None:
         return ModelConfig(src / COMMON, args)
+    nemo = run_args(src) if src.is_dir() else None  # NeMo 2's context/model.yaml above its weights/
+    if nemo is not None:
+        return ModelConfig(Path(nemo.source), hf_fields(nemo.values))
     params = home / "params.json"
     return ModelConfig(params, read_model_config(params)) if params.is_file() else None
 

@@ -26,7 +26,7 @@ from ..core.manifest import TensorEntry
 from ..errors import UsageError
 from .engine import Source, apply_preset, listed
 from .registry import preset as preset_named
-from .table import ModelShape
+from .table import ModelShape, Preset
 
 __all__ = ["KeyMapSource", "KeyMapping", "MappedKeys", "Renames", "key_mapping", "map_keys", "parse_rename",
            "read_json", "read_key_map", "rename_keys"]
@@ -77,6 +77,8 @@ class MappedKeys:
     notes: tuple[str, ...]
     permuted: tuple[str, ...] = ()
     """New keys whose rows a preset's transform reordered."""
+    preset: str | None = None
+    """The preset applied, by name."""
 
 
 def parse_rename(text: str) -> tuple[str, str]:
@@ -185,10 +187,11 @@ def _check_collisions(new_of: Mapping, origin_of: Mapping | None = None) -> None
 
 
 def map_keys(tensors: Iterable[TensorEntry], mapping: KeyMapping, *, shape: ModelShape | None = None,
-             to_hf: bool | None = None) -> MappedKeys:
+             to_hf: bool | None = None, preset: Preset | None = None) -> MappedKeys:
     """``tensors`` renamed by ``mapping``. ``shape`` gives a preset its head counts (required by a preset with a
     transform); ``to_hf`` says which way a preset maps: towards HF names (True), or, when None, from whichever
-    side the keys are named in to the other.
+    side the keys are named in to the other; ``preset`` is ``mapping.preset``'s table as the model's own
+    arguments adjust it (:mod:`ckptkit.models.megatron_args`), applied in its place.
 
     Raises :class:`UsageError` on collisions, on unmapped keys under ``strict``, and on keys a preset does
     not know or misses.
@@ -202,7 +205,8 @@ def map_keys(tensors: Iterable[TensorEntry], mapping: KeyMapping, *, shape: Mode
         if names[item.origin] != item.origin:
             _rename(item, names[item.origin] or "")
     if mapping.preset is not None:
-        adapted = apply_preset([Source(i.origin, i.entry) for i in items], preset_named(mapping.preset), shape, to_hf)
+        adapted = apply_preset([Source(i.origin, i.entry) for i in items], preset or preset_named(mapping.preset),
+                               shape, to_hf)
         items = [_Item(s.origin, s.entry) for s in adapted.tensors]
         dropped += adapted.dropped
         notes += adapted.notes
@@ -210,4 +214,4 @@ def map_keys(tensors: Iterable[TensorEntry], mapping: KeyMapping, *, shape: Mode
     original = {t.key: t.rows for t in tensors}
     renamed = tuple((i.origin, i.entry.key) for i in items if i.origin != i.entry.key)
     permuted = tuple(i.entry.key for i in items if i.entry.rows is not None and i.entry.rows != original.get(i.origin))
-    return MappedKeys(tuple(i.entry for i in items), renamed, tuple(dropped), tuple(notes), permuted)
+    return MappedKeys(tuple(i.entry for i in items), renamed, tuple(dropped), tuple(notes), permuted, mapping.preset)

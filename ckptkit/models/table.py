@@ -22,8 +22,9 @@ The table format. A row names one tensor of the other side and the HF tensor(s) 
   (``(("heads_per_group", "head_dim"), ("head_dim",), ("head_dim",))``); None: equal parts. ``groups`` (a shape
   field) repeats the parts that many times down the rows: Megatron's ``linear_qkv`` holds, per query group,
   its q rows, then its k rows, then its v rows.
-- ``transform``: a row gather from :data:`TRANSFORMS` (``"rotary"``), applied to each HF part on the way to
-  HF and inverted on the way back; ``heads`` checks the rows against the config's head count.
+- ``transform``: a row gather from :data:`TRANSFORMS` (``"rotary"``), applied to each HF part (or to those
+  ``transform_parts`` names) on the way to HF and inverted on the way back; ``heads`` checks the rows against
+  the config's head count.
 - ``transpose``: the other side holds the transpose (last two dims) of HF's tensor; computed tile by tile.
 - ``hf_fuses``: the reverse of a tuple ``hf``: HF's one tensor is the other side's tensors, all of ``other``
   in order, one after another along dim ``fuse_dim`` (0; or 1 under a leading expert dim); ``split`` gives
@@ -70,8 +71,8 @@ from typing import Any, Literal
 
 from ..errors import UsageError
 
-__all__ = ["STACK_FIELDS", "TRANSFORMS", "Buffer", "ModelShape", "Preset", "Row", "Unmapped", "model_shape",
-           "rotary_rows"]
+__all__ = ["CONFIG_NAMES", "STACK_FIELDS", "TRANSFORMS", "Buffer", "ModelShape", "Preset", "Row", "Unmapped",
+           "model_shape", "rotary_rows"]
 
 Heads = Literal["n_heads", "n_kv_heads"]
 Count = tuple[str | int, ...]
@@ -106,6 +107,9 @@ class Row:
     hf_dims: tuple[Count, ...] | None = None
     head_dim: str | None = None
     """The shape field of the head size ``transform`` works in (``vision_config.head_dim``); None: the model's."""
+    transform_parts: tuple[int, ...] | None = None
+    """With several ``hf`` names, the indices of those the transform applies to (a fused ``linear_qkv``'s q and
+    k, not its v); None: all of them."""
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -223,7 +227,7 @@ class ModelShape:
             known["heads_per_group"] = self.n_heads // self.n_kv_heads
         value = known.get(name)
         if value is None:
-            raise UsageError(f"{self.source}: states no {_CONFIG_NAMES.get(name, name)}; {why} needs it "
+            raise UsageError(f"{self.source}: states no {CONFIG_NAMES.get(name, name)}; {why} needs it "
                              "(pass --hf-assets DIR with the model's config.json)")
         return value
 
@@ -231,8 +235,10 @@ class ModelShape:
         return math.prod(f if isinstance(f, int) else self.value(f, why) for f in factors)
 
 
-_CONFIG_NAMES = {"experts": "num_experts (or num_local_experts, n_routed_experts)", "layers": "num_hidden_layers",
-                 "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads"}
+CONFIG_NAMES = {"experts": "num_experts (or num_local_experts, n_routed_experts)", "layers": "num_hidden_layers",
+                "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+                "heads_per_group": "num_attention_heads and num_key_value_heads"}
+"""A shape field (:meth:`ModelShape.value`) -> the config.json field(s) that state it, for messages."""
 
 
 def _int(value: Any) -> int | None:

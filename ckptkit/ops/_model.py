@@ -15,15 +15,16 @@ from ..models.detect import check_family, detect_family
 from ..models.engine import NameTable
 from ..models.hfconfig import check_single_file, find_config
 from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
+from ..models.megatron_args import MEGATRON_SIDE, for_run, run_args
 from ..models.registry import MEGATRON, preset
-from ..models.table import ModelShape
+from ..models.table import ModelShape, Preset
 from ..models.unmapped import refuse_unmapped
 from ._optimizer import Entry, carry_training_state
 from .report import Changes
 from .select import select_model
 
-__all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "key_mapping_for", "map_model", "megatron_preset", "model_part",
-           "resolve_mapping"]
+__all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "Resolved", "check_megatron_args", "key_mapping_for", "map_model",
+           "megatron_preset", "model_part", "resolve_mapping"]
 
 TO_MEGATRON = "megatron"
 """The ``--to`` name of a megatron-core checkpoint: SHARDED, with megatron-core's names and files."""
@@ -41,7 +42,8 @@ def key_mapping_for(io: FormatIO, to: str, src: Path, hf_assets: Path | str | No
 
 
 def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, src: Path,
-               hf_assets: Path | str | None) -> tuple[Manifest, Changes, tuple[str, ...]]:
+               hf_assets: Path | str | None, megatron_args: dict | None = None
+               ) -> tuple[Manifest, Changes, tuple[str, ...]]:
     """What a conversion writes of ``manifest``: all of it; or, to a model-only output or under a key mapping,
     the model part under the mapping's names, with (to a checkpoint that holds training state) the optimizer
     state mapped alike (:mod:`._optimizer`) and the rest of the training state. With the renames and drops
@@ -57,18 +59,20 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
     state: tuple[Entry, ...] = ()
     if mapping:
         to_hf = True if io.hf_model else False if to == TO_MEGATRON else None
-        resolved, shape, said = resolve_mapping(tensors, mapping, src, hf_assets)
-        mapped = map_keys(tensors, resolved, shape=shape, to_hf=to_hf)
-        tensors, notes = mapped.tensors, notes + said + mapped.notes
+        r = resolve_mapping(tensors, mapping, src, hf_assets, to_hf, megatron_args)
+        mapped = r.map(tensors, to_hf)
+        tensors, notes = mapped.tensors, notes + r.notes + mapped.notes
         changes = Changes(mapped.renamed, mapped.dropped, permuted=mapped.permuted)
         if not io.hf_model and to != TO_MEGATRON:
-            carried = carry_training_state(manifest, sel, mapped,
-                                           lambda ts: map_keys(ts, resolved, shape=shape, to_hf=to_hf),
-                                           _into_titan(resolved, mapped))
+            carried = carry_training_state(manifest, sel, mapped, lambda ts: r.map(ts, to_hf),
+                                           _into_titan(r.mapping, mapped))
             state = carried.entries
             left = tuple(d for d in sel.left_out if d.split(" (", 1)[0] not in carried.groups)
             notes = dataclasses.replace(sel, left_out=left).notes + notes[len(sel.notes):] + carried.notes
     objects = (*extra_states(tensors), *MEGATRON_STEP_0) if to == TO_MEGATRON else ()
+    if to == TO_MEGATRON and megatron_args:
+        notes += ("common.pt holds no run arguments (Megatron-LM checks a checkpoint's against its own): pass the "
+                  "same --megatron-args to read this checkpoint back",)
     tensors += tuple(e for e in state if isinstance(e, TensorEntry))
     objects += tuple(e for e in state if isinstance(e, ObjectEntry))
     return Manifest(manifest.format, manifest.root, tensors, objects), changes, notes
@@ -85,12 +89,32 @@ def _into_titan(mapping: KeyMapping, mapped: MappedKeys) -> bool:
     return chosen.other_side == "torchtitan" and bool(table.find(table.other, key)) and not table.find(table.hf, key)
 
 
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A key mapping made concrete for one checkpoint: ``--preset auto`` resolved, the model's shape a preset
+    needs, the preset as adjusted to a Megatron run's arguments, and notes for the report."""
+
+    mapping: KeyMapping
+    shape: ModelShape | None = None
+    preset: Preset | None = None
+    """The preset to apply in place of ``mapping.preset``'s own (a Megatron preset adjusted to the run); None:
+    its own."""
+    notes: tuple[str, ...] = ()
+
+    def map(self, tensors: tuple[TensorEntry, ...], to_hf: bool | None) -> MappedKeys:
+        """``tensors`` under the resolved mapping."""
+        return map_keys(tensors, self.mapping, shape=self.shape, to_hf=to_hf, preset=self.preset)
+
+
 def resolve_mapping(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path | str,
-                    hf_assets: Path | str | None) -> tuple[KeyMapping, ModelShape | None, tuple[str, ...]]:
-    """``mapping`` with ``--preset auto`` resolved to a family's preset, the model's shape a preset needs (its
-    head counts from the model's config: :func:`ckptkit.models.hfconfig.find_config`: ``hf_assets``, the
-    source's own ``config.json``, Meta's ``params.json`` beside it), and notes."""
+                    hf_assets: Path | str | None, to_hf: bool | None = None,
+                    megatron_args: dict | None = None) -> Resolved:
+    """``mapping`` resolved for ``tensors``: ``--preset auto`` to a family's preset; the head counts a preset
+    needs from the model's config (:func:`ckptkit.models.hfconfig.find_config`: ``hf_assets``, the source's own
+    ``config.json``, Meta's ``params.json`` beside it); a Megatron preset adjusted to the run's arguments, or
+    refused (:mod:`ckptkit.models.megatron_args`: the source's own, with ``megatron_args`` over them)."""
     shape = None
+    adjusted = None
     notes: tuple[str, ...] = ()
     if mapping.preset is not None:
         remote = any(not isinstance(p, (str, os.PathLike, type(None))) for p in (src, hf_assets))  # read by name
@@ -111,16 +135,27 @@ def resolve_mapping(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: 
             if config is None and (chosen.needs_shape or any(r.tied_to for r in chosen.rows)):
                 config = find_config(Path(src), hf_assets)
             shape = config.shape() if config is not None else None
-    return mapping, shape, notes
+            if chosen.other_side == MEGATRON_SIDE:
+                own = None if remote or to_hf is False else Path(src)  # an HF source has no Megatron arguments
+                adjusted, shape, said = for_run(chosen, shape, run_args(own, megatron_args))
+                notes += said
+    check_megatron_args(megatron_args, mapping.preset)
+    return Resolved(mapping, shape, adjusted, notes)
 
 
 def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path | str,
-              hf_assets: Path | str | None, to_hf: bool | None) -> MappedKeys:
-    """The model's tensors under ``mapping`` (``--preset auto`` and the shape resolved by
-    :func:`resolve_mapping`)."""
-    resolved, shape, notes = resolve_mapping(tensors, mapping, src, hf_assets)
-    mapped = map_keys(tensors, resolved, shape=shape, to_hf=to_hf)
-    return dataclasses.replace(mapped, notes=notes + mapped.notes)
+              hf_assets: Path | str | None, to_hf: bool | None, megatron_args: dict | None = None) -> MappedKeys:
+    """The model's tensors under ``mapping``, resolved by :func:`resolve_mapping`."""
+    r = resolve_mapping(tensors, mapping, src, hf_assets, to_hf, megatron_args)
+    mapped = r.map(tensors, to_hf)
+    return dataclasses.replace(mapped, notes=r.notes + mapped.notes, preset=r.mapping.preset)
+
+
+def check_megatron_args(megatron_args: dict | None, preset_name: str | None) -> None:
+    """Refuses ``--megatron-args`` under a mapping that is not a Megatron preset's: they would go unread."""
+    if megatron_args and (preset_name in (None, "auto") or preset(preset_name).other_side != MEGATRON_SIDE):
+        raise UsageError(f"--megatron-args applies to a Megatron preset ({', '.join(MEGATRON.values())}), not "
+                         f"--preset {preset_name or 'none'}")
 
 
 MEGATRON_STEP_0 = tuple(ObjectEntry(k, (k,), v, sidecar=COMMON) for k, v in (("checkpoint_version", 3.0),

@@ -28,7 +28,7 @@ from ..io.parallel import execute_parallel, writers
 from ..io.progress import progress_bar
 from ..io.storage import Storage, storage_at
 from ..models.mapping import KeyMapSource, Renames
-from ._model import key_mapping_for, model_part
+from ._model import check_megatron_args, key_mapping_for, model_part
 from ._options import WriteKeywords, storage_of, write_options
 from .report import Changes, Report
 from .select import meta_groups
@@ -145,8 +145,8 @@ def _a(name: str) -> str:
 def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal["megatron", "deepspeed-universal"],
             world_size: int | None = None, max_shard_size: int | str | None = None, local: LocalOptions | None = None,
             preset: str | None = None, renames: Renames = (), key_map: KeyMapSource = None, strict_map: bool = False,
-            hf_assets: Path | str | None = None, options: WriteOptions | None = None,
-            **write_keywords: Unpack[WriteKeywords]) -> Report:
+            hf_assets: Path | str | None = None, megatron_args: dict | None = None,
+            options: WriteOptions | None = None, **write_keywords: Unpack[WriteKeywords]) -> Report:
     """Convert the checkpoint at ``src`` into the form ``to`` at ``dst``, streaming tensor by tensor.
 
     FULL output is one ``torch.save`` file when ``dst`` ends in .pt/.pth/.bin/.ckpt and no shard size is given,
@@ -176,6 +176,9 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
         strict_map: Refuse keys that neither ``key_map`` nor ``renames`` maps.
         hf_assets: An HF model directory whose ``config.json`` gives a preset its head and expert counts
             (default: the source's own).
+        megatron_args: Megatron-LM arguments (``{"rotary_interleaved": True}``) that a ``megatron-*`` preset
+            applies: over those of the source's ``common.pt``, or, for ``megatron``, those of the run the output
+            is for (:mod:`ckptkit.models.megatron_args`).
         options: How the output is written (:class:`ckptkit.WriteOptions`): overwrite, dry run, processes.
         **write_keywords: Fields of ``options`` as keywords (``overwrite=True``, ``workers=4``); they win.
 
@@ -194,10 +197,12 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     io = writer_for(to, local)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     mapping = key_mapping_for(io, to, src, hf_assets, preset, renames, key_map, strict_map)
+    if mapping.preset is None:
+        check_megatron_args(megatron_args, None)
     found = locate(src, local)
     manifest = found.reader.read(found.path)
     world_size, notes = _world_size(world_size, manifest, io)
-    manifest, changes, model_notes = model_part(manifest, io, to, mapping, found.path, hf_assets)
+    manifest, changes, model_notes = model_part(manifest, io, to, mapping, found.path, hf_assets, megatron_args)
     target = Target(to=to, destination=str(dst), world_size=world_size, max_shard_size=parse_size(max_shard_size),
                     state_groups=meta_groups(manifest) if io.keeps_state_apart else None)
     return write(manifest, io, dst, target, options, src=src, notes=_read_from(found.note) + notes + model_notes,

@@ -42,9 +42,12 @@ from ..io.options import WriteOptions
 from ..io.sources import Files
 from ..io.storage import storage_at
 from ..models.hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
-from ..models.mapping import KeyMapping, KeyMapSource, Renames, key_mapping
+from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping
+from ..models.megatron_args import MEGATRON_SIDE, run_args
+from ..models.megatron_config import ARCHITECTURES, hf_config
+from ..models.registry import preset as preset_named
 from ._fp8 import fp8_config, quantize_fp8
-from ._model import map_model
+from ._model import check_megatron_args, map_model
 from ._options import WriteKeywords, storage_of, write_options
 from .assets import find_assets
 from .convert import parse_size, write
@@ -125,8 +128,8 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
               max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
               strip_wrappers: bool = True, hf_assets: Path | str | None = None, preset: str | None = "auto",
               renames: Renames = (), key_map: KeyMapSource = None, strict_map: bool = False,
-              keep_fp32: Iterable[str] = (), local: LocalOptions | None = None, options: WriteOptions | None = None,
-              **write_keywords: Unpack[WriteKeywords]) -> Report:
+              keep_fp32: Iterable[str] = (), megatron_args: dict | None = None, local: LocalOptions | None = None,
+              options: WriteOptions | None = None, **write_keywords: Unpack[WriteKeywords]) -> Report:
     """Write the model tensors of ``src`` as HF safetensors at ``dst`` (with the index file when sharded).
 
     The model part is found, stripped of wrapper prefixes and renamed towards HF names as :func:`convert` maps
@@ -153,6 +156,8 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         key_map: Old key to new key (None leaves the key out), as a dict or a JSON file.
         strict_map: Refuse keys that neither ``key_map`` nor ``renames`` maps.
         keep_fp32: Regular expressions of HF names kept in float32 under a cast.
+        megatron_args: Megatron-LM arguments (``{"rotary_interleaved": True}``) over those of the source's
+            ``common.pt``, for a ``megatron-*`` preset (:mod:`ckptkit.models.megatron_args`).
         local: How to read a LOCAL checkpoint.
         options: How the output is written (:class:`ckptkit.WriteOptions`).
         **write_keywords: Fields of ``options`` as keywords; they win.
@@ -172,8 +177,11 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     if keep_patterns and cast is None:
         raise UsageError("--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype bf16 or fp16")
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
+    if mapping.preset is None:
+        check_megatron_args(megatron_args, None)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
-    part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets)
+    part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets,
+                       megatron_args)
     part = _with_assets(part, storage_of(options), cast, options.max_memory)
     scales: frozenset[str] = frozenset()
     if fp8:
@@ -204,7 +212,8 @@ class _Part:
 
 
 def _model_part(src: Path, local: LocalOptions | None, model_key: str, strip_prefixes: tuple[str, ...],
-                strip_wrappers: bool, mapping: KeyMapping, hf_assets: Path | str | None) -> _Part:
+                strip_wrappers: bool, mapping: KeyMapping, hf_assets: Path | str | None,
+                megatron_args: dict | None) -> _Part:
     """The model's tensors of ``src`` under ``mapping``'s names; ``hf_assets`` defaults to the checkpoint's."""
     # Only the model's chunks are read (DCP): the rest, optimizer state above all, is never written here.
     found = locate(src, local)
@@ -216,22 +225,43 @@ def _model_part(src: Path, local: LocalOptions | None, model_key: str, strip_pre
         notes += (f"config and tokenizer from the checkpoint's {Path(hf_assets).name}/",)
     if not mapping:
         return _Part(manifest, sel.tensors, notes, hf_assets)
-    mapped = map_model(sel.tensors, mapping, found.path, hf_assets, to_hf=True)
-    return _Part(manifest, mapped.tensors, notes + mapped.notes, hf_assets, mapped.renamed, mapped.dropped,
-                 mapped.permuted)
+    mapped = map_model(sel.tensors, mapping, found.path, hf_assets, to_hf=True, megatron_args=megatron_args)
+    config, said = _megatron_config(found.path, mapped, megatron_args) if hf_assets is None else (None, None)
+    return _Part(manifest, mapped.tensors, notes + mapped.notes + ((said,) if said else ()), hf_assets,
+                 mapped.renamed, mapped.dropped, mapped.permuted, config=config)
+
+
+def _megatron_config(src: Path, mapped: MappedKeys, megatron_args: dict | None) -> tuple[dict | None, str | None]:
+    """The config.json made from a Megatron checkpoint's run arguments (:mod:`ckptkit.models.megatron_config`),
+    for an export under a Megatron preset given no ``--hf-assets``, and a note; (None, None) where there are no
+    such arguments."""
+    chosen = preset_named(mapped.preset) if mapped.preset not in (None, "auto") else None
+    if chosen is None or chosen.other_side != MEGATRON_SIDE or not isinstance(src, Path):
+        return None, None
+    args = run_args(src, megatron_args)
+    made = hf_config(args, chosen, mapped.tensors) if args is not None else None
+    if args is not None and made is None:
+        return None, (f"no config.json written: ckptkit makes one from Megatron's arguments for "
+                      f"{', '.join(ARCHITECTURES)} only; pass --hf-assets DIR with the model's config.json")
+    return made or (None, None)
 
 
 def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int) -> _Part:
-    """``part`` with the files of its ``hf_assets`` to copy, untied as their config says, the config naming the
-    dtype written."""
-    if part.hf_assets is None:
+    """``part`` with the files of its ``hf_assets`` to copy (or the config made from a Megatron run's arguments),
+    untied as their config says, the config naming the dtype written."""
+    if part.hf_assets is not None:
+        assets, config, left_note = _assets(storage_at(part.hf_assets, storage)[1])
+    elif part.config is not None:
+        config, left_note = part.config, None
+        assets = (FilePlan("config.json", (Bytes((json.dumps(config, indent=2) + "\n").encode()),)),)
+    else:
         return part
-    assets, config, left_note = _assets(storage_at(part.hf_assets, storage)[1])
     tensors, tie_note = _untie(list(part.tensors), config, max_memory)
     kept = {t.key for t in tensors}
     untied = [(t.key, "tied to the input embedding") for t in part.tensors if t.key not in kept]
     assets, dtype_note = _with_written_dtype(assets, config, tensors, cast)
-    notes = [n for n in (tie_note, dtype_note) if n] + ["copied " + ", ".join(p.relpath for p in assets)]
+    notes = [n for n in (tie_note, dtype_note) if n]
+    notes += ["copied " + ", ".join(p.relpath for p in assets)] if part.hf_assets is not None else []
     notes += [left_note] if left_note else []
     return dataclasses.replace(part, tensors=tuple(tensors), notes=part.notes + tuple(notes),
                                dropped=part.dropped + tuple(untied), assets=assets, config=config)

@@ -34,6 +34,8 @@ FAMILIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                    "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
                    "moe_token_dispatcher_type": "allgather"},
                   {"qk_layernorm": True, "num_experts": 4}),
+    # Llama 3 trained with Megatron's interleaved rotary embeddings: q/k rotate adjacent pairs of each head.
+    "llama_interleaved": ({"rotary_interleaved": True}, {}),
 }
 
 
@@ -110,19 +112,25 @@ def megatron_lm_args(family: str, tp: int) -> argparse.Namespace:
         qk_layernorm=FAMILIES[family][1].get("qk_layernorm", False), num_experts=config.num_moe_experts,
         moe_ffn_hidden_size=config.moe_ffn_hidden_size, moe_router_topk=config.moe_router_topk,
         tensor_model_parallel_size=tp, params_dtype=torch.float32, attention_backend=AttnBackend.auto,
+        rotary_interleaved=config.rotary_interleaved, rotary_percent=1.0, add_bias_linear=config.add_bias_linear,
+        add_qkv_bias=config.add_qkv_bias, apply_query_key_layer_scaling=config.apply_query_key_layer_scaling,
+        apply_layernorm_1p=False, squared_relu=False, make_vocab_size_divisible_by=VOCAB, bf16=False, fp16=False,
         **{k: v for k, v in fields.items() if k not in vars(config)})
 
 
-def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool) -> None:
+def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool, prefix: str = "",
+         logits: str | None = None) -> None:
     """Build ``family`` at ``tp`` and save it to ``out`` with ``dist_checkpointing.save`` (torch_dist);
     ``with_args``: beside the model, the common state Megatron-LM saves (its ``args``, ``iteration``,
-    ``checkpoint_version``), which goes into ``common.pt``."""
+    ``checkpoint_version``), which goes into ``common.pt``; ``prefix``: before every key (NeMo 2's ``module.``);
+    ``logits``: a file where rank 0 then saves megatron-core's forward (:func:`_forward`) of the checkpoint, as
+    its own ``dist_checkpointing.load`` reads it back."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
     _init(rank, world, tp)
     model = build(family, tp)
-    state = model.sharded_state_dict()
+    state = model.sharded_state_dict(prefix=prefix)
     if with_args:
         state = {**state, "args": megatron_lm_args(family, tp), "checkpoint_version": 3.0, "iteration": 0}
     os.makedirs(out, exist_ok=True)
@@ -130,6 +138,11 @@ def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool)
         dist_checkpointing.save(state, out,
                                 sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
     _stop_writer_manager()
+    if logits is not None:  # the ranks' replicated norms differ until they load the one copy saved
+        _load_into(model, out, prefix)
+        result = _forward(model, tp)
+        if rank == 0:
+            torch.save(result, logits)
     _done()
 
 
@@ -167,24 +180,38 @@ def load(rank: int, world: int, family: str, tp: int, ckpt: str, forward: bool, 
     """megatron-core's own ``dist_checkpointing.load`` of ``ckpt`` into a fresh ``family`` model at ``tp``;
     saves to ``result``/rank{rank}.pt this rank's parts of every parameter (:func:`assemble` joins them) and the
     logits over the whole vocabulary (tensors cannot go back through the spawn queue once a rank has exited)."""
-    from megatron.core import dist_checkpointing
 
     _init(rank, world, tp)
     model = build(family, tp, seed=1)  # weights unlike the saved ones: a tensor not loaded shows
-    state = dist_checkpointing.load(model.sharded_state_dict(), ckpt)
-    common = {k: state.pop(k) for k in list(state) if k not in model.state_dict()}  # common.pt's, merged in
-    model.load_state_dict(state)
+    common = _load_into(model, ckpt)
     out: dict[str, Any] = {"params": _local(model), "common": common}
     if forward:
-        ids = tokens()
-        mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]  # True: masked out
-        position_ids = torch.arange(SEQ)[None].expand_as(ids)
-        model.eval()
-        with torch.no_grad(), _cpu_forward():
-            logits = model(ids, position_ids, mask)
-        out["logits"] = _gather_vocab(logits) if tp > 1 else logits
+        out["logits"] = _forward(model, tp)
     torch.save(out, Path(result) / f"rank{rank}.pt")
     _done()
+
+
+def _load_into(model, ckpt: str, prefix: str = "") -> dict[str, Any]:
+    """megatron-core's own ``dist_checkpointing.load`` of ``ckpt`` (its keys under ``prefix``) into ``model``;
+    returns the entries of ``common.pt`` its load merged in beside the model's."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(model.sharded_state_dict(prefix=prefix), ckpt)
+    state = {k.removeprefix(prefix): v for k, v in state.items()}
+    common = {k: state.pop(k) for k in list(state) if k not in model.state_dict()}  # common.pt's, merged in
+    model.load_state_dict(state)
+    return common
+
+
+def _forward(model, tp: int) -> torch.Tensor:
+    """megatron-core's forward of :func:`tokens`, logits over the whole vocabulary."""
+    ids = tokens()
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]  # True: masked out
+    position_ids = torch.arange(SEQ)[None].expand_as(ids)
+    model.eval()
+    with torch.no_grad(), _cpu_forward():
+        logits = model(ids, position_ids, mask)
+    return _gather_vocab(logits) if tp > 1 else logits
 
 
 def _local(model) -> dict[str, list[tuple]]:
@@ -256,3 +283,15 @@ def saved(tmp: Path, family: str, tp: int, with_args: bool = True) -> Path:
     out = tmp / f"{family}-tp{tp}"
     spawn(save, 2, family, tp, str(out), with_args)
     return out
+
+
+def saved_with_logits(tmp: Path, family: str, tp: int, with_args: bool = True, prefix: str = "",
+                      out: Path | None = None) -> tuple[Path, torch.Tensor]:
+    """:func:`saved` (in ``out``, its keys under ``prefix``), and megatron-core's own load and forward of it, in
+    one launch of the ranks."""
+    from _spawn import spawn
+
+    out = out or tmp / f"{family}-tp{tp}"
+    logits = tmp / f"{out.name}-logits.pt"
+    spawn(save, 2, family, tp, str(out), with_args, prefix, str(logits))
+    return out, torch.load(logits)
