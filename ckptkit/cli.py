@@ -84,6 +84,14 @@ def _cli_words(message: str) -> str:
     return message
 
 
+def _fail(ctx: click.Context, message: str) -> None:
+    if ctx.params.get("debug") or ctx.meta.get(DEBUG):
+        traceback.print_exc()  # and the same exit code: scripts tell bad input (2) from "different" (1)
+    else:
+        click.echo(f"ckptkit: error: {message}", err=True)
+    ctx.exit(2)
+
+
 class _Group(click.Group):
     command_class = Command
 
@@ -96,12 +104,16 @@ class _Group(click.Group):
             _quiet_stdout()
             ctx.exit(0)
         except (CheckpointError, OSError) as e:
-            if ctx.params.get("debug") or ctx.meta.get(DEBUG):
-                traceback.print_exc()  # and the same exit code: scripts tell bad input (2) from "different" (1)
-            else:
-                # One line, whatever the message quotes from a damaged file.
-                click.echo(f"ckptkit: error: {_cli_words(' '.join(str(e).splitlines()))}", err=True)
-            ctx.exit(2)
+            _fail(ctx, _cli_words(" ".join(str(e).splitlines())))  # one line, whatever it quotes from a damaged file
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise  # click's own: main reports them
+        except Exception as e:
+            # Not bad input but a failure of the run (a rank of the demo, an environment that lacks a piece):
+            # still one line and 2, never 1, which is verify's "different". A rank's message ends in its
+            # traceback: its first line says what failed, --debug shows the rest.
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            _fail(ctx, f"{type(e).__name__}: {first} (--debug shows the traceback)" if ": " not in first
+                  else f"{first} (--debug shows the traceback)")
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, help_text(cmd)) for name in self.list_commands(ctx)

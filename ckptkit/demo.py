@@ -16,6 +16,8 @@ from typing import Any
 
 import click
 
+from .errors import CheckpointError
+
 __all__ = ["run_demo"]
 
 STEPS = 3
@@ -113,5 +115,6 @@ def run_demo(workdir: Path | None = None) -> None:
 
 def _check(report, say) -> None:
     if not report.ok:
-        raise SystemExit("verify found differences: " + "; ".join(f"{d.key}: {d.what}" for d in report.differences))
+        raise CheckpointError("the demo's verify found differences: "
+                              + "; ".join(f"{d.key}: {d.what}" for d in report.differences))
     say(f"      verify: identical ({report.tensors} tensors, {report.bytes:,} bytes, {report.objects} other entries)")

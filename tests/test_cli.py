@@ -194,6 +194,52 @@ def test_cli_existing_destination_exits_2(tmp_path, full_ckpt):
     assert_same_tree(load_full(tmp_path / "out.pt"), load_full(full_ckpt))
 
 
+def _users_folder(path):
+    path.mkdir(parents=True)
+    (path / "notes.txt").write_text("keep me")
+    (path / "sub").mkdir()
+    (path / "sub" / "data.txt").write_text("mine")
+    return path
+
+
+def _untouched(path) -> bool:
+    return (path / "notes.txt").read_text() == "keep me" and (path / "sub" / "data.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("args", [["convert", "{src}", "{dst}", "--to", "full"],
+                                  ["convert", "{src}", "{dst}", "--to", "hf"],
+                                  ["reshard", "{dcp}", "{dst}", "--world-size", "2"],
+                                  ["export-hf", "{src}", "{dst}"]])
+def test_cli_overwrite_refuses_a_folder_of_the_users_files(tmp_path, full_ckpt, dcp_ckpt, args):
+    victim = _users_folder(tmp_path / "victim")
+    for dry in ([], ["--dry-run"]):
+        result = run(*(a.format(src=full_ckpt, dcp=dcp_ckpt, dst=victim) for a in args), "--overwrite", *dry)
+        assert_one_line_error(result, f"{victim} holds notes.txt, sub/, not a checkpoint ckptkit reads; --overwrite "
+                                      "replaces only a checkpoint, an empty directory, or a file by a file")
+    assert _untouched(victim) and sorted(p.name for p in victim.iterdir()) == ["notes.txt", "sub"]
+
+
+def test_cli_overwrite_refuses_the_working_directory_and_those_above_it(tmp_path, full_ckpt, dcp_ckpt):
+    here = _users_folder(tmp_path / "work" / "here")
+    for dst, what in ((".", "is the working directory"), ("..", "is a directory above the working directory")):
+        proc = script("reshard", dcp_ckpt, dst, "--world-size", "2", "--overwrite", cwd=here)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and what in proc.stderr, proc.stderr
+    assert _untouched(here)
+    result = run("convert", full_ckpt, tmp_path, "--to", "sharded", "--overwrite")  # the directory above SRC
+    assert_one_line_error(result, "overlaps the input")
+    assert _untouched(here) and full_ckpt.is_file()
+
+
+def test_cli_overwrite_replaces_a_checkpoint_of_any_format_or_an_empty_folder(tmp_path, full_ckpt, dcp_ckpt,
+                                                                               hf_ckpt):
+    (tmp_path / "empty").mkdir()
+    for dst in (hf_ckpt, tmp_path / "empty", full_ckpt.with_name("copy.pt")):
+        if dst.suffix == ".pt":
+            dst.write_bytes(full_ckpt.read_bytes())
+        assert run("reshard", dcp_ckpt, dst, "--world-size", "3", "--overwrite", "-q").exit_code == 0, dst
+        assert_same_tree(load_dcp(dst, tmp_path / "scratch" / f"{dst.name}.pt"), load_full(full_ckpt))
+
+
 def test_cli_unsafe_metadata_exits_2(tmp_path, dcp_ckpt):
     import pickle
 
@@ -238,9 +284,9 @@ def test_cli_usage_errors_exit_2(tmp_path, flat_full_ckpt, args, message):
 # ------------------------------------------------------------------------------------ the installed script
 
 
-def script(*args) -> subprocess.CompletedProcess:
+def script(*args, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([CONSOLE_SCRIPT, *map(str, args)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"}, cwd=cwd)
 
 
 def test_cli_console_script_exit_codes(tmp_path, zoo):
