@@ -172,6 +172,19 @@ def test_installed_wheel_runs_the_demo_with_its_declared_dependencies(installed,
     bin_ = installed / "bin"
     ran = _run([bin_ / "ckptkit", "demo", "--workdir", "demo"], tmp_path, path=installed / "numpy")
     assert ran.stdout.splitlines()[-1].startswith("demo OK"), ran.stdout
+    # The Quick start on its output: a cast export, checked against its source by value.
+    _run([bin_ / "ckptkit", "export-hf", "demo/fsdp2-4ranks", "hf-out", "--hf-assets", "demo/assets", "--dtype",
+          "bf16", "-q"], tmp_path, path=installed / "numpy")
+    checked = _run([bin_ / "ckptkit", "verify", "demo/fsdp2-4ranks", "hf-out", "--model-only", "--atol", "1e-2",
+                    "--rtol", "1e-2"], tmp_path, path=installed / "numpy")
+    assert checked.stdout.splitlines()[-1] == "equal" and "lm_head.weight of demo/fsdp2-4ranks is not compared" \
+        in checked.stdout, checked.stdout
+    # The oracle: transformers loads the export in the class its config names, nothing missing or unexpected.
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-out", output_loading_info=True)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not any(info.values()), info
     # (torch warns at import that it found no numpy, on every rank: that is torch's own line, not ckptkit's)
     failed = _run([bin_ / "ckptkit", "demo"], tmp_path, code=2, PYTHONWARNINGS="ignore::UserWarning")
     assert failed.stdout.startswith("[1/4]") and "Traceback" not in failed.stderr, failed.stderr

@@ -41,7 +41,7 @@ from ..io.execute import all_ranks
 from ..io.options import WriteOptions
 from ..io.sources import Files
 from ..io.storage import storage_at
-from ..models.hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
+from ..models.hfconfig import INPUT_EMBEDDINGS, TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
 from ..models.mapping import KeyMapping, KeyMapSource, Renames, key_mapping
 from ._model import map_model
 from ._options import WriteKeywords, storage_of, write_options
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TIE_DEFAULTS", "export_hf", "tie_word_embeddings"]
 
-_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight", "shared.weight")
+_EMBEDDINGS = INPUT_EMBEDDINGS
 
 
 def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict, str | None]:
