@@ -111,7 +111,8 @@ def _worker_count(ctx: click.Context, param: click.Parameter, value: str) -> int
 _workers = option("--workers", default="auto", show_default=True, callback=_worker_count, metavar="N|auto",
                    section=PARALLEL, envvar="CKPTKIT_WORKERS",
                    help="Processes on this machine that write the output, each its share (about equal bytes; a "
-                        "large file is cut into byte ranges), --max-memory shared out among them; this process "
+                        "large file that is cast is cut into byte ranges, one of copied bytes is written by one "
+                        "process), --max-memory shared out among them; this process "
                         "writes one share and publishes. auto: as many as pay for the plan's bytes and tensors on "
                         "the cores this process may use (1 for a small job); the report says how many and why. "
                         "Several machines: run the "
