@@ -111,23 +111,19 @@ def _worker_count(ctx: click.Context, param: click.Parameter, value: str) -> int
 _workers = option("--workers", default="auto", show_default=True, callback=_worker_count, metavar="N|auto",
                    section=PARALLEL, envvar="CKPTKIT_WORKERS",
                    help="Processes on this machine that write the output, each its share (about equal bytes; a "
-                        "large file is cut into byte ranges), --max-memory shared out among them; this process "
+                        "large file that is cast is cut into byte ranges, one of copied bytes is written by one "
+                        "process), --max-memory shared out among them; this process "
                         "writes one share and publishes. auto: as many as pay for the plan's bytes and tensors on "
                         "the cores this process may use (1 for a small job); the report says how many and why. "
                         "Several machines: run the "
                         "command under torchrun (torchrun --nnodes M --nproc-per-node K ... -m ckptkit COMMAND ...): "
                         "each rank writes its share, rank 0 publishes; DST must be on a filesystem they all share.")
+_json = option("--json", "as_json", is_flag=True, section=COMMON,
+               help="The report as JSON on stdout (schema_version 1): files written with their sizes, keys renamed, "
+                    "left out and cast, notes, workers, wall time from the process's start and peak memory.")
 _dry_run = option("--dry-run", is_flag=True, section=COMMON,
                    help="Print the plan (files and sizes, keys renamed, left out and cast, assets copied) and "
                         "write nothing.")
-
-
-def _presets_help() -> str:
-    from .models.registry import PRESETS
-
-    return ("A model family's adapter (names, stacked experts, transforms): auto (the default for HF output): "
-            "the family's, detected from config.json's model_type and the keys; none: no mapping; "
-            + "; ".join(f"{p.name}: {p.summary}" for p in PRESETS.values()) + ".")
 
 
 def _preset_names() -> list[str]:
@@ -142,7 +138,9 @@ _MAPPING = (
     option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT", section=MAPPING,
             help="Rename keys by re.sub (repeatable, applied in order), e.g. '^net\\.=model.' or "
                  "'\\.attn\\.=.self_attn.'; \\1 refers to a group."),
-    option("--preset", type=click.Choice(_preset_names()), section=MAPPING, help=_presets_help()),
+    option("--preset", type=click.Choice(_preset_names()), section=MAPPING, metavar="NAME",
+            help="A model family's adapter (names, stacked experts, transforms): auto (the default toward HF) "
+                 "detects the family, none maps nothing; 'ckptkit presets' lists the others."),
     option("--strict-map", is_flag=True, section=MAPPING,
             help="Refuse keys that neither --key-map nor a --rename maps (a --preset always refuses keys it does "
                  "not know)."),
@@ -239,7 +237,7 @@ def writing_options(command):
                                storage_options=storage_options, workers=workers)
         return command(*args, options=options, **kwargs)
 
-    return _apply(_workers, _dry_run, _overwrite, memory_option, _fsync, quiet_option, storage_option,
+    return _apply(_workers, _dry_run, _overwrite, memory_option, _fsync, quiet_option, _json, storage_option,
                   debug_option)(run)
 
 

@@ -84,6 +84,14 @@ def _cli_words(message: str) -> str:
     return message
 
 
+def _fail(ctx: click.Context, message: str) -> None:
+    if ctx.params.get("debug") or ctx.meta.get(DEBUG):
+        traceback.print_exc()  # and the same exit code: scripts tell bad input (2) from "different" (1)
+    else:
+        click.echo(f"ckptkit: error: {message}", err=True)
+    ctx.exit(2)
+
+
 class _Group(click.Group):
     command_class = Command
 
@@ -96,12 +104,16 @@ class _Group(click.Group):
             _quiet_stdout()
             ctx.exit(0)
         except (CheckpointError, OSError) as e:
-            if ctx.params.get("debug") or ctx.meta.get(DEBUG):
-                traceback.print_exc()  # and the same exit code: scripts tell bad input (2) from "different" (1)
-            else:
-                # One line, whatever the message quotes from a damaged file.
-                click.echo(f"ckptkit: error: {_cli_words(' '.join(str(e).splitlines()))}", err=True)
-            ctx.exit(2)
+            _fail(ctx, _cli_words(" ".join(str(e).splitlines())))  # one line, whatever it quotes from a damaged file
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise  # click's own: main reports them
+        except Exception as e:
+            # Not bad input but a failure of the run (a rank of the demo, an environment that lacks a piece):
+            # still one line and 2, never 1, which is verify's "different". A rank's message ends in its
+            # traceback: its first line says what failed, --debug shows the rest.
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            _fail(ctx, f"{type(e).__name__}: {first} (--debug shows the traceback)" if ": " not in first
+                  else f"{first} (--debug shows the traceback)")
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, help_text(cmd)) for name in self.list_commands(ctx)
@@ -123,12 +135,20 @@ def cli(debug: bool) -> None:
     """Convert, re-shard, export and verify PyTorch FSDP checkpoints, streaming tensor by tensor."""
 
 
-def _report(report, quiet: bool) -> None:
-    if not quiet or report.dry_run:
+def _report(report, quiet: bool, as_json: bool) -> None:
+    from ._process import peak_memory, seconds_since_start
+
+    own, children = peak_memory()
+    # What the user waited for and what the machine gave: from the process's start, imports included.
+    report = dataclasses.replace(report, seconds=seconds_since_start(), peak_memory=own,
+                                 peak_memory_workers=children if report.workers > 1 else None)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    elif not quiet or report.dry_run:
         click.echo(str(report))
 
 
-def _write(op, *args, options, quiet: bool, **kwargs) -> None:
+def _write(op, *args, options, quiet: bool, as_json: bool, **kwargs) -> None:
     """Run ``op`` (convert, reshard, export_hf) in this process, or on this rank of torchrun's ranks: all of them
     then write, and rank 0 reports."""
     from .io.parallel import torchrun_group
@@ -144,7 +164,7 @@ def _write(op, *args, options, quiet: bool, **kwargs) -> None:
         options = dataclasses.replace(options, progress=not quiet and not rank, distributed=rank is not None)
         report = op(*args, options=options, **kwargs)
     if not rank:
-        _report(report, quiet)
+        _report(report, quiet, as_json)
 
 
 @cli.command(examples=(
@@ -194,13 +214,13 @@ def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, st
 @writing_options
 @local_options
 def convert(src, dst, to, world_size, max_shard_size, hf_assets, key_map, renames, preset, strict_map, megatron_args,
-            options, quiet, **local) -> None:
+            options, quiet, as_json, **local) -> None:
     """Convert SRC (any format) to DST in format --to; with a key mapping, the model part under new names."""
     from .ops.convert import convert as _convert
 
     _write(_convert, src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, local=local_from(**local),
            preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, hf_assets=hf_assets,
-           megatron_args=megatron_args, options=options, quiet=quiet)
+           megatron_args=megatron_args, options=options, quiet=quiet, as_json=as_json)
 
 
 @cli.command(examples=(
@@ -212,11 +232,12 @@ def convert(src, dst, to, world_size, max_shard_size, hf_assets, key_map, rename
 @option("--world-size", required=True, type=click.IntRange(min=1), help="Ranks to lay the checkpoint out for.")
 @writing_options
 @local_options
-def reshard(src, dst, world_size, options, quiet, **local) -> None:
+def reshard(src, dst, world_size, options, quiet, as_json, **local) -> None:
     """Re-lay-out the sharded checkpoint SRC for --world-size ranks (no GPUs, no process group)."""
     from .ops.convert import reshard as _reshard
 
-    _write(_reshard, src, dst, world_size=world_size, local=local_from(**local), options=options, quiet=quiet)
+    _write(_reshard, src, dst, world_size=world_size, local=local_from(**local), options=options, quiet=quiet,
+           as_json=as_json)
 
 
 @cli.command("export-hf", examples=(
@@ -252,14 +273,14 @@ def reshard(src, dst, world_size, options, quiet, **local) -> None:
 @writing_options
 @local_options
 def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
-              key_map, renames, preset, strict_map, megatron_args, options, quiet, **local) -> None:
+              key_map, renames, preset, strict_map, megatron_args, options, quiet, as_json, **local) -> None:
     """Write the model part of SRC as Hugging Face safetensors in DST, with the files of --hf-assets."""
     from .ops.export import export_hf as _export
 
     _write(_export, src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
            strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
            preset=preset or "auto", renames=renames, key_map=key_map, strict_map=strict_map, keep_fp32=keep_fp32,
-           megatron_args=megatron_args, local=local_from(**local), options=options, quiet=quiet)
+           megatron_args=megatron_args, local=local_from(**local), options=options, quiet=quiet, as_json=as_json)
 
 
 @cli.command(examples=(
@@ -309,6 +330,17 @@ def verify(a, b, atol, rtol, model_only, strip_prefixes, renames, as_json, max_m
     except BrokenPipeError:
         _quiet_stdout()
     sys.exit(code)
+
+
+@cli.command(examples=("ckptkit presets", "ckptkit presets --json | jq '.[].name'"))
+@option("--json", "as_json", is_flag=True, help="Machine-readable output: a list of presets with their summaries.")
+@debug_option
+def presets(as_json: bool) -> None:
+    """List the --preset names: framework, model family, direction and what each does to the tensors."""
+    from .ops.presets import presets as _presets, render
+
+    rows = _presets()
+    click.echo(json.dumps(rows, indent=2) if as_json else render(rows))
 
 
 @cli.command(examples=("ckptkit demo", "ckptkit demo --workdir /tmp/demo"))

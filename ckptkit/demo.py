@@ -16,19 +16,29 @@ from typing import Any
 
 import click
 
-__all__ = ["run_demo"]
+from .errors import CheckpointError
+
+__all__ = ["demo_model", "run_demo"]
 
 STEPS = 3
+
+
+def demo_model():
+    """The demo's model: a small LLaMA (rotary positions), so that its export loads in ``LlamaForCausalLM``,
+    which the config.json it is exported with names."""
+    from .harness.model import TinyConfig
+
+    return TinyConfig(rope=True)
 
 
 def _build(rank: int):
     import torch
     from torch.distributed.fsdp import fully_shard
 
-    from .harness.model import TinyConfig, TinyTransformer
+    from .harness.model import TinyTransformer
 
     torch.manual_seed(0)
-    model = TinyTransformer(TinyConfig())
+    model = TinyTransformer(demo_model())
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -74,7 +84,6 @@ def _load_and_train(rank: int, world: int, path: str) -> tuple[int, float]:
 def run_demo(workdir: Path | None = None) -> None:
     from . import convert, export_hf, inspect, reshard, verify
     from .harness.launch import run_ranks
-    from .harness.model import TinyConfig
     from .ops.inspect import render, summary
 
     say = click.echo
@@ -84,7 +93,7 @@ def run_demo(workdir: Path | None = None) -> None:
         src, r3, hf, back = root / "fsdp2-4ranks", root / "dcp-3ranks", root / "hf", root / "model.pt"
         for p in (src, r3, hf, back):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        say(f"[1/4] FSDP2 trains a {TinyConfig().layers}-layer transformer on 4 gloo ranks, saves with torch DCP")
+        say(f"[1/4] FSDP2 trains a {demo_model().layers}-layer LLaMA on 4 gloo ranks, saves with torch DCP")
         losses = run_ranks(_train_and_save, 4, str(src))
         say(f"      rank 0 losses: {', '.join(f'{loss:.4f}' for loss in losses[0])}")
         say("\n".join("      " + line for line in render(summary(inspect(src))).splitlines()[:3]))
@@ -100,7 +109,7 @@ def run_demo(workdir: Path | None = None) -> None:
         say("[4/4] export-hf, convert the export back to torch.save, verify each against its source")
         assets = root / "assets"
         assets.mkdir(exist_ok=True)
-        (assets / "config.json").write_text(json.dumps(TinyConfig().hf_config(), indent=2))
+        (assets / "config.json").write_text(json.dumps(demo_model().hf_config(), indent=2))
         say("\n".join("      " + line for line in export_hf(r3, hf, hf_assets=assets, overwrite=True).lines()))
         say("\n".join("      " + line for line in convert(hf, back, to="full").lines()))
         _check(verify(hf, back), say)
@@ -113,5 +122,6 @@ def run_demo(workdir: Path | None = None) -> None:
 
 def _check(report, say) -> None:
     if not report.ok:
-        raise SystemExit("verify found differences: " + "; ".join(f"{d.key}: {d.what}" for d in report.differences))
+        raise CheckpointError("the demo's verify found differences: "
+                              + "; ".join(f"{d.key}: {d.what}" for d in report.differences))
     say(f"      verify: identical ({report.tensors} tensors, {report.bytes:,} bytes, {report.objects} other entries)")

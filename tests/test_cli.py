@@ -155,6 +155,67 @@ def test_cli_verify_identical_exits_0(tmp_path, full_ckpt, dcp_ckpt):
     assert run("verify", full_ckpt, dcp_ckpt, "-q").output == ""
 
 
+def _tied_model_checkpoint(path):
+    from ckptkit.demo import demo_model
+    from ckptkit.harness.model import TinyTransformer
+
+    torch.manual_seed(0)
+    cfg = demo_model()
+    torch.save({"model": TinyTransformer(cfg).state_dict(), "step": 3}, path / "train.pt")
+    (path / "assets").mkdir()
+    (path / "assets" / "config.json").write_text(json.dumps(cfg.hf_config()))
+    return path / "train.pt", path / "assets"
+
+
+def test_cli_verify_of_an_export_knows_the_tied_head_written_once(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src, assets = _tied_model_checkpoint(tmp_path)
+    assert run("export-hf", src, tmp_path / "hf", "--hf-assets", assets, "--dtype", "bf16", "-q").exit_code == 0
+    # The oracle: transformers ties the head it loads to the embedding, which equals the source's head.
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert torch.equal(loaded.lm_head.weight, torch.load(src)["model"]["lm_head.weight"].bfloat16().float())
+    for a, b in ((src, tmp_path / "hf"), (tmp_path / "hf", src)):
+        result = run("verify", a, b, "--model-only", "--atol", "1e-2", "--rtol", "1e-2")
+        assert result.exit_code == 0 and result.output.splitlines()[-1] == "equal", result.output
+        assert (f"note: lm_head.weight of {src} is not compared: it equals its model.embed_tokens.weight, and "
+                f"{tmp_path / 'hf'} holds that once, as a tied head is written (config.json: "
+                "tie_word_embeddings: true)") in result.output
+
+
+def test_cli_export_hf_of_the_demos_model_loads_in_the_class_its_config_names(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from ckptkit.demo import demo_model
+    from ckptkit.harness.model import TinyTransformer, batch
+
+    src, assets = _tied_model_checkpoint(tmp_path)
+    assert run("export-hf", src, tmp_path / "hf", "--hf-assets", assets, "-q").exit_code == 0
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert type(loaded).__name__ == json.loads((assets / "config.json").read_text())["architectures"][0]
+    assert not any(info.values()), info  # nothing missing, unexpected or mismatched
+    ours = TinyTransformer(demo_model())
+    ours.load_state_dict(torch.load(src)["model"])
+    tokens = batch(demo_model(), 0)[:, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_cli_verify_reports_a_head_that_its_tied_config_would_not_load(tmp_path):
+    from safetensors.torch import save_file
+
+    src, assets = _tied_model_checkpoint(tmp_path)
+    state = torch.load(src)["model"]
+    state["lm_head.weight"] = state["lm_head.weight"] + 1  # untied: the HF side's config would lose this head
+    torch.save({"model": state}, src)
+    (tmp_path / "hf").mkdir()
+    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, tmp_path / "hf" / "model.safetensors")
+    (tmp_path / "hf" / "config.json").write_text((assets / "config.json").read_text())
+    result = run("verify", src, tmp_path / "hf", "--model-only")
+    assert result.exit_code == 1 and f"  lm_head.weight: only in {src}" in result.output, result.output
+    assert "where it differs from model.embed_tokens.weight" in result.output
+
+
 def test_cli_verify_differing_exits_1_with_per_key_report(tmp_path, zoo):
     torch.save(zoo, tmp_path / "a.pt")
     changed = {**zoo, "f16": zoo["f16"].clone()}
@@ -192,6 +253,52 @@ def test_cli_existing_destination_exits_2(tmp_path, full_ckpt):
     assert (tmp_path / "out.pt").read_text() == "keep me"
     assert run("convert", full_ckpt, tmp_path / "out.pt", "--to", "full", "--overwrite", "-q").exit_code == 0
     assert_same_tree(load_full(tmp_path / "out.pt"), load_full(full_ckpt))
+
+
+def _users_folder(path):
+    path.mkdir(parents=True)
+    (path / "notes.txt").write_text("keep me")
+    (path / "sub").mkdir()
+    (path / "sub" / "data.txt").write_text("mine")
+    return path
+
+
+def _untouched(path) -> bool:
+    return (path / "notes.txt").read_text() == "keep me" and (path / "sub" / "data.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("args", [["convert", "{src}", "{dst}", "--to", "full"],
+                                  ["convert", "{src}", "{dst}", "--to", "hf"],
+                                  ["reshard", "{dcp}", "{dst}", "--world-size", "2"],
+                                  ["export-hf", "{src}", "{dst}"]])
+def test_cli_overwrite_refuses_a_folder_of_the_users_files(tmp_path, full_ckpt, dcp_ckpt, args):
+    victim = _users_folder(tmp_path / "victim")
+    for dry in ([], ["--dry-run"]):
+        result = run(*(a.format(src=full_ckpt, dcp=dcp_ckpt, dst=victim) for a in args), "--overwrite", *dry)
+        assert_one_line_error(result, f"{victim} holds notes.txt, sub/, not a checkpoint ckptkit reads; --overwrite "
+                                      "replaces only a checkpoint, an empty directory, or a file by a file")
+    assert _untouched(victim) and sorted(p.name for p in victim.iterdir()) == ["notes.txt", "sub"]
+
+
+def test_cli_overwrite_refuses_the_working_directory_and_those_above_it(tmp_path, full_ckpt, dcp_ckpt):
+    here = _users_folder(tmp_path / "work" / "here")
+    for dst, what in ((".", "is the working directory"), ("..", "is a directory above the working directory")):
+        proc = script("reshard", dcp_ckpt, dst, "--world-size", "2", "--overwrite", cwd=here)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and what in proc.stderr, proc.stderr
+    assert _untouched(here)
+    result = run("convert", full_ckpt, tmp_path, "--to", "sharded", "--overwrite")  # the directory above SRC
+    assert_one_line_error(result, "overlaps the input")
+    assert _untouched(here) and full_ckpt.is_file()
+
+
+def test_cli_overwrite_replaces_a_checkpoint_of_any_format_or_an_empty_folder(tmp_path, full_ckpt, dcp_ckpt,
+                                                                               hf_ckpt):
+    (tmp_path / "empty").mkdir()
+    for dst in (hf_ckpt, tmp_path / "empty", full_ckpt.with_name("copy.pt")):
+        if dst.suffix == ".pt":
+            dst.write_bytes(full_ckpt.read_bytes())
+        assert run("reshard", dcp_ckpt, dst, "--world-size", "3", "--overwrite", "-q").exit_code == 0, dst
+        assert_same_tree(load_dcp(dst, tmp_path / "scratch" / f"{dst.name}.pt"), load_full(full_ckpt))
 
 
 def test_cli_unsafe_metadata_exits_2(tmp_path, dcp_ckpt):
@@ -238,9 +345,9 @@ def test_cli_usage_errors_exit_2(tmp_path, flat_full_ckpt, args, message):
 # ------------------------------------------------------------------------------------ the installed script
 
 
-def script(*args) -> subprocess.CompletedProcess:
+def script(*args, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([CONSOLE_SCRIPT, *map(str, args)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"}, cwd=cwd)
 
 
 def test_cli_console_script_exit_codes(tmp_path, zoo):
@@ -615,3 +722,78 @@ def test_cli_export_hf_of_a_sentence_transformers_folder_embeds_as_the_source(mi
     got = sentence_transformers.SentenceTransformer(str(out), device="cpu").encode(sentences, convert_to_tensor=True)
     assert torch.equal(got, want)
     assert torch.allclose(got.norm(dim=1), torch.ones(2))  # normalised, as modules.json asks
+
+
+# ------------------------------------------------------------------------------------ common options, reports
+
+
+def test_cli_presets_lists_every_preset_and_preset_help_points_there():
+    from ckptkit.models.registry import PRESETS
+
+    listed = run("presets")
+    assert listed.exit_code == 0 and listed.output.splitlines()[0].split()[:5] == ["NAME", "FRAMEWORK", "FAMILY",
+                                                                                 "DIRECTION", "TRANSFORMS"]
+    rows = {line.split()[0]: line for line in listed.output.splitlines()[1:-1]}
+    assert rows.keys() == PRESETS.keys()
+    assert "torchtitan <-> HF" in rows["torchtitan-llama"] and "q/k rows reordered (rotary)" in rows["torchtitan-llama"]
+    assert "checks HF names" in rows["qwen2"]
+    described = json.loads(run("presets", "--json").output)
+    assert [d["name"] for d in described] == list(PRESETS) and all(d["summary"] for d in described)
+    text = run("export-hf", "--help").output
+    preset_help = text[text.index("  --preset NAME"):text.index("--strict-map")]
+    assert "'ckptkit presets'" in preset_help and len(preset_help.splitlines()) <= 5, preset_help
+
+
+def test_cli_writing_commands_report_as_json(tmp_path):
+    from ckptkit.demo import demo_model
+
+    src, assets = _tied_model_checkpoint(tmp_path)
+    result = run("export-hf", src, tmp_path / "hf", "--hf-assets", assets, "--dtype", "bf16", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["schema_version"] == 1 and report["destination_format"] == "hf" and not report["dry_run"]
+    on_disk = {p.name: p.stat().st_size for p in (tmp_path / "hf").iterdir()}
+    assert {f["path"]: f["bytes"] for f in report["files"]} == on_disk
+    assert report["left_out"] == [{"key": "lm_head.weight", "why": "tied to the input embedding"}]
+    floating = [k for k, v in torch.load(src)["model"].items() if v.is_floating_point() and k != "lm_head.weight"]
+    assert sorted(c["key"] for c in report["cast"]) == sorted(floating) and {c["dtype"] for c in report["cast"]} \
+        == {"bfloat16"}
+    assert report["seconds"] > 0 and report["peak_memory_bytes"] > 10 << 20  # the process's: torch alone is more
+    assert report["tensors"] == len(floating) and demo_model().layers == 2
+    for args in (["convert", src, tmp_path / "dcp", "--to", "sharded", "--world-size", "2"],
+                 ["reshard", tmp_path / "dcp", tmp_path / "dcp3", "--world-size", "3", "--dry-run"]):
+        report = json.loads(run(*args, "--json").stdout)
+        assert report["world_size"] in (2, 3) and report["files"], report
+
+
+def test_cli_report_times_the_whole_process(tmp_path, full_ckpt):
+    import time
+
+    start = time.monotonic()
+    ran = script("convert", full_ckpt, tmp_path / "out.pt", "--to", "full", "--json")
+    wall = time.monotonic() - start
+    report = json.loads(ran.stdout)
+    # From the process's start, imports included (they are most of a small conversion's time).
+    assert 0.5 * wall < report["seconds"] <= wall, (report["seconds"], wall)
+
+
+def test_cli_reports_counts_in_the_singular(tmp_path, zoo):
+    one = {"w": torch.ones(3)}
+    torch.save(one, tmp_path / "a.pt")
+    torch.save({"w": torch.zeros(3)}, tmp_path / "b.pt")
+    differ = run("verify", tmp_path / "a.pt", tmp_path / "b.pt")
+    assert differ.exit_code == 1 and "1 tensor (12 B) and 0 other entries" in differ.output
+    assert "\n1 difference:\n" in differ.output, differ.output
+    shown = run("inspect", tmp_path / "a.pt")
+    assert "float32 100% (1 tensor)" in shown.output, shown.output
+    report = run("convert", tmp_path / "a.pt", tmp_path / "hf", "--to", "hf")
+    assert "1 tensor, 0 other entries, 108 B in 1 file, " in report.output, report.output
+
+
+def test_cli_convert_hf_to_sharded_writes_no_empty_side_file_and_inspect_counts_files(tmp_path, hf_ckpt, zoo):
+    assert run("convert", hf_ckpt, tmp_path / "dcp", "--to", "sharded", "--world-size", "2", "-q").exit_code == 0
+    assert sorted(p.name for p in (tmp_path / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert_same_tree(load_dcp(tmp_path / "dcp", tmp_path / "scratch" / "back.pt"), zoo)  # torch's own reader
+    s = json.loads(run("inspect", tmp_path / "dcp", "--json").output)
+    assert s["details"]["files"] == 2
+    assert run("inspect", tmp_path / "dcp").output.count("chunks per tensor: ") == 1

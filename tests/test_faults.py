@@ -743,7 +743,7 @@ def test_load_of_a_run_without_complete_steps_says_so(tmp_path):
 
 def test_save_without_step_refuses_to_replace_a_directory_it_did_not_save(tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
-    with pytest.raises(UsageError, match="exists and is not a checkpoint ckptkit saved"):
+    with pytest.raises(UsageError, match="holds notes.txt, not a checkpoint ckptkit reads"):
         ckptkit.save(tmp_path, plain_model(), form="full")
     assert (tmp_path / "notes.txt").read_text() == "keep me"
     ckptkit.save(tmp_path / "ck", plain_model(1.0), form="full")

@@ -84,7 +84,7 @@ def test_reshard_moe_is_byte_identical_for_every_workers_value(tmp_path, moe, pa
         report = ckptkit.reshard(moe["dcp"], tmp_path / f"w{workers}", world_size=3, workers=workers)
         assert files_of(tmp_path / f"w{workers}") == want, workers
         assert report.workers >= 1 and report.workers_why
-    assert any(start > 0 for _, start, _ in packed)  # rank files were cut between writers
+    assert packed and all(start == 0 for _, start, _ in packed)  # whole rank files, each in one writer's hands
     got = load_dcp(tmp_path / "w3", tmp_path / "scratch.pt")
     assert got.keys() == moe["state"].keys()
     for k, t in moe["state"].items():
@@ -92,16 +92,28 @@ def test_reshard_moe_is_byte_identical_for_every_workers_value(tmp_path, moe, pa
     assert leftovers(tmp_path) == []
 
 
-def test_export_hf_one_file_split_across_workers_is_byte_identical(tmp_path, moe, packed):
-    ckptkit.export_hf(moe["model.pt"], tmp_path / "one", workers=1)
-    ckptkit.export_hf(moe["model.pt"], tmp_path / "three", workers=3)
-    assert sorted(files_of(tmp_path / "three")) == ["model.safetensors"]  # one output file...
+def test_export_hf_cast_of_one_file_split_across_workers_is_byte_identical(tmp_path, moe, packed):
+    # A cast is work outside the write, which writers of one file share; the writes themselves take turns.
+    ckptkit.export_hf(moe["model.pt"], tmp_path / "one", dtype="fp16", workers=1)
+    report = ckptkit.export_hf(moe["model.pt"], tmp_path / "three", dtype="fp16", workers=3)
+    assert sorted(files_of(tmp_path / "three")) == ["model.safetensors"] and report.workers == 3  # one output file...
     assert any(start > 0 for name, start, _ in packed if name == "model.safetensors")  # ...in several writers' hands
     assert files_of(tmp_path / "three") == files_of(tmp_path / "one")
     got = load_hf(tmp_path / "three")
     assert got.keys() == moe["model"].keys()
     for k, t in moe["model"].items():
-        assert_tensor_identical(got[k], t, k)
+        assert_tensor_identical(got[k], t.half(), k)
+
+
+def test_export_hf_of_one_file_of_copied_bytes_is_written_by_one_process_whatever_workers_asks(tmp_path, moe,
+                                                                                                packed):
+    # Two processes writing one file take turns at its lock, each paying its start: one writes it alone.
+    report = ckptkit.export_hf(moe["model.pt"], tmp_path / "two", workers=2)
+    assert packed == [] and report.workers == 1, report.workers_why  # no share handed to a worker process
+    assert report.workers_why == ("--workers 2: 1 file of copied bytes, and a file is written by one process (two "
+                                  "would take turns at its lock)")
+    ckptkit.export_hf(moe["model.pt"], tmp_path / "one", workers=1)
+    assert files_of(tmp_path / "two") == files_of(tmp_path / "one")
 
 
 def _export_on_rank(rank: int, world: int, src: str, dst: str) -> list[int]:

@@ -225,7 +225,7 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     objects: tuple[ObjectEntry, ...] = ()
     world_size: int | None = None
-    details: tuple[tuple[str, str], ...] = ()
+    details: tuple[tuple[str, str | int], ...] = ()
     """Format-specific facts for ``inspect`` (e.g. ``("layout", "FSDP2 Shard(0)")``); a ``"left out"`` fact
     names what the reader did not read, and conversions repeat it in their report."""
     hf_assets: str | None = None

@@ -163,8 +163,8 @@ def choose_writers(work: Work, cores: int) -> tuple[int, str]:
     seconds = work.nbytes / _COPY_RATE + work.regions * _PER_REGION
     most = max(1, min(cores, work.pieces, int(seconds / _WRITER_SECONDS)))
     n = min(range(1, most + 1), key=lambda k: seconds / k + _START * (k > 1))
-    what = (f"{work.nbytes / 1e9:.2f} GB in {work.files} files, {work.regions} tensor regions: about {seconds:.1f} s "
-            "of writing")
+    what = (f"{work.nbytes / 1e9:.2f} GB in {work.files} file{'s' * (work.files != 1)}, {work.regions} tensor "
+            f"region{'s' * (work.regions != 1)}: about {seconds:.1f} s of writing")
     if n > 1 and seconds / n + _START <= _MARGIN * seconds:
         return n, f"{what}, about {seconds / n + _START:.1f} s with {n} of {cores} cores"
     if cores < 2:

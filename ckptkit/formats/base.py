@@ -166,11 +166,8 @@ class ReadOnlyIO(FormatIO):
 
 
 def cast_for(dtype: DType, cast: DType | None) -> DType | None:
-    """The cast to apply to a tensor of ``dtype``: only floating tensors change type, and never a float8 one,
-    whose values mean something only with their scales (a quantized weight is dequantized, never cast)."""
-    if cast is None or not dtype.is_floating or cast == dtype or dtype.name.startswith("float8"):
-        return None
-    return cast
+    """The cast to apply to a tensor of ``dtype``: only floating tensors change type."""
+    return cast if cast is not None and dtype.is_floating and cast != dtype else None
 
 
 def object_value(entry: ObjectEntry) -> Any:

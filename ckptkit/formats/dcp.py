@@ -209,7 +209,8 @@ class DcpIO(FormatIO):
         ranks = [int(m.group(1)) for f in locate.rank_files | on_disk if (m := _RANK_FILE.search(f))]
         world = max(ranks) + 1 if ranks else None
         split = {len(t.chunks) for t in tensors if t.numel and t.chunks}
-        details = [("files", str(len(locate.rank_files))), ("chunks per tensor", ",".join(map(str, sorted(split))))]
+        details: list[tuple[str, Any]] = [("files", len(locate.rank_files)),
+                                          ("chunks per tensor", _chunk_counts(sorted(split)))]
         if (root / META).is_file():
             groups = {str(t.path[0]) for t in tensors} | {str(o.path[0]) for o in objects}
             meta_tensors, meta_objects, note = read_meta(root / META, groups)
@@ -277,6 +278,15 @@ class DcpIO(FormatIO):
             files.append(FilePlan(megatron.COMMON, megatron.common_parts(manifest, options.cast)))
             files.append(FilePlan(megatron.CONFIG, (Bytes(megatron.CONFIG_BYTES),)))
         return WritePlan(tuple(files), commit=METADATA)
+
+
+def _chunk_counts(counts: list[int]) -> str:
+    """How many chunks (saved shards) the tensors are in, in words: ``1 each``, ``1 or 4, by tensor``."""
+    if not counts:
+        return "none (no tensor holds elements)"
+    if len(counts) == 1:
+        return f"{counts[0]} each"
+    return f"{', '.join(map(str, counts[:-1]))} or {counts[-1]}, by tensor"
 
 
 class _Locator:

@@ -30,10 +30,15 @@ class HfOptions(FormatOptions):
     """Largest safetensors file in bytes; None writes one file."""
     keep_fp32: frozenset[str] = frozenset()
     """Keys of floating tensors written in float32 whatever ``cast`` says."""
+    uncast: frozenset[str] = frozenset()
+    """Keys written in their own dtype whatever ``cast`` says (FP8 weights and their scales, which mean
+    something only together)."""
 
     def cast_of(self, tensor: TensorEntry) -> DType | None:
         """The dtype ``tensor`` is written in when that is not its own: the one rule of which keys are cast and
         which stay in float32, for the plan and for the report alike."""
+        if tensor.key in self.uncast:
+            return None
         return cast_for(tensor.dtype, FLOAT32 if tensor.key in self.keep_fp32 else self.cast)
 
 

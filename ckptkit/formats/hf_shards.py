@@ -55,7 +55,7 @@ class HfShardsIO(ReadOnlyIO):
         tensors = tuple(_joined(key, parts) for key, parts in chunks.items())
         shards = {int(m.group(1)) for f in files if (m := _SHARD.match(f.name))}
         world = max(shards) if len(shards) == len(files) else len(files)
-        details = (("files", str(len(files))),
+        details = (("files", len(files)),
                    ("layout", f"torch HuggingFaceStorageWriter(save_distributed=True), chunk offsets in "
                               f"{SHARDING_INFO}"))
         return Manifest(Format.HF_SHARDS, str(root), tensors, (), world, details)

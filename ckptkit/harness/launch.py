@@ -4,7 +4,9 @@ what each returns."""
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
+import signal
 import tempfile
 import time
 import traceback
@@ -26,6 +28,9 @@ def _entry(rank: int, fn: Callable, world: int, rdv: str, backend: str, args: tu
            timeout: float | None, cuda: bool) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    # When a peer fails, spawn ends the others by SIGTERM: the parent reports the failure, so a rank goes
+    # quietly rather than through the ckptkit command's own "terminated" line (its handler came with the import).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # A rank killed by a signal (SIGSEGV in a collective) leaves no Python traceback of its own: faulthandler
     # writes every thread's stack to this file, which run_ranks appends to the error.
     faulthandler.enable(open(_fault_file(rdv, rank), "w"), all_threads=True)  # noqa: SIM115  (open until exit)
@@ -81,6 +86,18 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
         RuntimeError: a rank raised (its message and traceback are in the error), or died.
         TimeoutError: the group ran past ``deadline``.
     """
+    start = time.monotonic()
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)  # its "Terminating process N via signal SIGTERM": the error says why
+    try:
+        return _run_group(fn, world_size, args, backend, timeout, deadline, cuda, start)
+    finally:
+        spawn_log.setLevel(level)
+
+
+def _run_group(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout: float | None,
+               deadline: float | None, cuda: bool, start: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     out: dict[int, Any] = {}
@@ -95,7 +112,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
             else:
                 out[rank] = value
 
-    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ckptkit-rdv-") as tmp:
         rdv = os.path.join(tmp, "rendezvous")
         group = mp.start_processes(_entry, args=(fn, world_size, rdv, backend, args, results, timeout,

@@ -17,6 +17,7 @@ tensor one row block at a time, within its memory setting, and never holds the m
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable
 from typing import Any
@@ -28,11 +29,22 @@ from ..core.reshape import FP8_MAX
 Read = Callable[[Region], bytearray]
 """The row-major bytes of a region of a stored tensor (:func:`ckptkit.io.sources.read_region` over open files)."""
 
-__all__ = ["COMPUTE_MEMORY", "WORKING_BYTES", "block_budget", "compute_region", "working_bytes"]
+__all__ = ["COMPUTE_MEMORY", "WORKING_BYTES", "block_budget", "compute_region", "tensor_bytes", "working_bytes"]
 
 WORKING_BYTES = 12
 """Bytes per output element alive while a box is computed, beyond the output's own: the input's, a float32
 copy, the product. The executor sizes its blocks by it."""
+
+
+def tensor_bytes(t: Any) -> memoryview:
+    """The bytes of contiguous CPU tensor ``t``, without a copy, and without numpy (which the CPU torch wheel
+    does not bring): a ctypes view of its memory that holds ``t`` alive as long as the view is."""
+    n = t.numel() * t.element_size()
+    if not n:
+        return memoryview(b"")
+    view = (ctypes.c_char * n).from_address(t.data_ptr())
+    view.owner = t  # the memory is t's: freeing t would free it under the view
+    return memoryview(view).cast("B")
 
 
 def _tensor(region: Region, read: Read) -> Any:
@@ -64,7 +76,7 @@ def compute_region(region: Region, read: Read) -> memoryview:
         out = torch.zeros(region.sizes, dtype=getattr(torch, region.entry.dtype.name))
     else:
         out = _dequantized(region, derived, read).to(getattr(torch, region.entry.dtype.name))
-    return out.view(torch.uint8).numpy().data if out.numel() else memoryview(b"")
+    return tensor_bytes(out)
 
 
 def _rows(region: Region, derived: Derived, read: Read) -> Any:

@@ -1,8 +1,11 @@
 """Parallel writing: a plan's bytes split over processes, on one machine or over the ranks of a process group.
 
 Planning is pure, so every process given the same inputs holds the same plan. The plan is cut into shares of
-about equal bytes (:func:`ckptkit.core.split.split_work`): small files whole, a large file in byte ranges, so
-that one large output file (an ``export-hf`` of one safetensors file) is written by several processes at once.
+about equal bytes (:func:`ckptkit.core.split.split_work`): small files whole, and a large file in byte ranges
+where its bytes cost work outside the write (a dtype cast, a computed tensor), so that one large output file
+(an ``export-hf --dtype bf16`` of one safetensors file) is cast by several processes at once. On one machine a
+file of copied bytes stays whole: writers of one file take turns at its lock (:func:`_cut_files`). Ranks of
+a process group, each on its own machine, cut it all the same.
 One process stages the output, every file at its planned size (:meth:`ckptkit.io.storage.Storage.stage`);
 each process joins it and writes its ranges at their offsets (:meth:`~ckptkit.io.storage.Staged.write`); one
 process commits once every share is written and every file has its planned size. The output is the one a
@@ -34,12 +37,13 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import errors
-from ..core.plan import WritePlan
+from ..core.plan import Region, WritePlan
 from ..core.split import Slice, Work, choose_writers, split_work
 from ..errors import CheckpointError, FormatError, UsageError
 from .execute import GROUP_TIMEOUT, execute, streamed
 from .moves import Moves, pack
 from .options import WriteOptions
+from .progress import count
 from .storage import Staged, Storage, storage_for
 from .storage.local.writer import write_cap
 
@@ -225,11 +229,32 @@ def writers(workers: int | str, plan: WritePlan, storage: Storage, sources: tupl
             n = 0
         if n < 1 or str(n) != str(workers).strip():
             raise UsageError(f"--workers: expected auto or a number of processes of at least 1, got {workers!r}")
-        return n, f"--workers {n}" if n > 1 else ""
+        if n == 1:
+            return 1, ""
+        cut = _cut_files(plan, sources)
+        shares = sum(1 for share in split_work(plan.files, n, cut_files=cut) if share)
+        if shares < n:
+            why = ("too little to share" if cut else f"{count(len(plan.files), 'file')} of copied bytes, and a "
+                   "file is written by one process (two would take turns at its lock)")
+            return shares, f"--workers {n}: {why}"
+        return n, f"--workers {n}"
     if not storage.shared_writes:
         return 1, "auto: an object store is written by one process"
-    n, why = choose_writers(Work.of(plan.files, cut_files=not streamed(sources)), cores())
+    n, why = choose_writers(Work.of(plan.files, cut_files=_cut_files(plan, sources)), cores())
     return n, f"auto: {why}"
+
+
+def _cut_files(plan: WritePlan, sources: tuple[Any, ...]) -> bool:
+    """Whether this machine's writers may share a file, each its byte ranges: only where its bytes cost work
+    outside the write itself (a dtype cast, a computed tensor). A file of copied bytes is written by one
+    process: a local filesystem takes the file's lock for every write into it (ext4's and XFS's buffered
+    writes, ``copy_file_range`` among them), so two writers of one file take turns, each paying its start,
+    and on a busy machine a writer descheduled while it holds the lock stalls the other. A streamed source
+    (an object store's) is read whole by one writer either way."""
+    if streamed(sources):
+        return False
+    return any(isinstance(p, Region) and (p.cast is not None or p.entry.derived is not None)
+               for f in plan.files for p in f.parts)
 
 
 def execute_parallel(plan: WritePlan, dst: Any, storage: Storage, options: WriteOptions,
@@ -249,8 +274,8 @@ def execute_parallel(plan: WritePlan, dst: Any, storage: Storage, options: Write
     if workers < 1:
         raise UsageError(f"--workers must be at least 1, got {workers}")
     stream = streamed(sources)
-    shares = tuple(s for s in split_work(plan.files, workers, cut_files=not stream) if s)
-    if len(shares) < 2:
+    shares = tuple(s for s in split_work(plan.files, workers, cut_files=_cut_files(plan, sources)) if s)
+    if len(shares) < 2:  # one file of copied bytes, say: this process alone writes it
         return execute(plan, dst, storage, options, progress, sources)
     if not storage.shared_writes:
         raise UsageError(f"{dst}: --workers write to a local or shared filesystem; an object store is written by "

@@ -17,9 +17,12 @@ from .mapping import read_json
 from .megatron_args import run_args
 from .table import ModelShape, Preset, model_shape
 
-__all__ = ["TIE_DEFAULTS", "ModelConfig", "check_single_file", "find_config", "keep_in_fp32", "read_model_config",
-           "tie_word_embeddings"]
+__all__ = ["INPUT_EMBEDDINGS", "TIE_DEFAULTS", "ModelConfig", "check_single_file", "find_config", "keep_in_fp32",
+           "read_model_config", "tie_word_embeddings"]
 
+
+INPUT_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight", "shared.weight")
+"""How an HF model's input embedding's key ends: what a tied ``lm_head.weight`` is tied to."""
 
 TIE_DEFAULTS = {
     "llama": False, "llama4": False, "mistral": False, "mixtral": False, "qwen2": False, "qwen2_moe": False,

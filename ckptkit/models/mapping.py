@@ -167,7 +167,8 @@ def rename_keys(keys: Sequence[str], mapping: KeyMapping) -> tuple[dict[str, str
     if mapping.strict:
         unmapped = [k for k in keys if k not in touched]
         if unmapped:
-            raise UsageError(f"--strict-map: {len(unmapped)} keys left unmapped: {_listed(unmapped)}")
+            raise UsageError(f"--strict-map: {len(unmapped)} key{'s' * (len(unmapped) != 1)} left unmapped: "
+                             f"{_listed(unmapped)}")
     _check_collisions(current)
     names.update(current)
     return names, tuple(notes)

@@ -37,27 +37,28 @@ def quantize_fp8(tensors: tuple[TensorEntry, ...]) -> tuple[tuple[TensorEntry, .
         tensors: The model's tensors under HF names.
 
     Returns:
-        The tensors to write, the keys of the scales (written in float32), and a note for the report.
+        The tensors to write, the keys of the float8 values and their scales (written as they are, whatever the
+        cast), and a note for the report.
 
     Raises:
         UsageError: no tensor is a linear layer's weight.
     """
     out: list[TensorEntry] = []
-    scales: set[str] = set()
+    exact: set[str] = set()
     float8, float32 = by_name("float8_e4m3fn"), by_name("float32")
     for t in tensors:
         if len(t.shape) == 2 and t.dtype.is_floating and QUANTIZED.search(t.key):
             values, scale = quantized_fp8(t, t.key, float8, float32, BLOCK)
             out += [values, scale]
-            scales.add(scale.key)
+            exact.update((values.key, scale.key))
         else:
             out.append(t)
-    if not scales:
+    if not exact:
         raise UsageError("--dtype fp8: no tensor is a linear layer's weight (HF names ending in _proj.weight); "
                          "nothing to quantize")
-    note = (f"quantized {len(scales)} linear weights to float8_e4m3fn with {BLOCK}x{BLOCK} block scales "
+    note = (f"quantized {len(exact) // 2} linear weights to float8_e4m3fn with {BLOCK}x{BLOCK} block scales "
             "(weight_scale_inv, float32); other floating tensors written in bfloat16")
-    return tuple(out), frozenset(scales), note
+    return tuple(out), frozenset(exact), note
 
 
 def fp8_config(assets: tuple[FilePlan, ...], config: dict[str, Any] | None) -> tuple[FilePlan, ...]:

@@ -32,6 +32,7 @@ from ..core.plan import Region, plan_strided, row_blocks
 from ..core.tree import flatten
 from ..errors import CheckpointError, ChecksumError, FormatError
 from ..formats import object_value
+from ..io.compute import tensor_bytes
 from ..io.sources import Files, read_region
 from ..io.storage import storage_at
 from ._checksum_record import VERSION, Box, Record, parse_record
@@ -49,10 +50,8 @@ _MAX_BYTES = 256 << 20
 
 def tensor_crc(t: Any, crc: int = 0) -> int:
     """CRC-32 of a torch tensor's row-major bytes (moved to CPU if it is not there)."""
-    import torch
-
-    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    return zlib.crc32(data.numpy().data, crc) if data.numel() else crc
+    data = t.detach().to("cpu").contiguous()
+    return zlib.crc32(tensor_bytes(data), crc) if data.numel() else crc
 
 
 @dataclass

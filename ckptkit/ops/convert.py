@@ -22,6 +22,7 @@ from ..core.plan import FilePlan, WritePlan
 from ..errors import UsageError
 from ..formats import FormatIO, FormatOptions, LocalOptions, Target, locate, writer_for
 from ..formats.dcp import check_blobs
+from ..formats.replace import check_replaceable
 from ..io.execute import all_ranks, execute_distributed
 from ..io.options import WriteOptions
 from ..io.parallel import execute_parallel, writers
@@ -92,8 +93,9 @@ def write(manifest: Manifest, io: FormatIO, dst: Path | str, target: Target | Fo
         What was written, or with ``dry_run`` would be.
 
     Raises:
-        UsageError: ``dst`` exists without ``overwrite`` or lies inside ``src``, or ``workers`` asks for processes
-            under ``distributed``.
+        UsageError: ``dst`` exists without ``overwrite``, or with it holds what is not a checkpoint (the rule of
+            :func:`ckptkit.formats.replace.check_replaceable`), or lies inside ``src``; or ``workers`` asks for
+            processes under ``distributed``.
     """
     start = time.perf_counter()
     if options.distributed and options.workers not in (1, "1", "auto"):
@@ -108,6 +110,8 @@ def write(manifest: Manifest, io: FormatIO, dst: Path | str, target: Target | Fo
     check_blobs(manifest)
     plan = io.plan(manifest, io.options(target, manifest) if isinstance(target, Target) else target)
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file, commit=plan.commit)
+    if options.overwrite:
+        check_replaceable(out, single_file=plan.single_file)
     n, why = _execute(plan, storage, out, sources, options, io.format.value)
     ws = target.world_size if isinstance(target, Target) and io.ranked else None
     # A single-file output is DST itself, whatever name the plan gave its one file.

@@ -41,7 +41,7 @@ from ..io.execute import all_ranks
 from ..io.options import WriteOptions
 from ..io.sources import Files
 from ..io.storage import storage_at
-from ..models.hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
+from ..models.hfconfig import INPUT_EMBEDDINGS, TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
 from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping
 from ..models.megatron_args import MEGATRON_SIDE, run_args
 from ..models.megatron_config import ARCHITECTURES, hf_config
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TIE_DEFAULTS", "export_hf", "tie_word_embeddings"]
 
-_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight", "shared.weight")
+_EMBEDDINGS = INPUT_EMBEDDINGS
 
 
 def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict, str | None]:
@@ -183,12 +183,12 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets,
                        megatron_args)
     part = _with_assets(part, storage_of(options), cast, options.max_memory)
-    scales: frozenset[str] = frozenset()
+    quantized: frozenset[str] = frozenset()
     if fp8:
-        tensors, scales, note = quantize_fp8(part.tensors)
+        tensors, quantized, note = quantize_fp8(part.tensors)
         part = dataclasses.replace(part, tensors=tensors, assets=fp8_config(part.assets, part.config),
                                    notes=part.notes + (note,))
-    layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size), scales)
+    layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size), quantized)
     casts = tuple((t.key, to.name) for t in part.tensors if (to := layout.cast_of(t)) is not None)
     return write(Manifest(part.source.format, part.source.root, part.tensors), writer_for(Format.HF), dst, layout,
                  dataclasses.replace(options, progress=options.progress and not options.distributed), src=src,
@@ -268,14 +268,14 @@ def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memo
 
 
 def _hf_options(part: _Part, keep_patterns: tuple[re.Pattern, ...], cast: DType | None,
-                max_shard_size: int | None, scales: frozenset[str]) -> tuple[HfOptions, tuple[str, ...]]:
-    """The HF writer's options for ``part``: the cast, and the keys kept in float32 under it (``scales``, FP8
-    block scales, among them); with notes."""
+                max_shard_size: int | None, quantized: frozenset[str]) -> tuple[HfOptions, tuple[str, ...]]:
+    """The HF writer's options for ``part``: the cast, the keys kept in float32 under it, and those written as
+    they are (``quantized``: FP8 weights and their scales); with notes."""
     keep, keep_note = _kept_in_fp32(list(part.tensors), keep_patterns, part.config, cast)
-    layout = HfOptions(cast=cast, max_shard_size=max_shard_size, keep_fp32=frozenset(keep) | scales)
+    layout = HfOptions(cast=cast, max_shard_size=max_shard_size, keep_fp32=frozenset(keep), uncast=quantized)
     notes: tuple[str, ...] = ()
     if cast:
-        n = sum(1 for t in part.tensors if t.key not in layout.keep_fp32 and layout.cast_of(t) is not None)
+        n = sum(1 for t in part.tensors if t.key not in keep and layout.cast_of(t) is not None)
         notes += (f"cast {n} floating tensors to {cast}; others kept their dtype",)
     return layout, notes + ((keep_note,) if keep_note else ())
 

@@ -223,7 +223,7 @@ def render(s: dict[str, Any]) -> str:
     """:func:`summary` as text: a header, the dtype mix, the format's facts, then a table of modules, or of
     tensors followed by the other entries."""
     ws = f", world size {s['world_size']}" if s["world_size"] else ""
-    filtered = (f" (--filter {s['filter']!r}: {s['tensors']} of {s['tensors_in_checkpoint']} tensors)"
+    filtered = (f" (--filter {s['filter']!r}: {s['tensors']} of {count(s['tensors_in_checkpoint'], 'tensor')})"
                 if s["filter"] is not None else "")
     n = s["parameters"]
     params = "" if n is None else f"; model: {n:,} parameters" + (f" ({human_count(n)})" if n >= 1000 else "")
@@ -234,7 +234,7 @@ def render(s: dict[str, Any]) -> str:
              f"{count(len(s['objects']), 'other entry', 'other entries')}"]
     if s["dtypes"]:
         total = s["bytes"] or 1
-        lines.append("dtypes: " + ", ".join(f"{name} {100 * d['bytes'] / total:.3g}% ({d['tensors']} tensors)"
+        lines.append("dtypes: " + ", ".join(f"{name} {100 * d['bytes'] / total:.3g}% ({count(d['tensors'], 'tensor')})"
                                            for name, d in s["dtypes"].items()))
     lines += [f"{k}: {v}" for k, v in s["details"].items()]
     if s.get("family"):

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from ..core.manifest import Format
 from ..io.progress import count, human_size
 
-__all__ = ["Changes", "Report"]
+__all__ = ["SCHEMA_VERSION", "Changes", "Report"]
+
+SCHEMA_VERSION = 1
+"""Of :meth:`Report.to_json`; raised when a field changes meaning or goes away."""
 
 
 @dataclass(frozen=True)
@@ -42,15 +46,22 @@ class Report:
     """The processes that wrote (``--workers``)."""
     workers_why: str = ""
     """Why that many: ``--workers N``, or what ``--workers auto`` chose it from."""
+    peak_memory: int | None = None
+    """Peak resident bytes of the process (the command line's, from its start); None where not measured."""
+    peak_memory_workers: int | None = None
+    """Peak resident bytes of the largest other writer process, where there were some."""
 
     def lines(self) -> list[str]:
         ws = f" for {count(self.world_size, 'rank')}" if self.world_size else ""
         what = (f"{count(self.tensors, 'tensor')}, {count(self.objects, 'other entry', 'other entries')}, "
                 f"{human_size(self.bytes)} in {count(self.files, 'file')}")
+        peak = f", peak memory {human_size(self.peak_memory)}" if self.peak_memory else ""
+        if self.peak_memory_workers:
+            peak += f" (each other writer at most {human_size(self.peak_memory_workers)})"
         out = [f"{self.source} ({self.source_format.value}) -> "
                f"{self.destination} ({self.destination_format.value}{ws})",
                f"  would write {what} (dry run: nothing written)" if self.dry_run
-               else f"  {what}, {self.seconds:.2f} s"]
+               else f"  {what}, {self.seconds:.2f} s{peak}"]
         shown = self.written if self.dry_run else self.written[:_FILES_SHOWN]
         if shown:
             width = max(len(name) for name, _ in shown)
@@ -75,6 +86,20 @@ class Report:
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON data, :data:`SCHEMA_VERSION` 1: these fields exactly."""
+        return {"schema_version": SCHEMA_VERSION, "source": self.source, "source_format": self.source_format.value,
+                "destination": self.destination, "destination_format": self.destination_format.value,
+                "world_size": self.world_size, "dry_run": self.dry_run, "tensors": self.tensors,
+                "objects": self.objects, "bytes": self.bytes,
+                "files": [{"path": name, "bytes": n} for name, n in self.written],
+                "renamed": [{"key": old, "to": new, "rows_reordered": new in self.permuted}
+                            for old, new in self.renamed],
+                "left_out": [{"key": key, "why": why} for key, why in self.dropped],
+                "cast": [{"key": key, "dtype": dtype} for key, dtype in self.cast], "notes": list(self.notes),
+                "workers": self.workers, "workers_why": self.workers_why, "seconds": round(self.seconds, 3),
+                "peak_memory_bytes": self.peak_memory, "peak_memory_workers_bytes": self.peak_memory_workers}
 
 
 _FILES_SHOWN = 12

@@ -149,8 +149,9 @@ def meta_groups(manifest: Manifest) -> tuple[str, ...] | None:
     """The top-level groups a SHARDED output also writes into Lightning's ``meta.pt``: those that are neither
     the model part nor optimizer state, as Lightning keeps there all but modules and optimizers.
 
-    None (no ``meta.pt`` beyond what the source carried in one) for a DCP source that has no ``meta.pt``, and
-    for one whose ``meta.pt`` Lightning wrote (its entries go back as they are).
+    None (no ``meta.pt`` beyond what the source carried in one) for a DCP source that has no ``meta.pt``, for
+    one whose ``meta.pt`` Lightning wrote (its entries go back as they are), and for another source without
+    such groups (an empty ``meta.pt`` is written only where a Lightning DCP had one).
     """
     if any(e.sidecar for e in manifest.entries):
         return None
@@ -161,7 +162,10 @@ def meta_groups(manifest: Manifest) -> tuple[str, ...] | None:
         model = set(select_model(manifest).groups)
     except UsageError:  # no model part: the groups are state still
         model = set()
-    return tuple(n for n, es in groups.items() if n not in model and not _is_optimizer(n, es, set(groups)))
+    kept = tuple(n for n, es in groups.items() if n not in model and not _is_optimizer(n, es, set(groups)))
+    # A Lightning DCP's meta.pt goes on even when empty (Lightning needs the file); from another source, a
+    # meta.pt that would hold nothing (an HF model, a bare state dict) is not written.
+    return kept if kept or manifest.format is Format.SHARDED else None
 
 
 def _describe(name: str, entries: list[Entry]) -> str:

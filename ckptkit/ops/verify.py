@@ -9,6 +9,7 @@ absolute and relative differences, how many elements are off, and the first such
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Iterable
@@ -21,9 +22,10 @@ from ..core.plan import Region, row_blocks
 from ..errors import UsageError
 from ..formats import LocalOptions, locate, object_value
 from ..io.options import DEFAULT_MAX_MEMORY
-from ..io.progress import human_size, progress_bar
+from ..io.progress import count, human_size, progress_bar
 from ..io.sources import Files, read_region
 from ..io.storage import storage_at
+from ..models.hfconfig import INPUT_EMBEDDINGS, tie_word_embeddings
 from ..models.mapping import KeyMapping, Renames, parse_rename, rename_keys
 from . import checksums
 from .select import model_keys, select_model
@@ -110,18 +112,19 @@ class VerifyReport:
                 "rtol": self.rtol, "notes": list(self.notes), "differences": [d.to_json() for d in self.differences]}
 
     def lines(self) -> list[str]:
-        what = f"{self.tensors} tensors ({human_size(self.bytes)}) and {self.objects} other entries"
+        what = (f"{count(self.tensors, 'tensor')} ({human_size(self.bytes)}) and "
+                f"{count(self.objects, 'other entry', 'other entries')}")
         if self.b is None:
             how = "checked against its ckptkit.json" if self.checksums else "read through (no ckptkit.json)"
             out = [f"{self.a} ({self.format_a.value}): {what} {how}", "ok" if self.ok else
-                   f"{len(self.differences)} differences:"]
+                   f"{count(len(self.differences), 'difference')}:"]
             return out + [f"  {d.key}: {d.what}" for d in self.differences]
         how = f"within atol {self.atol or 0:g}, rtol {self.rtol or 0:g}" if self.numeric else "bit for bit"
         out = [f"{self.a} ({self.format_a.value}) vs {self.b} ({self.format_b.value if self.format_b else '?'}): "
                f"{what} compared {how}"]
         out += [f"  note: {n}" for n in self.notes]
         out.append("identical" if self.ok and not self.numeric else "equal" if self.ok else
-                   f"{len(self.differences)} differences:")
+                   f"{count(len(self.differences), 'difference')}:")
         out += [f"  {d.key}: {d.what}" for d in self.differences]
         if not self.numeric and any(d.what.startswith("dtype ") for d in self.differences):
             out.append("  (--atol/--rtol compare values across dtypes)")
@@ -309,12 +312,43 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     ma, mb = (f.reader.read(f.path) if wanted is None else f.reader.read_part(f.path, wanted) for f in (fa, fb))
     ta, oa, notes_a = _entries(ma, model_only, prefixes, mapping)
     tb, ob, notes_b = _entries(mb, model_only, prefixes, mapping)
+    with Files() as files:
+        notes_a += _written_once(ta, tb, str(a), fb.path, files, max_memory)
+        notes_b += _written_once(tb, ta, str(b), fa.path, files, max_memory)
     common = [k for k in ta if k in tb]
     total = sum(ta[k].nbytes for k in common)
     diffs = _differences(str(a), str(b), (ta, oa), (tb, ob), max_memory, atol, rtol, progress)
     return VerifyReport(str(a), str(b), ma.format, mb.format, len(common), len([k for k in oa if k in ob]), total,
                         tuple(diffs), atol=atol, rtol=rtol,
                         notes=tuple(f.note for f in (fa, fb) if f.note) + notes_a + notes_b)
+
+
+_HEAD = "lm_head.weight"
+
+
+def _written_once(head_side: dict[str, TensorEntry], other: dict[str, TensorEntry], name: str, other_root: Path,
+                  files: Files, max_memory: int) -> tuple[str, ...]:
+    """Where ``lm_head.weight`` is on one side only and the other is an HF model whose config ties it (export-hf
+    and ``save_pretrained`` write a tied head once): drop it from ``head_side`` when it equals that side's input
+    embedding, which the other side holds, and say so; else leave it, to be reported as on one side only."""
+    if _HEAD not in head_side or _HEAD in other:
+        return ()
+    config_file = (other_root if other_root.is_dir() else other_root.parent) / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return ()
+    tied, why = tie_word_embeddings(config) if isinstance(config, dict) else (None, "")
+    embed = next((k for k in head_side if k.endswith(INPUT_EMBEDDINGS) and k in other), None)
+    if not tied or embed is None:
+        return ()
+    diff = first_difference(head_side[_HEAD], head_side[embed], files, max_memory)
+    if diff:
+        return (f"{_HEAD} is only in {name}, where it differs from {embed} ({diff}): {config_file} ties the two "
+                f"({why}), so that model would use {embed} as its head",)
+    del head_side[_HEAD]
+    return (f"{_HEAD} of {name} is not compared: it equals its {embed}, and {other_root} holds that once, as a tied "
+            f"head is written ({config_file.name}: {why.removeprefix('config.json says ')})",)
 
 
 def _refuse_comparison_options(*, model_only: bool, atol: float | None, rtol: float | None,

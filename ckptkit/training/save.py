@@ -31,6 +31,7 @@ from ..core.manifest import FormName, key_of
 from ..core.tree import flatten
 from ..errors import CheckpointError, UsageError
 from ..formats import detect
+from ..formats.replace import check_replaceable
 from ..io.execute import gloo_group
 from ..io.storage import storage_at
 from ..io.storage.local import staging as local
@@ -149,9 +150,8 @@ def _stage(final: Path, *, replace_checkpoint_only: bool, group: Any) -> local.S
     staging, error = None, None
     if rank == 0:
         try:
-            if replace_checkpoint_only and final.exists() and not _replaceable(final):
-                raise UsageError(f"{final} exists and is not a checkpoint ckptkit saved; ckptkit.save replaces only "
-                                 "its own checkpoints (pass an empty or new directory, or step=)")
+            if replace_checkpoint_only:
+                check_replaceable(final, writer="ckptkit.save (without step=)")
             staging = local.stage(final, replace=True)
         except Exception as e:
             error = e
@@ -161,10 +161,6 @@ def _stage(final: Path, *, replace_checkpoint_only: bool, group: Any) -> local.S
     if not os.path.isabs(where):
         raise CheckpointError(f"rank 0 could not stage {final}: {where.removeprefix('error: ')}")
     return staging or local.Staging(final, Path(where), owner=False)
-
-
-def _replaceable(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink() and ((path / local.COMPLETE).is_file() or not any(path.iterdir()))
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
@@ -203,8 +199,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
         A handle whose ``wait()``, called on every rank, finishes the write, publishes and rotates.
 
     Raises:
-        UsageError: ``form`` is unknown, ``path`` is a URL, or ``path`` exists and is not a checkpoint
-            ckptkit saved.
+        UsageError: ``form`` is unknown, ``path`` is a URL, or (without ``step``) ``path`` exists and holds
+            what is not a checkpoint ckptkit reads, an empty directory or an empty file.
         CheckpointError: Publishing failed on rank 0; raised on every rank.
     """
     if form not in _FORMS:

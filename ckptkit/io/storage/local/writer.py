@@ -38,8 +38,11 @@ def cast_bytes(data: bytearray, src: DType, dst: DType) -> memoryview:
     import torch  # only a dtype cast needs torch
 
     src_dtype, dst_dtype = getattr(torch, src.name), getattr(torch, dst.name)
-    t = torch.frombuffer(data, dtype=src_dtype) if data else torch.empty(0, dtype=src_dtype)
-    return t.to(dst_dtype).view(torch.uint8).numpy().data
+    if not data:
+        return memoryview(b"")
+    out = bytearray(len(data) // src.itemsize * dst.itemsize)
+    torch.frombuffer(out, dtype=dst_dtype).copy_(torch.frombuffer(data, dtype=src_dtype))  # copy_ casts
+    return memoryview(out)
 
 
 def write_cap(max_memory: int) -> int:
