@@ -32,6 +32,7 @@ class Format(str, enum.Enum):
     HF_SHARDS = "hf-shards"
     VERL = "verl"
     DEEPSPEED = "deepspeed"
+    MEGATRON_LEGACY = "megatron-legacy"
 
 
 FormName = Literal["full", "sharded", "local", "hf"]

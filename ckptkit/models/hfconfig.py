@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ..core.dtypes import DType
 from ..errors import FormatError, UsageError
-from ..formats._megatron import COMMON, args_config
+from ..formats._megatron import COMMON, args_config, config_of_args
+from ..formats.megatron_legacy import legacy_args
 from .mapping import read_json
 from .table import ModelShape, Preset, model_shape
 
@@ -105,8 +106,9 @@ def check_single_file(p: Preset, src: Path) -> None:
 
 def find_config(src: Path, hf_assets: Path | str | None) -> ModelConfig | None:
     """The model's config: ``hf_assets/config.json``; else the source's own (an HF directory's
-    ``config.json``); else a megatron-core checkpoint's ``args`` in its ``common.pt``, under HF's field names;
-    else Meta's ``params.json`` beside a ``consolidated.00.pth`` or in its directory."""
+    ``config.json``); else a megatron-core checkpoint's ``args`` in its ``common.pt`` (or a Megatron-LM legacy
+    checkpoint's, in its rank files), under HF's field names; else Meta's ``params.json`` beside a
+    ``consolidated.00.pth`` or in its directory."""
     src = Path(src)
     home = src if src.is_dir() else src.parent
     candidates = [Path(hf_assets) / "config.json"] if hf_assets is not None else []
@@ -117,6 +119,9 @@ def find_config(src: Path, hf_assets: Path | str | None) -> ModelConfig | None:
     args = args_config(src) if src.is_dir() else None  # a megatron-core checkpoint's own run arguments
     if args is not None:
         return ModelConfig(src / COMMON, args)
+    legacy = legacy_args(src)  # Megatron-LM's legacy checkpoint: the args in its rank files
+    if legacy is not None and (args := config_of_args(legacy[1])) is not None:
+        return ModelConfig(legacy[0], args)
     params = home / "params.json"
     return ModelConfig(params, read_model_config(params)) if params.is_file() else None
 

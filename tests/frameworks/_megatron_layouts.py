@@ -5,6 +5,13 @@ gloo CPU ranks (see ``_megatron.py`` for the CPU patches):
   (built as its ``get_rng_state`` builds it for ``ckpt_format=torch_dist``) and Transformer Engine-style
   ``_extra_state`` values (a ``uint8`` tensor, as TE 1.x+ serializes its FP8 metadata; an ``io.BytesIO``, as
   older TE did), saved with ``dist_checkpointing.save`` and loaded back with ``dist_checkpointing.load``;
+- Megatron-LM's legacy ``torch`` format (``--ckpt-format torch``), as its ``save_checkpoint`` writes it
+  (``megatron/training/checkpointing.py`` is not part of megatron-core, so the layout is written here as that
+  function lays it out): ``latest_checkpointed_iteration.txt`` and ``iter_NNNNNNN/mp_rank_TT[_PPP]/
+  model_optim_rng.pt``, each rank's ``torch.save`` of ``{args, checkpoint_version, iteration, model,
+  rng_state, optimizer, opt_param_scheduler}``, ``model`` being the rank's own
+  ``state_dict_for_save_checkpoint()``: per-layer keys numbered within the pipeline stage, tensor-parallel
+  shards.
 """
 
 from __future__ import annotations
@@ -144,3 +151,82 @@ def loaded_objects(tmp: Path, tp: int, ckpts: list[Path]) -> list[list[dict[str,
     # (weights_only=False: numpy's RNG state and megatron's own classes; these files are the test's own.)
     ranks = [torch.load(result / f"rank{r}.pt", weights_only=False) for r in range(2)]
     return [list(per_ckpt) for per_ckpt in zip(*ranks, strict=True)]
+
+
+LEGACY_LAYERS = 4
+
+
+def _legacy_model(tp: int, pp: int):
+    """A Llama GPTModel of :data:`LEGACY_LAYERS` layers, this rank's pipeline stage of it, random weights."""
+    import dataclasses
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = dataclasses.replace(M._config("llama", tp), num_layers=LEGACY_LAYERS, pipeline_model_parallel_size=pp,
+                                 pipeline_dtype=torch.float32)
+    torch.manual_seed(0)
+    model = GPTModel(config=config, vocab_size=M.VOCAB, max_sequence_length=M.SEQ * 2,
+                     transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=10000)
+    # Random weights; a replicated one (a norm) the same on every tensor-parallel rank, as training keeps it.
+    stage, rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    split, replicated = torch.Generator().manual_seed(1000 + 10 * stage + rank), torch.Generator().manual_seed(stage)
+    with torch.no_grad():
+        for p in model.parameters():
+            g = split if getattr(p, "tensor_model_parallel", False) else replicated
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+def legacy_args(tp: int, pp: int):
+    args = M.megatron_lm_args("llama", tp)
+    args.num_layers, args.pipeline_model_parallel_size, args.ckpt_format = LEGACY_LAYERS, pp, "torch"
+    return args
+
+
+def save_legacy(rank: int, world: int, tp: int, pp: int, out: str, dist_out: str) -> None:
+    """This rank's part of a model at ``tp`` x ``pp`` saved as Megatron-LM's ``save_checkpoint`` saves it with
+    ``ckpt_format=torch`` at iteration 10 (under ``out``); the same model saved with ``dist_checkpointing.save``
+    (torch_dist, under ``dist_out``); and, in ``out``/oracle-rank{rank}.pt, megatron-core's own declaration of
+    where this rank's tensors lie in the global ones (its sharded state dict's global shapes and offsets)."""
+    from megatron.core import dist_checkpointing, parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model = _legacy_model(tp, pp)
+    args = legacy_args(tp, pp)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": 10,
+             "model": model.state_dict_for_save_checkpoint(), "rng_state": rng_state(rank),
+             "optimizer": optimizer.state_dict(), "opt_param_scheduler": {"num_steps": 10}}
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    os.makedirs(Path(out) / "iter_0000010" / name, exist_ok=True)
+    torch.save(state, Path(out) / "iter_0000010" / name / "model_optim_rng.pt")
+    if rank == 0:
+        (Path(out) / "latest_checkpointed_iteration.txt").write_text("10")
+    torch.save(M._local(model), Path(out) / f"oracle-rank{rank}.pt")
+    sharded = {**model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": 10}
+    os.makedirs(dist_out, exist_ok=True)
+    with M._cpu_save():
+        dist_checkpointing.save(sharded, dist_out, sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
+    M._stop_writer_manager()
+    dist.barrier()
+    ps.destroy_model_parallel()
+
+
+def saved_legacy(tmp: Path, tp: int = 2, pp: int = 2) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """A legacy checkpoint at ``tp`` x ``pp``, the same model as torch_dist, and megatron-core's global tensors
+    (layer-stacked, under its sharded state dict's keys) assembled from every rank's declared parts."""
+    from _spawn import spawn
+
+    out, dist_out = tmp / f"legacy-tp{tp}pp{pp}", tmp / f"legacy-dist-tp{tp}pp{pp}"
+    spawn(save_legacy, tp * pp, tp, pp, str(out), str(dist_out))
+    oracle = M.assemble([torch.load(out / f"oracle-rank{r}.pt") for r in range(tp * pp)])
+    for r in range(tp * pp):
+        (out / f"oracle-rank{r}.pt").unlink()
+    return out, dist_out, oracle

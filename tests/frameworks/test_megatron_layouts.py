@@ -1,6 +1,6 @@
-"""Megatron-LM's checkpoints around megatron-core's models, written by megatron-core 0.16.1's own code on 2 gloo
-ranks (``_megatron_layouts.py``), read by ckptkit, and loaded back by megatron-core's own
-``dist_checkpointing.load``."""
+"""Megatron-LM's checkpoints around megatron-core's models, written by megatron-core 0.16.1's own code on gloo
+ranks (``_megatron_layouts.py``), read by ckptkit, and checked against megatron-core's own
+``dist_checkpointing.load`` and its own declaration of how its tensors are split."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import ckptkit
 from _checks import assert_same_tree, load_dcp
 from _megatron import assemble
-from _megatron_layouts import loaded_objects, saved_objects
+from _megatron_layouts import LEGACY_LAYERS, loaded_objects, saved_legacy, saved_objects
 from ckptkit.cli import cli
 
 pytest.importorskip("megatron.core")
@@ -111,3 +111,96 @@ def test_megatron_convert_full_holds_sharded_objects_as_torch_reads_them(with_ob
     assert objects <= set(full)
     assert_same_tree(_plain({k: full[k] for k in objects}), _plain({k: oracle[k] for k in objects}))
     assert full["rng_state/shard_0.1_1.2"][0][0]["np_rng_state"][0] == "MT19937"
+
+
+# ------------------------------------------------------------------------------- Megatron-LM's legacy format
+
+
+@pytest.fixture(scope="module")
+def legacy(tmp) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """Llama at TP=2 x PP=2 in Megatron-LM's legacy torch format, the same model as torch_dist, and
+    megatron-core's global tensors assembled from what each rank's sharded state dict declares."""
+    return saved_legacy(tmp)
+
+
+# The local spec's norms: their own modules in a state dict, named after the layer they precede in torch_dist.
+_TORCH_DIST_NAME = {
+    "decoder.layers.input_layernorm.weight": "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+    "decoder.layers.pre_mlp_layernorm.weight": "decoder.layers.mlp.linear_fc1.layer_norm_weight"}
+
+
+def _llama_assets(path: Path) -> Path:
+    import transformers
+
+    from _megatron import SEQ, VOCAB
+
+    transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LEGACY_LAYERS,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                             rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=SEQ * 2,
+                             attention_bias=False).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("where", ["top", "iter"])
+def test_megatron_legacy_convert_full_joins_tp_and_pp_shards_as_megatron_core_declares_them(legacy, tmp_path, where):
+    ckpt, _, oracle = legacy
+    src = ckpt if where == "top" else ckpt / "iter_0000010"
+    ckptkit.convert(src, tmp_path / "full.pt", to="full")
+    # (weights_only=False: Megatron-LM's args are an argparse.Namespace; these files are the test's own.)
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    tensors = {_TORCH_DIST_NAME.get(k, k): v for k, v in full.items() if isinstance(v, torch.Tensor)}
+    assert set(tensors) == set(oracle)
+    assert_same_tree(tensors, oracle)
+    assert tensors["decoder.layers.self_attention.linear_qkv.weight"].shape == (LEGACY_LAYERS, 64, 32)
+    assert full["iteration"] == 10 and full["args"].tensor_model_parallel_size == 2
+    assert not any(k.startswith(("rng_state", "optimizer")) for k in full)
+    left_out = dict(ckptkit.inspect(src).details)["left out"]
+    assert "optimizer" in left_out and "rng_state" in left_out
+
+
+def test_megatron_legacy_export_hf_equals_the_export_of_the_same_model_saved_as_torch_dist(legacy, tmp_path):
+    import transformers
+
+    from _checks import load_hf
+
+    ckpt, torch_dist, _ = legacy
+    assets = _llama_assets(tmp_path / "assets")
+    code, text = _run("export-hf", ckpt, tmp_path / "hf", "--preset", "megatron-llama", "--hf-assets", assets)
+    assert code == 0, text
+    ckptkit.export_hf(torch_dist, tmp_path / "hf-dist", preset="megatron-llama", hf_assets=assets)
+    ours, theirs = load_hf(tmp_path / "hf"), load_hf(tmp_path / "hf-dist")
+    assert len(ours) == 3 + 9 * LEGACY_LAYERS
+    assert_same_tree(ours, theirs)
+    model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info
+
+
+def test_megatron_legacy_export_hf_without_assets_takes_the_counts_from_args(legacy, tmp_path):
+    from _checks import load_hf
+
+    ckpt, torch_dist, _ = legacy
+    ckptkit.export_hf(ckpt / "iter_0000010", tmp_path / "hf", preset="megatron-llama")
+    ckptkit.export_hf(torch_dist, tmp_path / "hf-dist", preset="megatron-llama")
+    assert_same_tree(load_hf(tmp_path / "hf"), load_hf(tmp_path / "hf-dist"))
+
+
+def test_megatron_legacy_one_rank_file_of_a_tensor_parallel_run_is_refused(legacy, tmp_path):
+    ckpt, _, _ = legacy
+    rank_file = ckpt / "iter_0000010" / "mp_rank_00_000" / "model_optim_rng.pt"
+    for command in (("export-hf", rank_file, tmp_path / "hf", "--preset", "megatron-llama"),
+                    ("convert", rank_file, tmp_path / "full.pt", "--to", "full"), ("inspect", rank_file)):
+        code, text = _run(*command)
+        assert code == 2, text
+        assert len(text.strip().splitlines()) == 1, text
+        assert "tensor-parallel size 2" in text and str(ckpt / "iter_0000010") in text
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "full.pt").exists()
+
+
+def test_megatron_legacy_missing_rank_file_is_refused(legacy, tmp_path):
+    import shutil
+
+    ckpt, _, _ = legacy
+    shutil.copytree(ckpt, tmp_path / "ckpt")
+    shutil.rmtree(tmp_path / "ckpt" / "iter_0000010" / "mp_rank_01_001")
+    code, text = _run("inspect", tmp_path / "ckpt")
+    assert code != 0 and "missing mp_rank_01_001" in text, text
