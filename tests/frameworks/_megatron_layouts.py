@@ -217,11 +217,33 @@ def save_legacy(rank: int, world: int, tp: int, pp: int, out: str, dist_out: str
     M._stop_writer_manager()
     dist.barrier()
     ps.destroy_model_parallel()
+    _forward(tp, dist_out, Path(out) / "logits.pt")
+    dist.barrier()
+    ps.destroy_model_parallel()
+
+
+def _forward(tp: int, ckpt: str, out: Path) -> None:
+    """megatron-core's own load of the torch_dist ``ckpt`` into a fresh model at ``tp`` (one pipeline stage),
+    and its forward over :func:`_megatron.tokens`; rank 0 saves the logits over the whole vocabulary."""
+    from megatron.core import dist_checkpointing, parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model = _legacy_model(tp, 1)
+    state = dist_checkpointing.load(model.sharded_state_dict(), ckpt)
+    model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
+    ids = M.tokens()
+    mask = torch.ones(M.SEQ, M.SEQ, dtype=torch.bool).triu(1)[None, None]  # True: masked out
+    model.eval()
+    with torch.no_grad(), M._cpu_forward():
+        logits = M._gather_vocab(model(ids, torch.arange(M.SEQ)[None].expand_as(ids), mask))
+    if dist.get_rank() == 0:
+        torch.save(logits, out)
 
 
 def saved_legacy(tmp: Path, tp: int = 2, pp: int = 2) -> tuple[Path, Path, dict[str, torch.Tensor]]:
     """A legacy checkpoint at ``tp`` x ``pp``, the same model as torch_dist, and megatron-core's global tensors
-    (layer-stacked, under its sharded state dict's keys) assembled from every rank's declared parts."""
+    (layer-stacked, under its sharded state dict's keys) assembled from every rank's declared parts, with
+    ``"logits"``: megatron-core's forward of the model (loaded from torch_dist at ``tp``)."""
     from _spawn import spawn
 
     out, dist_out = tmp / f"legacy-tp{tp}pp{pp}", tmp / f"legacy-dist-tp{tp}pp{pp}"
@@ -229,4 +251,6 @@ def saved_legacy(tmp: Path, tp: int = 2, pp: int = 2) -> tuple[Path, Path, dict[
     oracle = M.assemble([torch.load(out / f"oracle-rank{r}.pt") for r in range(tp * pp)])
     for r in range(tp * pp):
         (out / f"oracle-rank{r}.pt").unlink()
+    oracle["logits"] = torch.load(out / "logits.pt")
+    (out / "logits.pt").unlink()
     return out, dist_out, oracle

@@ -11,7 +11,7 @@ import torch
 
 import ckptkit
 from _checks import assert_same_tree, load_dcp
-from _megatron import assemble
+from _megatron import assemble, tokens
 from _megatron_layouts import LEGACY_LAYERS, loaded_objects, saved_legacy, saved_objects
 from ckptkit.cli import cli
 
@@ -149,8 +149,8 @@ def test_megatron_legacy_convert_full_joins_tp_and_pp_shards_as_megatron_core_de
     # (weights_only=False: Megatron-LM's args are an argparse.Namespace; these files are the test's own.)
     full = torch.load(tmp_path / "full.pt", weights_only=False)
     tensors = {_TORCH_DIST_NAME.get(k, k): v for k, v in full.items() if isinstance(v, torch.Tensor)}
-    assert set(tensors) == set(oracle)
-    assert_same_tree(tensors, oracle)
+    assert set(tensors) == set(oracle) - {"logits"}
+    assert_same_tree(tensors, {k: oracle[k] for k in tensors})
     assert tensors["decoder.layers.self_attention.linear_qkv.weight"].shape == (LEGACY_LAYERS, 64, 32)
     assert full["iteration"] == 10 and full["args"].tensor_model_parallel_size == 2
     assert not any(k.startswith(("rng_state", "optimizer")) for k in full)
@@ -173,6 +173,11 @@ def test_megatron_legacy_export_hf_equals_the_export_of_the_same_model_saved_as_
     assert_same_tree(ours, theirs)
     model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not any(info.values()), info
+    with torch.no_grad():
+        logits = model(tokens()).logits
+    difference = (logits - legacy[2]["logits"]).abs().max().item()
+    print(f"legacy TP=2 x PP=2: largest logit difference, megatron-core vs transformers: {difference:.3g}")
+    assert difference < 1e-5
 
 
 def test_megatron_legacy_export_hf_without_assets_takes_the_counts_from_args(legacy, tmp_path):
