@@ -155,13 +155,13 @@ class _Join:
         self.args = first["args"]
         self.tp, self.pp = _sizes(files[min(files)], self.args)
         self.gated = bool(getattr(self.args, "swiglu", False) or getattr(self.args, "gated_linear_unit", False))
+        self.per_stage = self._layers_per_stage()
         missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "")
                    for t in range(self.tp) for p in range(self.pp) if (t, p) not in files]
         if missing or len(files) != self.tp * self.pp:
             raise IncompleteCheckpointError(
                 f"{root}: args say tensor-parallel size {self.tp} x pipeline size {self.pp}; "
                 + (f"missing {', '.join(missing[:4])}" if missing else f"found {len(files)} rank directories"))
-        self.per_stage = self._layers_per_stage()
 
     def _layers_per_stage(self) -> int:
         fields = vars(self.args)

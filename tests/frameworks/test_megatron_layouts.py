@@ -209,3 +209,59 @@ def test_megatron_legacy_missing_rank_file_is_refused(legacy, tmp_path):
     shutil.rmtree(tmp_path / "ckpt" / "iter_0000010" / "mp_rank_01_001")
     code, text = _run("inspect", tmp_path / "ckpt")
     assert code != 0 and "missing mp_rank_01_001" in text, text
+
+
+def _one_rank_run(root: Path, tp: int = 1, pp: int = 1, ranks: int = 1, **args) -> Path:
+    """A legacy checkpoint of a run on one rank (``tp`` x ``pp`` as its args say), written with torch.save in
+    Megatron-LM's layout: a 2-layer model's state dict, with ``release`` as the tracker's iteration; ``ranks``:
+    that many tensor ranks' directories holding the same file."""
+    import argparse
+    import shutil
+
+    g = torch.Generator().manual_seed(0)
+    model = {"embedding.word_embeddings.weight": torch.randn(8, 4, generator=g),
+             **{f"decoder.layers.{n}.{name}": torch.randn(shape, generator=g) for n in range(2)
+                for name, shape in (("self_attention.linear_qkv.weight", (12, 4)), ("mlp.linear_fc1.weight", (16, 4)),
+                                    ("input_layernorm.weight", (4,)))},
+             "decoder.layers.0.mlp.linear_fc1._extra_state": None}
+    unknown = args.pop("unknown", False)
+    namespace = argparse.Namespace(num_layers=2, num_attention_heads=2, hidden_size=4, swiglu=True,
+                                   tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **args)
+    (root / "release" / "mp_rank_00").mkdir(parents=True)
+    if unknown:
+        model["decoder.layers.0.mlp.adapter.weight"] = torch.zeros(2, 2)
+        model["decoder.layers.1.mlp.adapter.weight"] = torch.zeros(2, 2)
+    torch.save({"args": namespace, "checkpoint_version": 3.0, "iteration": 0, "model": model},
+               root / "release" / "mp_rank_00" / "model_optim_rng.pt")
+    for t in range(1, ranks):
+        shutil.copytree(root / "release" / "mp_rank_00", root / "release" / f"mp_rank_{t:02d}")
+    (root / "latest_checkpointed_iteration.txt").write_text("release\n")
+    return root
+
+
+def test_megatron_legacy_rank_file_of_a_one_rank_run_reads_as_its_checkpoint(tmp_path):
+    root = _one_rank_run(tmp_path / "ckpt")
+    rank_file = root / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    saved = torch.load(rank_file, weights_only=False)["model"]
+    for src in (root, rank_file):
+        ckptkit.convert(src, tmp_path / f"{src.name}.pt", to="full")
+        full = torch.load(tmp_path / f"{src.name}.pt", weights_only=False)
+        assert torch.equal(full["decoder.layers.self_attention.linear_qkv.weight"],
+                           torch.stack([saved[f"decoder.layers.{n}.self_attention.linear_qkv.weight"] for n in (0, 1)]))
+        assert full["decoder.layers.0.mlp.linear_fc1._extra_state"] is None and full["iteration"] == 0
+
+
+@pytest.mark.parametrize(("args", "where", "message"), [
+    ({"pp": 2, "decoder_first_pipeline_num_layers": 1}, None, "decoder_first_pipeline_num_layers=1 at pipeline size 2"),
+    ({"tp": 2}, "mp_rank_00_000_001", "expert-parallel rank file"),
+    ({"tp": 2}, None, "missing mp_rank_01"),
+    ({"tp": 2, "ranks": 2, "unknown": True}, None, "'decoder.layers.mlp.adapter.weight' has no known tensor-parallel"),
+])
+def test_megatron_legacy_layouts_it_cannot_join_are_refused_in_one_line(tmp_path, args, where, message):
+    args = dict(args)
+    tp, pp, ranks = args.pop("tp", 1), args.pop("pp", 1), args.pop("ranks", 1)
+    root = _one_rank_run(tmp_path / "ckpt", tp=tp, pp=pp, ranks=ranks, **args)
+    if where is not None:
+        (root / "release" / "mp_rank_00").rename(root / "release" / where)
+    code, text = _run("inspect", root)
+    assert code != 0 and message in text and len(text.strip().splitlines()) == 1, text
