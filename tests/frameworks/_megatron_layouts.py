@@ -74,18 +74,17 @@ def _with_objects(model, tp: int, seed: int) -> dict[str, Any]:
     return {**state, "args": M.megatron_lm_args("llama", tp), "checkpoint_version": 3.0, "iteration": 5}
 
 
-def save_objects(rank: int, world: int, tp: int, out: str) -> None:
-    """Llama at ``tp`` saved with ``dist_checkpointing.save`` (torch_dist), with ShardedObjects beside it."""
+def _save_objects(tp: int, out: str) -> None:
+    """Llama at ``tp`` (parallel state set up) saved with ``dist_checkpointing.save`` (torch_dist), with
+    ShardedObjects beside it."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
-    M._init(rank, world, tp)
     state = _with_objects(M.build("llama", tp), tp, seed=10)
     os.makedirs(out, exist_ok=True)
     with M._cpu_save():
         dist_checkpointing.save(state, out, sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
     M._stop_writer_manager()
-    M._done()
 
 
 def load_objects(rank: int, world: int, tp: int, ckpts: list[str], result: str) -> None:
@@ -131,14 +130,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
     return value
-
-
-def saved_objects(tmp: Path, tp: int = 2) -> Path:
-    from _spawn import spawn
-
-    out = tmp / f"objects-tp{tp}"
-    spawn(save_objects, 2, tp, str(out))
-    return out
 
 
 def loaded_objects(tmp: Path, tp: int, ckpts: list[Path]) -> list[list[dict[str, Any]]]:
@@ -187,11 +178,12 @@ def legacy_args(tp: int, pp: int):
     return args
 
 
-def save_legacy(rank: int, world: int, tp: int, pp: int, out: str, dist_out: str) -> None:
+def save_legacy(rank: int, world: int, tp: int, pp: int, out: str, dist_out: str, objects_out: str) -> None:
     """This rank's part of a model at ``tp`` x ``pp`` saved as Megatron-LM's ``save_checkpoint`` saves it with
     ``ckpt_format=torch`` at iteration 10 (under ``out``); the same model saved with ``dist_checkpointing.save``
-    (torch_dist, under ``dist_out``); and, in ``out``/oracle-rank{rank}.pt, megatron-core's own declaration of
-    where this rank's tensors lie in the global ones (its sharded state dict's global shapes and offsets)."""
+    (torch_dist, under ``dist_out``); in ``out``/oracle-rank{rank}.pt, megatron-core's own declaration of
+    where this rank's tensors lie in the global ones (its sharded state dict's global shapes and offsets); and,
+    at ``tp`` alone, the logits of its forward and a torch_dist checkpoint with ShardedObjects (``objects_out``)."""
     from megatron.core import dist_checkpointing, parallel_state as ps
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
@@ -218,6 +210,7 @@ def save_legacy(rank: int, world: int, tp: int, pp: int, out: str, dist_out: str
     dist.barrier()
     ps.destroy_model_parallel()
     _forward(tp, dist_out, Path(out) / "logits.pt")
+    _save_objects(tp, objects_out)  # in the same ranks: starting megatron-core's ranks is most of a test's time
     dist.barrier()
     ps.destroy_model_parallel()
 
@@ -243,11 +236,12 @@ def _forward(tp: int, ckpt: str, out: Path) -> None:
 def saved_legacy(tmp: Path, tp: int = 2, pp: int = 2) -> tuple[Path, Path, dict[str, torch.Tensor]]:
     """A legacy checkpoint at ``tp`` x ``pp``, the same model as torch_dist, and megatron-core's global tensors
     (layer-stacked, under its sharded state dict's keys) assembled from every rank's declared parts, with
-    ``"logits"``: megatron-core's forward of the model (loaded from torch_dist at ``tp``)."""
+    ``"logits"``: megatron-core's forward of the model (loaded from torch_dist at ``tp``). Beside them,
+    ``tmp``/objects-tp{tp}: a torch_dist checkpoint with ShardedObjects (:func:`_with_objects`)."""
     from _spawn import spawn
 
     out, dist_out = tmp / f"legacy-tp{tp}pp{pp}", tmp / f"legacy-dist-tp{tp}pp{pp}"
-    spawn(save_legacy, tp * pp, tp, pp, str(out), str(dist_out))
+    spawn(save_legacy, tp * pp, tp, pp, str(out), str(dist_out), str(tmp / f"objects-tp{tp}"))
     oracle = M.assemble([torch.load(out / f"oracle-rank{r}.pt") for r in range(tp * pp)])
     for r in range(tp * pp):
         (out / f"oracle-rank{r}.pt").unlink()

@@ -12,7 +12,7 @@ import torch
 import ckptkit
 from _checks import assert_same_tree, load_dcp
 from _megatron import assemble, tokens
-from _megatron_layouts import LEGACY_LAYERS, loaded_objects, saved_legacy, saved_objects
+from _megatron_layouts import LEGACY_LAYERS, loaded_objects, saved_legacy
 from ckptkit.cli import cli
 
 pytest.importorskip("megatron.core")
@@ -24,9 +24,17 @@ def tmp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def with_objects(tmp) -> Path:
-    """Llama at TP=2 with Megatron-LM's rng_state and TE-style _extra_state ShardedObjects."""
-    return saved_objects(tmp)
+def legacy(tmp) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """Llama at TP=2 x PP=2 in Megatron-LM's legacy torch format, the same model as torch_dist, and
+    megatron-core's global tensors assembled from what each rank's sharded state dict declares."""
+    return saved_legacy(tmp)
+
+
+@pytest.fixture(scope="module")
+def with_objects(legacy, tmp) -> Path:
+    """Llama at TP=2 with Megatron-LM's rng_state and TE-style _extra_state ShardedObjects (saved by the same
+    ranks as ``legacy``)."""
+    return tmp / "objects-tp2"
 
 
 def _run(*args) -> tuple[int, str]:
@@ -114,13 +122,6 @@ def test_megatron_convert_full_holds_sharded_objects_as_torch_reads_them(with_ob
 
 
 # ------------------------------------------------------------------------------- Megatron-LM's legacy format
-
-
-@pytest.fixture(scope="module")
-def legacy(tmp) -> tuple[Path, Path, dict[str, torch.Tensor]]:
-    """Llama at TP=2 x PP=2 in Megatron-LM's legacy torch format, the same model as torch_dist, and
-    megatron-core's global tensors assembled from what each rank's sharded state dict declares."""
-    return saved_legacy(tmp)
 
 
 # The local spec's norms: their own modules in a state dict, named after the layer they precede in torch_dist.
