@@ -24,7 +24,7 @@ Megatron presets map it. Every chunk of a joined tensor is a byte range of one r
 
 Refused, in one line each: a single rank file of a run with T > 1 or P > 1 (it holds a part of each weight);
 a missing rank file; uneven or virtual pipeline stages; expert-parallel rank files; a tensor-parallel tensor
-whose name has no known split.
+whose name has no known split. A run directory whose tracker names a ``torch_dist`` iteration is pointed at it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from ..codecs.torchzip_read import read_archive
 from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef
 from ..core.tree import flatten
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
-from ._megatron import COMMON_GLOBALS
+from ._megatron import COMMON_GLOBALS, CONFIG
 from .base import ReadOnlyIO, plain_object
 
 __all__ = ["FILE", "TRACKER", "MegatronLegacyIO", "legacy_args"]
@@ -88,6 +88,9 @@ def _iteration_dir(root: Path) -> Path:
         name = f"iter_{int(text):07d}"
     else:
         raise FormatError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
+    if (root / name / CONFIG).is_file():
+        raise UsageError(f"{root} is a Megatron-LM run directory whose iteration {text} ({name}) is a megatron-core "
+                         f"torch_dist checkpoint; pass {root / name}")
     if not (root / name).is_dir() or not _rank_dirs(root / name):
         raise IncompleteCheckpointError(f"{tracker} names iteration {text}, but {root / name} holds no "
                                         f"mp_rank_*/{FILE}")

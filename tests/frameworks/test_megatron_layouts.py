@@ -202,6 +202,16 @@ def test_megatron_legacy_one_rank_file_of_a_tensor_parallel_run_is_refused(legac
     assert not (tmp_path / "hf").exists() and not (tmp_path / "full.pt").exists()
 
 
+def test_megatron_run_directory_of_torch_dist_iterations_names_the_iteration_to_pass(with_objects, tmp_path):
+    import shutil
+
+    shutil.copytree(with_objects, tmp_path / "run" / "iter_0000005")
+    (tmp_path / "run" / "latest_checkpointed_iteration.txt").write_text("5")
+    code, text = _run("inspect", tmp_path / "run")
+    assert code == 2 and f"pass {tmp_path / 'run' / 'iter_0000005'}" in text, text
+    assert ckptkit.inspect(tmp_path / "run" / "iter_0000005").tensors
+
+
 def test_megatron_legacy_missing_rank_file_is_refused(legacy, tmp_path):
     import shutil
 
