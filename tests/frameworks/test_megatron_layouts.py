@@ -235,10 +235,12 @@ def _one_rank_run(root: Path, tp: int = 1, pp: int = 1, ranks: int = 1, **args) 
                 for name, shape in (("self_attention.linear_qkv.weight", (12, 4)), ("mlp.linear_fc1.weight", (16, 4)),
                                     ("input_layernorm.weight", (4,)))},
              "decoder.layers.0.mlp.linear_fc1._extra_state": None}
-    unknown = args.pop("unknown", False)
+    unknown, te = args.pop("unknown", False), args.pop("te", False)
     namespace = argparse.Namespace(num_layers=2, num_attention_heads=2, hidden_size=4, swiglu=True,
                                    tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **args)
     (root / "release" / "mp_rank_00").mkdir(parents=True)
+    if te:  # Transformer Engine's FP8 metadata: a uint8 tensor, each tensor rank's own
+        model["decoder.layers.0.mlp.linear_fc1._extra_state"] = torch.arange(5, dtype=torch.uint8)
     if unknown:
         model["decoder.layers.0.mlp.adapter.weight"] = torch.zeros(2, 2)
         model["decoder.layers.1.mlp.adapter.weight"] = torch.zeros(2, 2)
@@ -276,3 +278,15 @@ def test_megatron_legacy_layouts_it_cannot_join_are_refused_in_one_line(tmp_path
         (root / "release" / "mp_rank_00").rename(root / "release" / where)
     code, text = _run("inspect", root)
     assert code != 0 and message in text and len(text.strip().splitlines()) == 1, text
+
+
+def test_megatron_legacy_te_extra_state_is_kept_as_tensor_rank_0s_object(tmp_path):
+    root = _one_rank_run(tmp_path / "ckpt", tp=2, ranks=2, te=True)
+    saved = torch.load(root / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["model"]
+    ckptkit.convert(root, tmp_path / "full.pt", to="full")
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    assert torch.equal(full["decoder.layers.0.mlp.linear_fc1._extra_state"], torch.arange(5, dtype=torch.uint8))
+    # Column-parallel: the two ranks' rows one after the other (here both ranks saved the same shard).
+    qkv = saved["decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert torch.equal(full["decoder.layers.self_attention.linear_qkv.weight"][1], torch.cat([qkv, qkv]))
+    assert "decoder.layers.mlp.linear_fc1._extra_state" not in full
