@@ -222,3 +222,36 @@ def test_record_of_a_slotted_class_has_its_slots_as_attributes():
     # ShardedTensor writer builds its slotted records with their (None, slots) state explicitly.)
     record = unpickle(pickle.dumps(Slotted(1, [2]), protocol=2), allow_records(__name__, "Slotted"))
     assert (record.a, record.b) == (1, [2])
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_numpy_rng_state_reads_as_data_and_writes_back_byte_for_byte(protocol):
+    import random
+
+    import numpy as np
+
+    from ckptkit.codecs._torch_globals import OBJECT_GLOBALS
+
+    np.random.seed(3)
+    value = {"np_rng_state": np.random.get_state(), "random_rng_state": random.getstate(),
+             "array": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    data = pickle.dumps(value, protocol=protocol)
+    read = SafeUnpickler(data, OBJECT_GLOBALS, where="rng.pkl").load_checked()
+    assert dumps(read, protocol=protocol) == data
+    back = pickle.loads(dumps(read, protocol=protocol))
+    assert back["np_rng_state"][0] == "MT19937" and np.array_equal(back["np_rng_state"][1], value["np_rng_state"][1])
+    assert back["array"].dtype == np.float32 and np.array_equal(back["array"], value["array"])
+
+
+def test_numpy_arrays_of_python_objects_are_refused(tmp_path):
+    import numpy as np
+
+    from ckptkit.codecs._torch_globals import OBJECT_GLOBALS, WEIGHTS_ONLY_GLOBALS
+
+    data = pickle.dumps(np.array([Evil(tmp_path / "hacked")], dtype=object), protocol=2)
+    with pytest.raises(FormatError, match="numpy.dtype.*plain numbers"):
+        SafeUnpickler(data, OBJECT_GLOBALS, where="obj.pkl").load_checked()
+    assert not (tmp_path / "hacked").exists()
+    # torch.load(weights_only=True) refuses numpy arrays; so does its stand-in here.
+    with pytest.raises(UnsafeCheckpointError, match="numpy"):
+        SafeUnpickler(pickle.dumps(np.zeros(2), protocol=2), WEIGHTS_ONLY_GLOBALS, where="w.pkl").load_checked()

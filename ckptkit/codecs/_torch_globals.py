@@ -19,6 +19,7 @@ from ..core.boxes import extent, row_major
 from ..core.dtypes import DType
 from ..core.manifest import Span, TensorRef
 from ..errors import FormatError
+from .numpy_data import NUMPY_GLOBALS
 from .pickle_read import BytesIOData, keep_call, strided_layout
 
 __all__ = ["OBJECT_GLOBALS", "WEIGHTS_ONLY_GLOBALS", "WRAPPER_SUBCLASS", "Storage", "StorageTag", "Tag",
@@ -237,13 +238,14 @@ OBJECT_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "UntypedStorage"): _storage_class(None),
     **{("torch", d.name): d for d in dtypes.DTYPES},
     **{("torch", d.storage_class): _storage_class(d) for d in dtypes.DTYPES if d.storage_class},
+    **NUMPY_GLOBALS,
 }
 
 # What torch.load(weights_only=True) unpickles, as DCP's reader loads every chunk (torch's
-# _weights_only_unpickler, 2.13): OBJECT_GLOBALS less four it refuses, and fewer opcodes than Python's.
+# _weights_only_unpickler, 2.13): OBJECT_GLOBALS less four it refuses and numpy's, and fewer opcodes than Python's.
 WEIGHTS_ONLY_GLOBALS = {k: v for k, v in OBJECT_GLOBALS.items()
                          if k not in {("builtins", "frozenset"), ("builtins", "slice"), ("torch", "UntypedStorage"),
-                                       ("_io", "BytesIO")}}
+                                       ("_io", "BytesIO"), *NUMPY_GLOBALS}}
 _WEIGHTS_ONLY_OPCODES = frozenset({
     "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "MARK",
     "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE", "NEWFALSE", "NEWTRUE", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT",

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..core.dtypes import DType
+from .numpy_data import Built
 from .pickle_read import Call, Record, Ref, ref
 
 __all__ = ["RefPickler", "dumps"]
@@ -77,6 +78,14 @@ class RefPickler(_Pickler):  # the pure-Python pickler: its dispatch table can b
             self.save(state)
             self.write(pickle.BUILD)
 
+    def _save_built(self, obj: Built) -> None:
+        self.save(type(obj)._pickle_name)
+        self.save(tuple(obj.args))
+        self.write(pickle.REDUCE)
+        self.memoize(obj)
+        self.save(obj.state)
+        self.write(pickle.BUILD)
+
     def _save_dtype(self, obj: DType) -> None:
         self.save(ref("torch", obj.name))  # through save(), so the memo serves repeats
 
@@ -87,7 +96,7 @@ class RefPickler(_Pickler):  # the pure-Python pickler: its dispatch table can b
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         # Record subclasses are made on demand (one per allowed class name): register each as it is met.
         if isinstance(obj, Record) and type(obj) not in self.dispatch:
-            self.dispatch[type(obj)] = RefPickler._save_record
+            self.dispatch[type(obj)] = RefPickler._save_built if isinstance(obj, Built) else RefPickler._save_record
         super().save(obj, save_persistent_id)
 
 
@@ -162,6 +171,8 @@ class _CPickler(pickle.Pickler):
             return self._global(obj, ref("torch", obj.name))
         if t is Call:
             return _placeholder(obj.func), tuple(obj.args)
+        if isinstance(obj, Built):
+            return _placeholder(t._pickle_name), tuple(obj.args), obj.state
         if isinstance(obj, Record):
             if type(t._pickle_name) is not Ref:  # a class reached through a call (getattr): not a GLOBAL
                 raise _Unrenamed(t._pickle_name)

@@ -33,6 +33,7 @@ class Format(str, enum.Enum):
     VERL = "verl"
     DEEPSPEED = "deepspeed"
     DEEPSPEED_UNIVERSAL = "deepspeed-universal"
+    MEGATRON_LEGACY = "megatron-legacy"
 
 
 FormName = Literal["full", "sharded", "local", "hf"]

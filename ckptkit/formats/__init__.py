@@ -25,16 +25,17 @@ __all__ = ["TO", "WRITABLE", "FormatIO", "FormatOptions", "LocalOptions", "Locat
 
 # Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides. torch's
 # unconsolidated HF storage writer shards are safetensors files told apart by their headers, before HF. Other
-# frameworks' layouts (verl, DeepSpeed) are told by their file names, before FULL (their files are torch.save
-# archives too) and LOCAL, which comes last: telling its rank files apart from other numbered files means
-# opening them. Each is imported when first needed: a command loads the formats it meets (start-up time is
-# part of every conversion's time). So each row repeats the names its class answers to (FormatIO.names; a test
-# holds them equal), for the command line's --to to list without importing every format.
+# frameworks' layouts (verl, DeepSpeed, Megatron-LM's legacy one) are told by their file names, before FULL
+# (their files are torch.save archives too) and LOCAL, which comes last: telling its rank files apart from other
+# numbered files means opening them. Each is imported when first needed: a command loads the formats it meets
+# (start-up time is part of every conversion's time). So each row repeats the names its class answers to
+# (FormatIO.names; a test holds them equal), for the command line's --to to list without importing every format.
 _ALL: tuple[tuple[Format, str, str, tuple[str, ...]], ...] = (
     (Format.SHARDED, "dcp", "DcpIO", ("sharded", "megatron")), (Format.HF_SHARDS, "hf_shards", "HfShardsIO", ()),
     (Format.HF, "hf", "HfIO", ("hf",)), (Format.VERL, "verl", "VerlIO", ()),
     (Format.DEEPSPEED_UNIVERSAL, "deepspeed_universal", "DeepSpeedUniversalIO", ("deepspeed-universal",)),
-    (Format.DEEPSPEED, "deepspeed", "DeepSpeedIO", ()), (Format.FULL, "full", "FullIO", ("full",)),
+    (Format.DEEPSPEED, "deepspeed", "DeepSpeedIO", ()),
+    (Format.MEGATRON_LEGACY, "megatron_legacy", "MegatronLegacyIO", ()), (Format.FULL, "full", "FullIO", ("full",)),
     (Format.LOCAL, "local", "LocalIO", ("local",)))
 
 WRITABLE: tuple[Format, ...] = tuple(fmt for fmt, _, _, names in _ALL if names)

@@ -26,6 +26,7 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..codecs.pickle_read import EnumStandIn, allow_plain_records, keep_call
 from ..codecs.torchzip_read import read_archive
@@ -38,7 +39,7 @@ from ..errors import FormatError
 from .base import cast_for, regions_in
 
 __all__ = ["COMMON", "COMMON_GLOBALS", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS", "args_config", "common_parts",
-           "extra_states", "hf_fields", "is_megatron", "read_common", "read_config"]
+           "config_of_args", "extra_states", "hf_fields", "is_megatron", "read_common", "read_config"]
 
 COMMON = "common.pt"
 CONFIG = "metadata.json"
@@ -132,7 +133,12 @@ def args_config(root: Path) -> dict | None:
     """
     if read_config(root) is None:
         return None
-    args = next((o.value for o in read_common(root)[1] if o.path == ("args",)), None)
+    return config_of_args(next((o.value for o in read_common(root)[1] if o.path == ("args",)), None))
+
+
+def config_of_args(args: Any) -> dict | None:
+    """The model's counts from Megatron-LM's run arguments ``args`` (as read), under HF ``config.json``'s field
+    names; None where ``args`` is not Megatron-LM's."""
     if args is None or not hasattr(args, "num_attention_heads"):
         return None
     return hf_fields(vars(args))

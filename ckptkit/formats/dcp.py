@@ -168,7 +168,7 @@ class DcpIO(FormatIO):
             raise FormatError(f"{meta_path}: not DCP metadata (found {type(md).__name__})")
         at: list[Any] = [_INDEX]  # the key being read, for the error below
         try:
-            manifest = self._interpret(root, md, files, at, wanted)
+            manifest = self._interpret(root, md, files, at, wanted, whole=backend is not None)
         except CheckpointError:
             raise
         except (AttributeError, TypeError, KeyError, ValueError, IndexError, OverflowError) as e:
@@ -183,13 +183,15 @@ class DcpIO(FormatIO):
                                    details=(*manifest.details, (megatron.CONFIG, backend), (megatron.COMMON, note)))
 
     def _interpret(self, root: Path, md: Any, files: Files, at: list[str],
-                   wanted: Callable[[Manifest], Collection[str]] | None) -> Manifest:
+                   wanted: Callable[[Manifest], Collection[str]] | None, whole: bool) -> Manifest:
         locate = _Locator(root, md)
         paths = getattr(md, "planner_data", None) or {}
         files.expect(_chunk_edges(root, md, locate.storage))
         headers, objects = _headers(md, paths, locate, at)
         objects += _empty_containers(paths, md.state_dict_metadata)
-        opened, objects = _open_whole_entries(objects)
+        # megatron-core's bytes entries are its ShardedObjects (rng_state, _extra_state), which its loader asks
+        # for by their own keys: they stay whole, their bytes copied as they are.
+        opened, objects = ([], objects) if whole else _open_whole_entries(objects)
         chosen = None
         if wanted is not None and not (root / META).is_file():  # (meta.pt's entries join later: read them all)
             chosen = set(wanted(Manifest(Format.SHARDED, str(root), (*(bare for bare, _ in headers), *opened),

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ..core.dtypes import DType
 from ..errors import FormatError, UsageError
-from ..formats._megatron import COMMON, args_config, hf_fields
+from ..formats._megatron import COMMON, args_config, config_of_args, hf_fields
+from ..formats.megatron_legacy import legacy_args
 from .mapping import read_json
 from .megatron_args import run_args
 from .table import ModelShape, Preset, model_shape
@@ -109,9 +110,9 @@ def check_single_file(p: Preset, src: Path) -> None:
 
 def find_config(src: Path, hf_assets: Path | str | None) -> ModelConfig | None:
     """The model's config: ``hf_assets/config.json``; else the source's own (an HF directory's
-    ``config.json``); else a megatron-core checkpoint's ``args`` in its ``common.pt``, or a NeMo 2 checkpoint's
-    ``context/model.yaml``, under HF's field names; else Meta's ``params.json`` beside a ``consolidated.00.pth``
-    or in its directory."""
+    ``config.json``); else a megatron-core checkpoint's ``args`` in its ``common.pt`` (or a Megatron-LM legacy
+    checkpoint's, in its rank files), or a NeMo 2 checkpoint's ``context/model.yaml``, under HF's field names;
+    else Meta's ``params.json`` beside a ``consolidated.00.pth`` or in its directory."""
     src = Path(src)
     home = src if src.is_dir() else src.parent
     candidates = [Path(hf_assets) / "config.json"] if hf_assets is not None else []
@@ -125,6 +126,9 @@ def find_config(src: Path, hf_assets: Path | str | None) -> ModelConfig | None:
     nemo = run_args(src) if src.is_dir() else None  # NeMo 2's context/model.yaml above its weights/
     if nemo is not None:
         return ModelConfig(Path(nemo.source), hf_fields(nemo.values))
+    legacy = legacy_args(src)  # Megatron-LM's legacy checkpoint: the args in its rank files
+    if legacy is not None and (args := config_of_args(legacy[1])) is not None:
+        return ModelConfig(legacy[0], args)
     params = home / "params.json"
     return ModelConfig(params, read_model_config(params)) if params.is_file() else None
 
