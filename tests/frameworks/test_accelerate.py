@@ -93,3 +93,8 @@ def test_accelerate_save_state_directory_is_one_checkpoint_with_the_optimizer(sa
     assert_resumes(tmp_path / "r3", expected)
     ckptkit.export_hf(root, tmp_path / "hf")
     assert_same_tree(load_hf(tmp_path / "hf"), expected["model"])
+    ckptkit.convert(root, tmp_path / "full.pt", to="full")
+    full = load_full(tmp_path / "full.pt")
+    assert_same_tree(full["model"], expected["model"])
+    assert_same_tree(full["optimizer"]["state"], expected["optimizer"]["state"])
+    assert ckptkit.verify(root, tmp_path / "r3").ok
