@@ -51,6 +51,12 @@ def test_convert_torchtitan_to_hf_names_resumes_in_fsdp2_on_the_trajectory(runs)
     _assert_on_the_trajectory(resumed["titan"], expected["titan"])
 
 
+def test_resume_with_a_fresh_optimizer_leaves_the_trajectory_by_far_more_than_the_tolerance(runs):
+    _, expected, resumed = runs
+    control, oracle = resumed["fresh optimizer"]["model"], expected["titan"]["model"]
+    assert max((control[k] - oracle[k]).abs().max().item() for k in oracle) > 100 * NOISE
+
+
 def test_convert_fsdp2_to_torchtitan_names_resumes_in_torchtitan_on_the_trajectory(runs):
     out, expected, resumed = runs
     _assert_on_the_trajectory(resumed["fsdp2"], expected["fsdp2"])
