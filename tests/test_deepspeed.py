@@ -108,6 +108,24 @@ def test_deepspeed_resharded_resumes_a_torch_adam_through_ckptkit_load(tmp_path,
     assert [g["lr"] for g in optim.param_groups] == [0.01, 0.01]
 
 
+@pytest.mark.parametrize("name", ["stage2-fp32-ws3", "stage3-bf16-ws2"])
+def test_deepspeed_load_of_the_save_directory_follows_its_latest_and_returns_global_steps(tmp_path, name):
+    import ckptkit
+    from _deepspeed import Net
+
+    truth = write_checkpoint(tmp_path / "ckpt", CONFIGS[name])
+    net = Net()
+    groups = [[net.embed.weight, net.fc1.weight, net.fc2.weight],
+              [net.gate, net.fc1.bias, net.norm.weight, net.norm.bias, net.fc2.bias]]
+    optim = torch.optim.Adam([{"params": g} for g in groups], lr=1.0)
+    result = ckptkit.load(tmp_path / "ckpt", net, optimizer=optim)
+    assert (result.path, result.step, result.optimizer_loaded) == (tmp_path / "ckpt" / TAG, 3, True)
+    names = {id(p): n for n, p in net.named_parameters()}
+    for p in (p for g in groups for p in g):
+        assert_tensor_identical(optim.state[p]["exp_avg"], truth.exp_avg[names[id(p)]], names[id(p)])
+    assert ckptkit.load(tmp_path / "ckpt" / TAG, Net(), strict=False).step == 3
+
+
 def test_deepspeed_inspect_names_stage_ranks_and_ties(tmp_path):
     write_checkpoint(tmp_path / "ckpt", Config(3, 2))
     m = inspect(tmp_path / "ckpt")

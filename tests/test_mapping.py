@@ -233,3 +233,30 @@ def test_preset_after_renames_composes_an_existing_gather():
                             to_hf=True))
     order = rotary_rows(8, 4, True)
     assert mapped["model.layers.0.self_attn.q_proj.weight"].rows == tuple(7 - r for r in order)
+
+
+def test_convert_under_a_rename_carries_named_optimizer_state_and_refuses_state_kept_by_index(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ckptkit
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    net(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(net, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "named"))
+    ckptkit.convert(tmp_path / "named", tmp_path / "out", to="sharded", renames=[r"^0\.=first.", r"^1\.=second."])
+    target = {f"optim.state.{n}.{slot}": torch.zeros_like(v) for k, state in osd["state"].items()
+              for n in [k.replace("0.", "first.", 1).replace("1.", "second.", 1)] for slot, v in state.items()}
+    target["optim.param_groups.0.params"] = []
+    dcp.load(target, checkpoint_id=str(tmp_path / "out"))
+    assert torch.equal(target["optim.state.first.weight.exp_avg"], osd["state"]["0.weight"]["exp_avg"])
+    assert target["optim.param_groups.0.params"] == ["first.weight", "first.bias", "second.weight", "second.bias"]
+
+    torch.save({"model": net.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "by_index.pt")
+    with pytest.raises(UsageError, match=r"by_index\.pt: optimizer state 'optimizer\.state\.0', .* names no "
+                                         r"parameter the model's weights are saved as \(e\.g\. '0\.weight'\)"):
+        ckptkit.convert(tmp_path / "by_index.pt", tmp_path / "out2", to="sharded", renames=[r"^0\.=first."])

@@ -219,7 +219,9 @@ class _Zero:
             self._check_slice_mappings(trainable)
         optim_tensors, objects = self._optimizer(trainable, need)
         tensors += optim_tensors
+        steps = m0.get("global_steps")  # the engine's step, which ckptkit.load returns
         self.details[1:1] = [("zero stage", str(self.stage)), ("deepspeed", str(m0.get("ds_version"))),
+                             *((("global_steps", str(steps)),) if isinstance(steps, int) else ()),
                              ("model files", ", ".join(f.name for f in self.files.models[:2])
                               + (" ..." if len(self.files.models) > 2 else "")),
                              ("optimizer files", self.files.optims[0].name.replace("rank_0_", "rank_{rank}_"))]

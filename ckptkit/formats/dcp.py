@@ -47,7 +47,7 @@ from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan
 from ..core.tree import dcp_path, flatten, from_dcp_path
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError
 from ..io.sources import Files
-from . import _megatron as megatron
+from . import _accelerate as accelerate, _megatron as megatron
 from ._lightning import META, meta_parts, read_meta
 from .base import FormatIO, FormatOptions, Target, cast_for, is_empty_container, object_value, regions_in
 
@@ -132,6 +132,9 @@ class DcpOptions(FormatOptions):
     megatron: bool = False
     """Write megatron-core's ``common.pt`` and ``metadata.json`` too (:mod:`._megatron`), so that its
     ``dist_checkpointing.load`` takes the output."""
+    parts: tuple[tuple[str, str], ...] | None = None
+    """(top-level group, directory): each group as a DCP checkpoint of its own in that directory, as
+    accelerate's ``save_state`` lays them out (:mod:`._accelerate`)."""
 
 
 class DcpIO(FormatIO):
@@ -143,18 +146,26 @@ class DcpIO(FormatIO):
     @classmethod
     def detect(cls, path: Path) -> bool:
         # megatron-core's metadata.json too: a checkpoint of another of its backends is refused by name.
-        return path.is_dir() and ((path / METADATA).is_file() or (path / megatron.CONFIG).is_file())
+        return path.is_dir() and ((path / METADATA).is_file() or (path / megatron.CONFIG).is_file()
+                                  or accelerate.is_save_state(path))
 
     def read(self, path: Path) -> Manifest:
         # A large checkpoint's description is millions of small objects that form no cycles: the collector
         # would walk them again and again as they are made (a third of the time of reading 50,000 chunks).
         with Files() as files, gc_paused():
+            if accelerate.is_save_state(path):
+                return accelerate.merged(path, [self._read((path / d).absolute(), files, None)
+                                                for _, d in accelerate.PARTS])
             return self._read(path.absolute(), files, None)
 
     def read_part(self, path: Path, wanted: Callable[[Manifest], Collection[str]]) -> Manifest:
         # The chunks' archives are most of a read; an export wants the model's alone (an AdamW checkpoint's
         # optimizer state is two thirds of its chunks). .metadata says every key, dtype and shape first.
         with Files() as files, gc_paused():
+            if accelerate.is_save_state(path):  # the model's directory is read for the part; the other's not
+                return accelerate.merged(path, [self._read((path / d).absolute(), files,
+                                                           wanted if g == "model" else lambda _: ())
+                                                for g, d in accelerate.PARTS])
             return self._read(path.absolute(), files, wanted)
 
     def _read(self, root: Path, files: Files, wanted: Callable[[Manifest], Collection[str]] | None) -> Manifest:
@@ -223,7 +234,8 @@ class DcpIO(FormatIO):
 
     def options(self, target: Target, manifest: Manifest) -> DcpOptions:
         return DcpOptions(world_size=target.world_size, meta_groups=target.state_groups,
-                          megatron=target.to == "megatron" or megatron.is_megatron(manifest))
+                          megatron=target.to == "megatron" or megatron.is_megatron(manifest),
+                          parts=accelerate.parts_of(manifest))
 
     def not_held(self, manifest: Manifest) -> tuple[str, ...]:
         empty = [o.key for o in manifest.objects
@@ -235,7 +247,19 @@ class DcpIO(FormatIO):
 
     def plan(self, manifest: Manifest, options: DcpOptions) -> WritePlan:
         with gc_paused():  # millions of parts and records, none in a cycle: see ckptkit.core.gc_pause
+            if options.parts:
+                return self._plan_parts(manifest, options, options.parts)
             return self._plan(manifest, options)
+
+    def _plan_parts(self, manifest: Manifest, options: DcpOptions, parts: tuple[tuple[str, str], ...]) -> WritePlan:
+        """Each group of ``parts`` a DCP checkpoint in its directory; the last one's ``.metadata`` commits."""
+        files: list[FilePlan] = []
+        for group, directory in parts:
+            part = dataclasses.replace(manifest, tensors=tuple(t for t in manifest.tensors if str(t.path[0]) == group),
+                                       objects=tuple(o for o in manifest.objects if str(o.path[0]) == group))
+            plan = self._plan(part, dataclasses.replace(options, parts=None))
+            files += [FilePlan(f"{directory}/{f.relpath}", f.parts) for f in plan.files]
+        return WritePlan(tuple(files), commit=f"{parts[-1][1]}/{METADATA}")
 
     def _plan(self, manifest: Manifest, options: DcpOptions) -> WritePlan:
         n = options.world_size

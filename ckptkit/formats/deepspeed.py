@@ -42,7 +42,7 @@ from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, Us
 from ._deepspeed_zero import ZeroFiles, zero_manifest
 from .base import ReadOnlyIO
 
-__all__ = ["DeepSpeedIO"]
+__all__ = ["DeepSpeedIO", "tag_directory"]
 
 _LATEST = "latest"
 _MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
@@ -88,6 +88,17 @@ class DeepSpeedIO(ReadOnlyIO):
             raise UsageError(f"{path} is one file of a DeepSpeed ZeRO checkpoint, whose weights are spread over the "
                              f"optimizer files of every rank; pass the directory {root}")
         return _read_zero(_tag_dir(path.absolute()))
+
+
+def tag_directory(path: Path) -> Path:
+    """The tag directory of the DeepSpeed checkpoint at ``path``: itself, or the one its ``latest`` names.
+
+    Raises:
+        UsageError: a save directory without ``latest``.
+        FormatError: ``latest`` names no directory of ``path``.
+        IncompleteCheckpointError: the tag it names holds no DeepSpeed files.
+    """
+    return _tag_dir(path)
 
 
 def _tag_dir(path: Path) -> Path:

@@ -103,6 +103,8 @@ class _Outputs:
 
     def __init__(self, sel: ModelSelection, model: MappedKeys) -> None:
         self.selected = {within: new for new, within in sel.sources}
+        for new, _ in sel.sources:  # state saved under the names with wrappers stripped (get_state_dict's)
+            self.selected.setdefault(new, new)
         origin = {new: old for old, new in model.renamed}
         self.of: dict[str, list[str]] = {}
         for t in model.tensors:
@@ -150,9 +152,10 @@ def carry_training_state(manifest: Manifest, sel: ModelSelection, model: MappedK
 def _state(manifest: Manifest, sec: _Section, outs: _Outputs, map_fn: MapFn, titan: str | None) -> tuple[Entry, ...]:
     unknown = [f"{sec.name}.state.{f}" for f in sec.state if f not in outs.selected]
     if unknown:
-        raise UsageError(f"{manifest.root}: optimizer state {listed(unknown)} names no parameter of the model "
-                         f"(e.g. {next(iter(outs.weights))!r}): a key mapping carries optimizer state by its "
-                         "parameters' names, not by index; convert the model alone with --to hf")
+        raise UsageError(f"{manifest.root}: optimizer state {listed(unknown)} names no parameter the model's "
+                         f"weights are saved as (e.g. {next(iter(outs.selected))!r}): a key mapping carries "
+                         "optimizer state by parameter name, not by index or a fused parameter's name; convert "
+                         "the model alone with --to hf")
     moments: dict[str, list[TensorEntry]] = {}
     saved: dict[tuple[str, str], tuple[str, Entry]] = {}  # (weight, slot): (parameter as saved, entry)
     scalars: list[tuple[str, str, Entry]] = []

@@ -159,8 +159,9 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     SHARDED output from another form carries Lightning's ``meta.pt``, so Lightning loads it too. ``megatron``
     writes an HF model for megatron-core (the model at step 0 under its GPT names, with ``common.pt`` and
     ``metadata.json``), which its ``dist_checkpointing.load`` takes at any tensor-parallel size. A key mapping
-    (:mod:`ckptkit.models.mapping`: ``key_map``, then ``renames``, then ``preset``) renames the model's weights,
-    and the output then holds the model part only. ``src`` may be a run directory of :func:`ckptkit.save` (the
+    (:mod:`ckptkit.models.mapping`: ``key_map``, then ``renames``, then ``preset``) renames the model's weights;
+    the optimizer state follows them, each moment mapped as its weight is, and the rest of the training state is
+    carried as saved (:mod:`ckptkit.ops._optimizer`). ``src`` may be a run directory of :func:`ckptkit.save` (the
     step its ``latest`` names is read, and the report says which); ``src`` and ``dst`` may be URLs.
 
     Args:

@@ -16,6 +16,8 @@ from ..core.plan import Region
 from ..core.tree import unflatten
 from ..errors import UsageError
 from ..formats import detect, object_value, run_directory
+from ..formats._accelerate import PARTS, is_save_state, trainer_step
+from ..formats.deepspeed import DeepSpeedIO, tag_directory
 from ..io.execute import gloo_group
 from ..io.sources import Files, read_region
 from ..models.names import strip_wrapper_names
@@ -122,7 +124,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     optimizer_loaded = _load_state(ckpt, manifest, training, model, optimizer if load_optimizer else None, strict)
     if scheduler is not None and load_scheduler and "scheduler" in side:
         scheduler.load_state_dict(side["scheduler"])
-    step = side["step"] if "step" in side else _recorded_step(ckpt)
+    step = side["step"] if "step" in side else _saved_step(ckpt, manifest)
     return LoadResult(ckpt, step, side.get("extra"), optimizer_loaded)
 
 
@@ -151,7 +153,8 @@ def _load_state(ckpt: Path, manifest: Manifest, training: Manifest | None, model
                 target.update({e.key: osd["state"][n][slot] for n, slots in optim_src.state.items()
                                for slot, e in slots.items() if isinstance(e, TensorEntry)})
             with single_process_quiet():
-                dcp.load(target, checkpoint_id=str(ckpt))
+                for directory, keys in _dcp_parts(ckpt, target):
+                    dcp.load(keys, checkpoint_id=str(directory))
             model_sd = {n: msd[n] for n in model_src}
             options = StateDictOptions(strict=strict)
         else:
@@ -163,21 +166,40 @@ def _load_state(ckpt: Path, manifest: Manifest, training: Manifest | None, model
     return optim_src is not None
 
 
+def _dcp_parts(ckpt: Path, target: dict[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
+    """Each DCP checkpoint of ``ckpt`` with the keys of ``target`` it holds: an accelerate ``save_state``
+    directory keeps the model and the optimizer in one each (:mod:`ckptkit.formats._accelerate`)."""
+    if not is_save_state(ckpt):
+        return [(ckpt, target)]
+    parts = [(ckpt / d, {k: v for k, v in target.items() if k.split(".", 1)[0] == g}) for g, d in PARTS]
+    return [(d, keys) for d, keys in parts if keys]
+
+
 def _training_state(ckpt: Path) -> Manifest | None:
     """The training state a ``form="hf"`` save wrote beside the weights, if there is one."""
     directory = ckpt / TRAINING_STATE
     return detect(directory).read(directory) if directory.is_dir() else None
 
 
-def _recorded_step(ckpt: Path) -> int | None:
-    """The step ``ckptkit.save`` recorded in ``ckptkit.json``, for a checkpoint that holds none itself."""
+def _saved_step(ckpt: Path, manifest: Manifest) -> int | None:
+    """The step another framework saved (DeepSpeed's ``global_steps``, the HF Trainer's ``global_step``), or
+    the one ``ckptkit.save`` recorded in ``ckptkit.json``, for a checkpoint that holds no ``step`` itself."""
+    steps = dict(manifest.details).get("global_steps")
+    if steps is not None and str(steps).isdigit():
+        return int(steps)
+    trainer = trainer_step(ckpt)
+    if trainer is not None:
+        return trainer
     record = checksums.read_record(ckpt)
     return record.step if record is not None else None
 
 
 def _resolve(path: Path) -> Path:
     """``path`` or the step its ``latest`` names, once a save killed midway has been recovered from (every rank
-    recovers what its host left; the barrier keeps any rank from resolving before the owner's host has)."""
+    recovers what its host left; the barrier keeps any rank from resolving before the owner's host has); a
+    DeepSpeed save directory's tag, as its own ``latest`` names it."""
+    if path.is_dir() and DeepSpeedIO.detect(path):  # DeepSpeed's own latest names its tag (global_stepN)
+        return tag_directory(path)
     run_directory.recover_run(path)
     group = gloo_group()
     if group is not None:

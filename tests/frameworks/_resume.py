@@ -170,7 +170,8 @@ def sources(rank: int, world: int, out: str) -> None:
 def resumes(rank: int, world: int, titan_as_hf: str, fsdp2_as_titan: str, out: str) -> None:
     """Steps 4-6 from each converted checkpoint, in the other framework: ``titan_as_hf`` (torchtitan's save
     under HF names) in plain FSDP2, ``fsdp2_as_titan`` (the FSDP2 save under torchtitan's names) in torchtitan;
-    rank 0 writes the losses and final HF-named weights of each (``resumed.pt``)."""
+    rank 0 writes the losses and final HF-named weights of each (``resumed.pt``), and of a control: the
+    weights of ``titan_as_hf`` with a fresh optimizer."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -192,6 +193,15 @@ def resumes(rank: int, world: int, titan_as_hf: str, fsdp2_as_titan: str, out: s
         set_state_dict(hf, opt, model_state_dict=msd, optim_state_dict=osd, options=flat)
         losses = _train(hf, opt, range(SAVED + 1, STEPS + 1), rank, world)
         resumed["titan"] = {"losses": losses, "model": _full_model(hf)}
+
+        hf = hf_model(99)  # the control: the same weights, a fresh AdamW
+        _sharded(hf, hf.model.layers)
+        opt = torch.optim.AdamW(hf.parameters(), lr=LR)
+        msd = get_state_dict(hf, opt)[0]
+        dcp.load(msd, checkpoint_id=titan_as_hf)
+        set_model_state_dict(hf, msd)
+        losses = _train(hf, opt, range(SAVED + 1, STEPS + 1), rank, world)
+        resumed["fresh optimizer"] = {"losses": losses, "model": _full_model(hf)}
 
         titan = titan_model(99)
         _sharded(titan, titan.layers.values())

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 import ckptkit
 from _checks import assert_same_tree, load_dcp, load_full, load_hf
-from _compare import assert_loads_in_transformers
+from _compare import assert_loads_in_transformers, assert_resumes
 from _spawn import spawn
 from _workers import accelerate_save, tiny_llama
 from ckptkit.cli import cli
@@ -73,3 +73,28 @@ def test_accelerate_load_into_a_fresh_model(saved):
                 p.zero_()
         assert not ckptkit.load(src, model).optimizer_loaded
         assert_same_tree(model.state_dict(), expected["model"])
+
+
+def test_accelerate_save_state_directory_is_one_checkpoint_with_the_optimizer(saved, tmp_path):
+    out, expected = saved
+    root = out / "sharded"
+    manifest = ckptkit.inspect(root)
+    assert (manifest.world_size, len(manifest.tensors)) == (2, 21 + 63)
+    assert_resumes(root, expected)
+    report = ckptkit.reshard(root, tmp_path / "r3", world_size=3)
+    assert sorted(p.name for p in (tmp_path / "r3").iterdir()) == ["optimizer_0", "pytorch_model_fsdp_0"]
+    assert any(n.startswith("not read from the source: random_states_0.pkl") for n in report.notes), report.notes
+    # torch's own reader of each directory, as accelerate's load_state reads them (dcp.load of each)
+    model = load_dcp(tmp_path / "r3" / "pytorch_model_fsdp_0", tmp_path / "m.pt")
+    assert_same_tree(model, {"model": expected["model"]})
+    optim = load_dcp(tmp_path / "r3" / "optimizer_0", tmp_path / "o.pt")["optimizer"]
+    assert_same_tree(optim["state"], expected["optimizer"]["state"])
+    assert ckptkit.inspect(tmp_path / "r3").world_size == 3
+    assert_resumes(tmp_path / "r3", expected)
+    ckptkit.export_hf(root, tmp_path / "hf")
+    assert_same_tree(load_hf(tmp_path / "hf"), expected["model"])
+    ckptkit.convert(root, tmp_path / "full.pt", to="full")
+    full = load_full(tmp_path / "full.pt")
+    assert_same_tree(full["model"], expected["model"])
+    assert_same_tree(full["optimizer"]["state"], expected["optimizer"]["state"])
+    assert ckptkit.verify(root, tmp_path / "r3").ok

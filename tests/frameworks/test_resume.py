@@ -51,6 +51,12 @@ def test_convert_torchtitan_to_hf_names_resumes_in_fsdp2_on_the_trajectory(runs)
     _assert_on_the_trajectory(resumed["titan"], expected["titan"])
 
 
+def test_resume_with_a_fresh_optimizer_leaves_the_trajectory_by_far_more_than_the_tolerance(runs):
+    _, expected, resumed = runs
+    control, oracle = resumed["fresh optimizer"]["model"], expected["titan"]["model"]
+    assert max((control[k] - oracle[k]).abs().max().item() for k in oracle) > 100 * NOISE
+
+
 def test_convert_fsdp2_to_torchtitan_names_resumes_in_torchtitan_on_the_trajectory(runs):
     out, expected, resumed = runs
     _assert_on_the_trajectory(resumed["fsdp2"], expected["fsdp2"])
@@ -143,3 +149,19 @@ def test_convert_refuses_optimizer_state_that_is_not_element_wise(moe, tmp_path)
         ckptkit.convert(tmp_path / "adafactor", tmp_path / "out", to="sharded", preset="torchtitan-qwen3-moe",
                         hf_assets=assets)
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_the_optimizer_state_of_torchtitans_fused_qkv_by_name(moe, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    import _titan_families as fam
+
+    out, assets, titan, _, _, _ = moe
+    fused = {n: p.detach() for n, p in fam.build("qwen3_moe").named_parameters()}  # as its optimizer names them
+    state = {f"state.{k}.{s}": v for k, slots in _moments(fused, 4).items() for s, v in slots.items()}
+    dcp.save({**titan, "optimizer": state}, checkpoint_id=str(tmp_path / "fused"))
+    with pytest.raises(ckptkit.CheckpointError, match=r"optimizer state 'optimizer\.state\.layers\.0\.attention\."
+                                                      r"qkv_linear\.wqkv\.weight', .* names no parameter the model's "
+                                                      r"weights are saved as"):
+        ckptkit.convert(tmp_path / "fused", tmp_path / "out", to="sharded", preset="torchtitan-qwen3-moe",
+                        hf_assets=assets)

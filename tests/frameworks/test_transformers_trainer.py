@@ -11,7 +11,7 @@ import torch
 
 import ckptkit
 from _checks import assert_same_tree, load_dcp, load_full, load_hf
-from _compare import assert_loads_in_transformers
+from _compare import assert_loads_in_transformers, assert_resumes
 from _spawn import spawn
 from _workers import tiny_llama, trainer_save
 from ckptkit.errors import UsageError
@@ -55,3 +55,13 @@ def test_trainer_load_into_a_fresh_model(saved):
     model = tiny_llama()
     ckptkit.load(ckpt / "pytorch_model_fsdp_0", model)
     assert_same_tree(model.state_dict(), expected["model"])
+
+
+def test_trainer_checkpoint_directory_loads_model_optimizer_and_step(saved, tmp_path):
+    ckpt, expected = saved
+    assert_resumes(ckpt, expected, step=2)
+    ckptkit.reshard(ckpt, tmp_path / "r3", world_size=3)
+    optim = load_dcp(tmp_path / "r3" / "optimizer_0", tmp_path / "o.pt")["optimizer"]
+    assert_same_tree(optim["state"], expected["optimizer"]["state"])
+    assert all("initial_lr" in g for g in optim["param_groups"])
+    assert_resumes(tmp_path / "r3", expected)
