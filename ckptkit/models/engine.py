@@ -102,6 +102,31 @@ def _direction(p: Preset, table: NameTable, keys: list[str], to_hf: bool | None)
     return True if to_hf else not only_hf
 
 
+def _spelling(p: Preset, table: NameTable, keys: list[str], to_hf: bool | None) -> Preset:
+    """``p`` in the spelling of layer-stacked tensors that ``keys`` use, or, from HF names, that megatron-core
+    writes for the model: per layer where the layers hold different variants of a slot (dense and MoE)."""
+    if p.layer_prefix is None:
+        return p
+    layered = p.per_layer()
+    per_layer = NameTable(layered)
+    only_layered = [k for k in keys if per_layer.find(per_layer.other, k) and not table.find(table.other, k)]
+    if only_layered:
+        only_stacked = [k for k in keys if table.find(table.other, k) and not per_layer.find(per_layer.other, k)]
+        if only_stacked:
+            raise UsageError(f"--preset {p.name}: the keys mix layer-stacked ({only_stacked[0]!r}) and per-layer "
+                             f"({only_layered[0]!r}) {p.other_side} names")
+        return layered
+    if to_hf:
+        return p
+    variants: dict[str, set[str]] = {}
+    for k in keys:
+        m = table.find(table.hf, k)
+        if m is not None and m.row.group:
+            slot, _, variant = m.row.group.partition(":")
+            variants.setdefault(slot, set()).add(variant)
+    return layered if any(len(v) > 1 for v in variants.values()) else p
+
+
 def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_hf: bool | None) -> Adapted:
     """``sources`` under preset ``p``'s table, towards HF names (``to_hf``) or, when None, from whichever side
     the keys are named in to the other.
@@ -120,7 +145,10 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
         fields.update(dict.fromkeys(r.groups for r in p.rows if r.groups))
         raise UsageError(f"--preset {p.name} needs config.json's {', '.join(f for f in fields if f)}: pass "
                          "--hf-assets DIR with the model's config.json")
-    towards = True if p.identity else _direction(p, table, [s.entry.key for s in sources], to_hf)
+    keys = [s.entry.key for s in sources]
+    p = _spelling(p, table, keys, to_hf)
+    table = NameTable(p)
+    towards = True if p.identity else _direction(p, table, keys, to_hf)
     dropped: list[tuple[str, str]] = []
     if not towards and p.fp8:
         sources = _dequantize(sources, p)

@@ -30,6 +30,13 @@ The table format. A row names one tensor of the other side and the HF tensor(s) 
 - ``read_only``: a spelling read on the way to HF but never written (an older layout under its own row).
 - ``tied_to``: the HF name of the tensor this one may be tied to (``lm_head`` to the embedding).
 
+Two spellings of layer-stacked tensors. A preset with a ``layer_prefix`` (megatron-core's ``decoder.layers.``)
+also reads, and writes, each layer's tensors one per layer: the stacked name with the layer number after the
+prefix (``decoder.layers.0.mlp.linear_fc1.weight``), stacking one dim fewer (:meth:`Preset.per_layer`), which
+is how megatron-core saves a model whose layers differ (dense and MoE ones) or one saved with
+``singleton_local_shards``. A checkpoint in either spelling is read; HF names are written per layer when the
+layers hold different variants of a slot (``group``), stacked otherwise.
+
 On import from HF, a preset with ``fp8`` dequantizes each float8 ``X.weight`` with its ``X.weight_scale_inv``
 (128x128 blocks) into float32 before the table applies (what torchtitan's DeepSeek-V3 import reads through
 torch's ``QuantizedHuggingFaceStorageReader``).
@@ -49,6 +56,7 @@ Adding a family is adding a module to :mod:`ckptkit.models.families` with its ta
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -124,6 +132,24 @@ class Preset:
     model_types: tuple[str, ...] = ()
     """The ``config.json`` ``model_type`` values of the family: detection picks this preset by them for the
     framework's names (:mod:`ckptkit.models.registry`)."""
+    layer_prefix: str | None = None
+    """The prefix of the other side's layer-stacked names, after which the per-layer spelling puts the layer
+    number (module docstring)."""
+
+    def per_layer(self) -> Preset:
+        """This table in the per-layer spelling: each row stacked along ``n`` named ``<prefix>{n}.<rest>``
+        instead, stacked along its other placeholders only."""
+        prefix = self.layer_prefix
+        if prefix is None:
+            return self
+
+        def unstacked(r: Row) -> Row:
+            if "n" not in r.stack_axes:
+                return r
+            other = tuple(prefix + "{n}." + o.removeprefix(prefix) if o.startswith(prefix) else o for o in r.other)
+            return dataclasses.replace(r, other=other, stacked=",".join(a for a in r.stack_axes if a != "n") or None)
+
+        return dataclasses.replace(self, rows=tuple(map(unstacked, self.rows)), layer_prefix=None)
 
     @property
     def identity(self) -> bool:
