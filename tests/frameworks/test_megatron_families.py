@@ -187,3 +187,42 @@ def test_megatron_export_hf_of_each_converted_family_gives_the_same_bytes_back(f
     ckptkit.export_hf(family["mcore"], tmp_path / "back", preset=PRESETS[family["name"]], hf_assets=family["hf"])
     for f in family["hf"].iterdir():
         assert (tmp_path / "back" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_megatron_convert_to_megatron_of_mistral_uses_the_llama_table_and_megatron_gives_its_logits(tmp_path):
+    import transformers
+
+    torch.manual_seed(5)
+    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                                        rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=SEQ * 2,
+                                        sliding_window=None)
+    model = transformers.MistralForCausalLM(config).eval()
+    with torch.no_grad():  # norms random too: a mapping that swapped two of them would not show with ones
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * 0.2)
+    model.save_pretrained(tmp_path / "hf")
+    report = ckptkit.convert(tmp_path / "hf", tmp_path / "mcore", to="megatron", world_size=2)
+    assert any("--preset megatron-llama" in n for n in report.notes), report.notes
+    result = loaded(tmp_path, "llama", 2, tmp_path / "mcore", forward=True)  # megatron-core's Llama GPTModel
+    assert_same_tree(_reference("llama", result["params"]), model.state_dict())
+    with torch.no_grad():
+        difference = (model(tokens()).logits - result["logits"]).abs().max().item()
+    print(f"mistral: largest logit difference, transformers vs megatron-core: {difference:.3g}")
+    assert difference < 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma3"])
+def test_megatron_convert_to_megatron_refuses_a_family_without_a_table_by_name(model_type, tmp_path):
+    from click.testing import CliRunner
+    from safetensors.torch import save_file
+
+    from ckptkit.cli import cli
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, tmp_path / "hf" / "model.safetensors")
+    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "hf"), str(tmp_path / "out"), "--to", "megatron"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert f"model_type '{model_type}': " in result.output and "has no Megatron table" in result.output
+    assert not (tmp_path / "out").exists()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..table import Preset, Row
 
-__all__ = ["PRESETS"]
+__all__ = ["PRESETS", "REFUSED"]
 
 _HF = "model.layers.{n}."
 _MG = "decoder.layers."
@@ -155,3 +155,12 @@ PRESETS = (
             "keys), shared experts and the router's expert bias <-> HF DeepSeek-V3",
             _deepseek(), "deepseek_v3"),
 )
+
+REFUSED = {
+    "gpt_oss": "GPT-OSS has no Megatron table: HF interleaves its experts' gate and up columns in a transposed "
+               "[experts, hidden, 2 x ffn] tensor, which the tables cannot map to megatron-core's stacked "
+               "linear_fc1 rows",
+    **dict.fromkeys(("gemma3", "gemma3_text"), "Gemma 3 has no Megatron table: megatron-core 0.16.1 has no layer "
+                    "with its extra norms and embedding scaling (Megatron-Bridge adds its own)"),
+}
+"""``model_type`` -> why ``convert --to megatron`` refuses that family."""
