@@ -103,28 +103,28 @@ def _direction(p: Preset, table: NameTable, keys: list[str], to_hf: bool | None)
 
 
 def _spelling(p: Preset, table: NameTable, keys: list[str], to_hf: bool | None) -> Preset:
-    """``p`` in the spelling of layer-stacked tensors that ``keys`` use, or, from HF names, that megatron-core
-    writes for the model: per layer where the layers hold different variants of a slot (dense and MoE)."""
+    """``p`` in the spelling of layer-stacked tensors that ``keys`` use (:meth:`Preset.per_layer`), or, from HF
+    names, that megatron-core writes for the model: per layer where the layers hold different variants of a
+    slot (dense and MoE)."""
     if p.layer_prefix is None:
         return p
-    layered = p.per_layer()
-    per_layer = NameTable(layered)
-    only_layered = [k for k in keys if per_layer.find(per_layer.other, k) and not table.find(table.other, k)]
-    if only_layered:
-        only_stacked = [k for k in keys if table.find(table.other, k) and not per_layer.find(per_layer.other, k)]
-        if only_stacked:
-            raise UsageError(f"--preset {p.name}: the keys mix layer-stacked ({only_stacked[0]!r}) and per-layer "
-                             f"({only_layered[0]!r}) {p.other_side} names")
-        return layered
-    if to_hf:
-        return p
+    spellings = [p, p.per_layer(), p.per_layer(singletons=True)]
+    tables = [table, *map(NameTable, spellings[1:])]
+    own = [[k for k in keys if t.find(t.other, k) and not any(u.find(u.other, k) for u in tables if u is not t)]
+           for t in tables]
+    used = [i for i, found in enumerate(own) if found]
+    if len(used) > 1:
+        raise UsageError(f"--preset {p.name}: the keys mix two spellings of {p.other_side}'s layers: "
+                         f"{own[used[0]][0]!r} and {own[used[1]][0]!r}")
+    if used or to_hf:
+        return spellings[used[0]] if used else p
     variants: dict[str, set[str]] = {}
     for k in keys:
         m = table.find(table.hf, k)
         if m is not None and m.row.group:
             slot, _, variant = m.row.group.partition(":")
             variants.setdefault(slot, set()).add(variant)
-    return layered if any(len(v) > 1 for v in variants.values()) else p
+    return spellings[1] if any(len(v) > 1 for v in variants.values()) else p
 
 
 def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_hf: bool | None) -> Adapted:

@@ -33,9 +33,10 @@ The table format. A row names one tensor of the other side and the HF tensor(s) 
 Two spellings of layer-stacked tensors. A preset with a ``layer_prefix`` (megatron-core's ``decoder.layers.``)
 also reads, and writes, each layer's tensors one per layer: the stacked name with the layer number after the
 prefix (``decoder.layers.0.mlp.linear_fc1.weight``), stacking one dim fewer (:meth:`Preset.per_layer`), which
-is how megatron-core saves a model whose layers differ (dense and MoE ones) or one saved with
-``singleton_local_shards``. A checkpoint in either spelling is read; HF names are written per layer when the
-layers hold different variants of a slot (``group``), stacked otherwise.
+is how megatron-core saves a model whose layers differ (dense and MoE ones). With ``singleton_local_shards``
+megatron-core also saves each expert on its own and a gated ``linear_fc1`` as two tensors; that spelling is
+read too. HF names are written per layer when the layers hold different variants of a slot (``group``),
+stacked otherwise.
 
 On import from HF, a preset with ``fp8`` dequantizes each float8 ``X.weight`` with its ``X.weight_scale_inv``
 (128x128 blocks) into float32 before the table applies (what torchtitan's DeepSeek-V3 import reads through
@@ -136,20 +137,30 @@ class Preset:
     """The prefix of the other side's layer-stacked names, after which the per-layer spelling puts the layer
     number (module docstring)."""
 
-    def per_layer(self) -> Preset:
+    def per_layer(self, singletons: bool = False) -> Preset:
         """This table in the per-layer spelling: each row stacked along ``n`` named ``<prefix>{n}.<rest>``
-        instead, stacked along its other placeholders only."""
+        instead, stacked along its other placeholders only. ``singletons``: megatron-core's
+        ``singleton_local_shards`` spelling too, one tensor per expert (``experts.experts.{e}.linear_fc1.weight``)
+        and a gated ``linear_fc1`` in two (``weight_w``: the gate, ``weight_v``: the up projection)."""
         prefix = self.layer_prefix
         if prefix is None:
             return self
 
-        def unstacked(r: Row) -> Row:
+        def unstacked(r: Row) -> list[Row]:
             if "n" not in r.stack_axes:
-                return r
+                return [r]
             other = tuple(prefix + "{n}." + o.removeprefix(prefix) if o.startswith(prefix) else o for o in r.other)
-            return dataclasses.replace(r, other=other, stacked=",".join(a for a in r.stack_axes if a != "n") or None)
+            axes = [a for a in r.stack_axes if a != "n"]
+            if singletons and axes == ["e"]:
+                other, axes = tuple(o.rsplit(".", 2)[0] + ".{e}." + ".".join(o.rsplit(".", 2)[1:]) for o in other), []
+            row = dataclasses.replace(r, other=other, stacked=",".join(axes) or None)
+            if singletons and len(r.hf_names) == 2 and r.split is None and r.groups is None:
+                return [dataclasses.replace(row, hf=hf, other=tuple(o + part for o in other))
+                        for hf, part in zip(r.hf_names, ("_w", "_v"), strict=True)]
+            return [row]
 
-        return dataclasses.replace(self, rows=tuple(map(unstacked, self.rows)), layer_prefix=None)
+        rows = tuple(row for r in self.rows for row in unstacked(r))
+        return dataclasses.replace(self, rows=rows, layer_prefix=None)
 
     @property
     def identity(self) -> bool:

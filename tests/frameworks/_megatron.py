@@ -55,6 +55,10 @@ FAMILIES.update({
                      "moe_shared_expert_intermediate_size": 48, "moe_router_enable_expert_bias": True,
                      "moe_router_score_function": "sigmoid"}, {}),
 })
+# Qwen2-MoE saved with singleton_local_shards: each expert on its own, a gated linear_fc1 as two tensors.
+FAMILIES["qwen2_moe_singletons"] = FAMILIES["qwen2_moe"]
+METADATA = {"qwen2_moe_singletons": {"singleton_local_shards": True}}
+"""The ``metadata`` a family's ``sharded_state_dict`` is asked with."""
 
 
 def _config(family: str, tp: int):
@@ -173,7 +177,7 @@ def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool)
 
     _init(rank, world, tp)
     model = build(family, tp)
-    state = model.sharded_state_dict()
+    state = model.sharded_state_dict(metadata=METADATA.get(family))
     if with_args:
         state = {**state, "args": megatron_lm_args(family, tp), "checkpoint_version": 3.0, "iteration": 0}
     os.makedirs(out, exist_ok=True)

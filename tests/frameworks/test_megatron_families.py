@@ -11,6 +11,7 @@ export back to the same bytes."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,54 @@ def test_megatron_convert_to_megatron_refuses_a_family_without_a_table_by_name(m
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert f"model_type '{model_type}': " in result.output and "has no Megatron table" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_megatron_reshard_of_each_family_keeps_every_tensor_as_torch_reads_it(family, tmp_path):
+    ckptkit.reshard(family["ckpt"], tmp_path / "r3", world_size=3)
+    assert_same_tree(load_dcp(tmp_path / "r3", tmp_path / "r3.pt"), family["oracle"])
+
+
+def _joined(singletons: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """megatron-core's ``singleton_local_shards`` spelling turned into its per-layer one by hand: each gated
+    ``linear_fc1``'s ``weight_w`` (gate) and ``weight_v`` (up) rows joined, each layer's experts stacked."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for key, value in singletons.items():
+        if not isinstance(value, torch.Tensor) or key.endswith("_v"):
+            continue
+        if key.endswith("_w"):
+            key, value = key[:-2], torch.cat([value, singletons[key[:-2] + "_v"]])
+        m = re.fullmatch(r"(.*\.experts\.experts)\.(\d+)\.(.*)", key)
+        if m:
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = value
+        else:
+            out[key] = value
+    return {**out, **{k: torch.stack([found[e] for e in sorted(found)]) for k, found in experts.items()}}
+
+
+def test_megatron_export_hf_reads_the_singleton_local_shards_spelling(tmp):
+    ckpt = saved(tmp, "qwen2_moe_singletons", 2, with_args=False)
+    oracle = load_dcp(ckpt, tmp / "singletons.pt")
+    assert "decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight_v" in oracle
+    assets = tmp / "singletons-assets"
+    _hf_config("qwen2_moe").save_pretrained(assets)
+    ckptkit.export_hf(ckpt, tmp / "singletons-hf", preset="megatron-qwen2-moe", hf_assets=assets)
+    assert_same_tree(load_hf(tmp / "singletons-hf"), _reference("qwen2_moe", _joined(oracle)))
+    _hf_model("qwen2_moe", tmp / "singletons-hf")
+
+
+def test_megatron_export_hf_refuses_keys_that_mix_stacked_and_per_layer_spellings(tmp_path):
+    from click.testing import CliRunner
+    from safetensors.torch import save_file
+
+    from ckptkit.cli import cli
+
+    _hf_config("qwen2_moe").save_pretrained(tmp_path / "assets")
+    save_file({"decoder.layers.self_attention.linear_qkv.weight": torch.zeros(2, 64, 32),
+               "decoder.layers.0.mlp.linear_fc1.weight": torch.zeros(128, 32)}, tmp_path / "mixed.safetensors")
+    result = CliRunner().invoke(cli, ["export-hf", str(tmp_path / "mixed.safetensors"), str(tmp_path / "hf"),
+                                      "--preset", "megatron-qwen2-moe", "--hf-assets", str(tmp_path / "assets")])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "the keys mix two spellings of Megatron's layers: 'decoder.layers.self_attention.linear_qkv.weight' and " \
+           "'decoder.layers.0.mlp.linear_fc1.weight'" in result.output
+    assert not (tmp_path / "hf").exists()
