@@ -7,8 +7,8 @@ megatron-core runs on CPU given four patches, each applied inside the spawned ra
   Megatron's code is touched;
 - for the forward, an explicit causal attention mask is passed, and the RNG tracker's ``fork`` (a CUDA RNG
   context) is a no-op; ``moe_utils.te_general_gemm`` is None (a MoE router reads it unguarded without TE).
-Multi-latent attention builds with two more (:func:`_spec`), and ``torch.cuda.current_device`` pointed at the CPU
-while its rotary embedding is made.
+Multi-latent attention builds with two more (:func:`_spec`: plain softmax attention in place of TE's), and
+``torch.cuda.current_device`` pointed at the CPU while its rotary embedding is made.
 """
 
 from __future__ import annotations
@@ -77,11 +77,26 @@ def _config(family: str, tp: int):
     return cls(**{**base, **fields})
 
 
+class _Attention(torch.nn.Module):
+    """Softmax attention of multi-latent attention's q, k and v ([seq, batch, heads, dim]) under the mask, in place
+    of the local spec's ``DotProductAttention``, which takes neither MLA's channel counts nor its unequal q/k and
+    v head sizes (TE's attention does). It holds no weights; everything around it is megatron-core's."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, **_):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, **_):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, dim]
+        scores = (q @ k.transpose(-1, -2) * self.scale).masked_fill(attention_mask, float("-inf"))
+        out = scores.softmax(-1) @ v
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
 def _spec(family: str, config):
     """The local spec of ``family``'s layers: megatron-core's decoder block spec where its layers differ
-    (``moe_layer_freq``), with MLA's two CPU shims: its attention checks an isinstance against TE's class (a
-    stand-in without TE), and the local spec hands ``DotProductAttention`` MLA's channel counts, which it does
-    not take (it holds no weights; these models are saved and loaded, not run)."""
+    (``moe_layer_freq``). Multi-latent attention takes :class:`_Attention`, and an isinstance check against TE's
+    class (a stand-in without TE) is turned off."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     fields, spec_fields = FAMILIES[family]
@@ -90,11 +105,6 @@ def _spec(family: str, config):
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     if fields.get("multi_latent_attention"):
         from megatron.core.transformer import multi_latent_attention
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-        class _Attention(DotProductAttention):
-            def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
-                super().__init__(*args, **kwargs)
 
         multi_latent_attention.HAVE_TE = False
         for layer in spec.layer_specs:

@@ -6,8 +6,8 @@ Each family's checkpoint is saved by megatron-core's own ``dist_checkpointing.sa
 spec, TP=2 on 2 gloo ranks, ``_megatron.py``). Its HF export must equal a reference written here from torch's own
 reading of the checkpoint, and load in transformers' class with nothing missing or unexpected. ``convert --to
 megatron`` of that HF model must load in megatron-core (``dist_checkpointing.load``, at TP=1) with every parameter
-equal to the original's, give the transformers model's logits where megatron-core's forward runs on CPU, and
-export back to the same bytes."""
+equal to the original's, give the transformers model's logits in megatron-core's forward (DeepSeek-V3's with plain
+softmax attention in place of TE's, ``_megatron._Attention``), and export back to the same bytes."""
 
 from __future__ import annotations
 
@@ -23,9 +23,6 @@ from _megatron import SEQ, VOCAB, loaded, saved, tokens
 
 pytest.importorskip("megatron.core")
 
-FORWARD = ("qwen2", "mixtral", "qwen2_moe")
-"""Families whose megatron-core forward runs on CPU (DeepSeek-V3's multi-latent attention needs its TE core
-attention, which the local spec stands in for only to build the model)."""
 PRESETS = {"qwen2": "megatron-qwen2", "mixtral": "megatron-mixtral", "qwen2_moe": "megatron-qwen2-moe",
            "deepseek_v3": "megatron-deepseek-v3"}
 
@@ -49,7 +46,7 @@ def _hf_config(family: str):
     return transformers.DeepseekV3Config(**{**fields, "num_key_value_heads": 4, "head_dim": 4}, **moe,
                                          n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
                                          q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                                         v_head_dim=8, n_group=1, topk_group=1)
+                                         v_head_dim=8, n_group=1, topk_group=1, routed_scaling_factor=1.0)
 
 
 def _hf_model(family: str, path: Path):
@@ -148,7 +145,7 @@ def family(request, tmp) -> dict:
     hf = root / "hf"
     ckptkit.export_hf(ckpt, hf, preset=PRESETS[name], hf_assets=assets)
     ckptkit.convert(hf, root / "mcore", to="megatron", world_size=2)
-    result = loaded(root, name, 1, root / "mcore", forward=name in FORWARD)
+    result = loaded(root, name, 1, root / "mcore", forward=True)
     return {"name": name, "ckpt": ckpt, "oracle": load_dcp(ckpt, root / "oracle.pt"), "hf": hf, "loaded": result,
             "mcore": root / "mcore"}
 
@@ -174,8 +171,6 @@ def test_megatron_convert_to_megatron_of_each_family_writes_megatrons_keys_and_l
 
 
 def test_megatron_forward_of_each_converted_family_gives_transformers_logits(family):
-    if family["name"] not in FORWARD:
-        pytest.skip("megatron-core's multi-latent attention does not run on CPU without Transformer Engine")
     model = _hf_model(family["name"], family["hf"])
     with torch.no_grad():
         logits = model(tokens()).logits
