@@ -41,8 +41,8 @@ _MOE = FAMILIES["qwen3_moe"][0]
 FAMILIES.update({
     # Qwen2: Llama plus q/k/v biases.
     "qwen2": ({"add_qkv_bias": True}, {}),
-    # Mixtral: Qwen3-MoE without q/k norms.
-    "mixtral": (_MOE, {"num_experts": 4}),
+    # Mixtral: Qwen3-MoE without q/k norms, its experts split over 2 ranks (EP=2; TP=1 then, on 2 ranks).
+    "mixtral": ({**_MOE, "expert_model_parallel_size": 2}, {"num_experts": 4}),
     # Qwen2-MoE: q/k/v biases, a dense first layer (moe_layer_freq: saved with per-layer keys), then a MoE layer
     # with a gated shared expert.
     "qwen2_moe": ({**_MOE, "add_qkv_bias": True, "moe_layer_freq": [0, 1], "moe_shared_expert_intermediate_size": 40,
@@ -134,11 +134,12 @@ def build(family: str, tp: int, seed: int = 0):
     return model
 
 
-def _init(rank: int, world: int, tp: int) -> None:
+def _init(rank: int, world: int, tp: int, family: str) -> None:
     from megatron.core import parallel_state
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ep = FAMILIES[family][0].get("expert_model_parallel_size", 1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
 
 
 def _done() -> None:
@@ -185,7 +186,7 @@ def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool)
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
-    _init(rank, world, tp)
+    _init(rank, world, tp, family)
     model = build(family, tp)
     state = model.sharded_state_dict(metadata=METADATA.get(family))
     if with_args:
@@ -236,7 +237,7 @@ def load(rank: int, world: int, family: str, tp: int, ckpt: str, forward: bool, 
     logits over the whole vocabulary (tensors cannot go back through the spawn queue once a rank has exited)."""
     from megatron.core import dist_checkpointing
 
-    _init(rank, world, tp)
+    _init(rank, world, tp, family)
     model = build(family, tp, seed=1)  # weights unlike the saved ones: a tensor not loaded shows
     state = dist_checkpointing.load(model.sharded_state_dict(), ckpt)
     common = {k: state.pop(k) for k in list(state) if k not in model.state_dict()}  # common.pt's, merged in
