@@ -207,6 +207,9 @@ def test_megatron_convert_to_megatron_of_mistral_uses_the_llama_table_and_megatr
         difference = (model(tokens()).logits - result["logits"]).abs().max().item()
     print(f"mistral: largest logit difference, transformers vs megatron-core: {difference:.3g}")
     assert difference < 1e-5
+    ckptkit.export_hf(tmp_path / "mcore", tmp_path / "back", preset="megatron-llama", hf_assets=tmp_path / "hf")
+    for f in (tmp_path / "hf").iterdir():
+        assert (tmp_path / "back" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
 @pytest.mark.parametrize("model_type", ["gpt_oss", "gemma3"])
