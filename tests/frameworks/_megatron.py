@@ -55,6 +55,8 @@ FAMILIES.update({
                      "moe_shared_expert_intermediate_size": 48, "moe_router_enable_expert_bias": True,
                      "moe_router_score_function": "sigmoid"}, {}),
 })
+# DeepSeek-V3 with q projected at once (DeepSeek-V2-Lite's linear_q_proj), no low rank.
+FAMILIES["deepseek_v3_q"] = ({**FAMILIES["deepseek_v3"][0], "q_lora_rank": None}, {})
 # Qwen2-MoE saved with singleton_local_shards: each expert on its own, a gated linear_fc1 as two tensors.
 FAMILIES["qwen2_moe_singletons"] = FAMILIES["qwen2_moe"]
 METADATA = {"qwen2_moe_singletons": {"singleton_local_shards": True}}

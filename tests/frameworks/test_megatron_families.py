@@ -95,8 +95,9 @@ def _reference(family: str, megatron: dict[str, torch.Tensor]) -> dict[str, torc
         if family == "deepseek_v3":
             out[h + "input_layernorm.weight"] = get("input_layernorm.weight")
             out[h + "post_attention_layernorm.weight"] = get("pre_mlp_layernorm.weight")
-            for hf, mg in (("q_a_proj", "linear_q_down_proj"), ("q_a_layernorm", "q_layernorm"),
-                           ("q_b_proj", "linear_q_up_proj"), ("kv_a_proj_with_mqa", "linear_kv_down_proj"),
+            q = ((("q_proj", "linear_q_proj"),) if get("self_attention.linear_q_proj.weight") is not None else
+                 (("q_a_proj", "linear_q_down_proj"), ("q_a_layernorm", "q_layernorm"), ("q_b_proj", "linear_q_up_proj")))
+            for hf, mg in (*q, ("kv_a_proj_with_mqa", "linear_kv_down_proj"),
                            ("kv_a_layernorm", "kv_layernorm"), ("kv_b_proj", "linear_kv_up_proj"),
                            ("o_proj", "linear_proj")):
                 out[f"{h}self_attn.{hf}.weight"] = get(f"self_attention.{mg}.weight")
@@ -277,3 +278,23 @@ def test_megatron_export_hf_refuses_keys_that_mix_stacked_and_per_layer_spelling
     assert "the keys mix two spellings of Megatron's layers: 'decoder.layers.self_attention.linear_qkv.weight' and " \
            "'decoder.layers.0.mlp.linear_fc1.weight'" in result.output
     assert not (tmp_path / "hf").exists()
+
+
+def test_megatron_deepseek_v3_without_a_q_low_rank_exports_and_converts_as_megatron_saves_it(tmp):
+    ckpt = saved(tmp, "deepseek_v3_q", 2, with_args=False)
+    oracle = load_dcp(ckpt, tmp / "deepseek-q.pt")
+    assert "decoder.layers.0.self_attention.linear_q_proj.weight" in oracle
+    assets = tmp / "deepseek-q-assets"
+    config = _hf_config("deepseek_v3")
+    config.q_lora_rank = None
+    config.save_pretrained(assets)
+    ckptkit.export_hf(ckpt, tmp / "deepseek-q-hf", preset="megatron-deepseek-v3", hf_assets=assets)
+    assert_same_tree(load_hf(tmp / "deepseek-q-hf"), _reference("deepseek_v3", oracle))
+    _hf_model("deepseek_v3", tmp / "deepseek-q-hf")
+    ckptkit.convert(tmp / "deepseek-q-hf", tmp / "deepseek-q-mcore", to="megatron", world_size=2)
+    ours, theirs = ckptkit.inspect(tmp / "deepseek-q-mcore"), ckptkit.inspect(ckpt)
+    assert {t.key: t.shape for t in ours.tensors} == {t.key: t.shape for t in theirs.tensors}
+    assert {o.key for o in ours.objects} == {o.key for o in theirs.objects} | {"checkpoint_version", "iteration"}
+    back = load_dcp(tmp / "deepseek-q-mcore", tmp / "deepseek-q-back.pt")  # torch's reading of both: equal tensors
+    assert_same_tree({k: v for k, v in back.items() if isinstance(v, torch.Tensor)},
+                     {k: v for k, v in oracle.items() if isinstance(v, torch.Tensor)})
