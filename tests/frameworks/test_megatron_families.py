@@ -95,8 +95,9 @@ def _reference(family: str, megatron: dict[str, torch.Tensor]) -> dict[str, torc
         if family == "deepseek_v3":
             out[h + "input_layernorm.weight"] = get("input_layernorm.weight")
             out[h + "post_attention_layernorm.weight"] = get("pre_mlp_layernorm.weight")
-            q = ((("q_proj", "linear_q_proj"),) if get("self_attention.linear_q_proj.weight") is not None else
-                 (("q_a_proj", "linear_q_down_proj"), ("q_a_layernorm", "q_layernorm"), ("q_b_proj", "linear_q_up_proj")))
+            lora = (("q_a_proj", "linear_q_down_proj"), ("q_a_layernorm", "q_layernorm"),
+                    ("q_b_proj", "linear_q_up_proj"))
+            q = (("q_proj", "linear_q_proj"),) if get("self_attention.linear_q_proj.weight") is not None else lora
             for hf, mg in (*q, ("kv_a_proj_with_mqa", "linear_kv_down_proj"),
                            ("kv_a_layernorm", "kv_layernorm"), ("kv_b_proj", "linear_kv_up_proj"),
                            ("o_proj", "linear_proj")):
