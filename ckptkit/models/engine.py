@@ -116,8 +116,10 @@ def _spelling(p: Preset, table: NameTable, keys: list[str], to_hf: bool | None) 
     if len(used) > 1:
         raise UsageError(f"--preset {p.name}: the keys mix two spellings of {p.other_side}'s layers: "
                          f"{own[used[0]][0]!r} and {own[used[1]][0]!r}")
-    if used or to_hf:
-        return spellings[used[0]] if used else p
+    if used:
+        return spellings[used[0]]
+    if to_hf:
+        return p
     variants: dict[str, set[str]] = {}
     for k in keys:
         m = table.find(table.hf, k)
