@@ -155,21 +155,23 @@ def hf_fields(fields: dict) -> dict:
     return config
 
 
-_LINEAR = re.compile(r"(decoder\.layers\..*\.linear_(?:qkv|proj|fc1|fc2))\.weight")
+_LINEAR = re.compile(r"(decoder\.layers\.(\d+\.)?.*\.linear_\w+)\.weight")
 _EXPERTS = ".experts.experts."
 
 
 def extra_states(tensors: Sequence[TensorEntry]) -> list[ObjectEntry]:
     """The ``_extra_state`` entries megatron-core's loader asks for beside ``tensors`` (named as in a
     ``torch_dist`` checkpoint): one per linear layer of each layer (and expert), as ``ShardedObject``s keyed
-    ``<module>._extra_state/shard_<index>_<count>`` with the layer (``n``) or layer and expert (``n.e``) index.
+    ``<module>._extra_state/shard_<index>_<count>`` with the layer (``n``) or layer and expert (``n.e``) index of
+    a layer-stacked tensor; of a per-layer one (``decoder.layers.0.``), the expert index, or ``0_1``.
     Their value is what megatron-core saves for a layer with no FP8 state."""
     out = []
     for t in tensors:
         m = _LINEAR.fullmatch(t.key)
         if m is None:
             continue
-        dims = t.shape[:2] if _EXPERTS in t.key else t.shape[:1]
+        stacked = (0 if m.group(2) else 1) + (1 if _EXPERTS in t.key else 0)
+        dims = tuple(t.shape[:stacked]) or (1,)
         count = ".".join(map(str, dims))
         for index in itertools.product(*map(range, dims)):
             key = f"{m.group(1)}._extra_state/shard_{'.'.join(map(str, index))}_{count}"

@@ -93,6 +93,33 @@ def _direction(p: Preset, table: NameTable, keys: list[str], to_hf: bool | None)
     return True if to_hf else not only_hf
 
 
+def _spelling(p: Preset, table: NameTable, keys: list[str], to_hf: bool | None) -> Preset:
+    """``p`` in the spelling of layer-stacked tensors that ``keys`` use (:meth:`Preset.per_layer`), or, from HF
+    names, that megatron-core writes for the model: per layer where the layers hold different variants of a
+    slot (dense and MoE)."""
+    if p.layer_prefix is None:
+        return p
+    spellings = [p, p.per_layer(), p.per_layer(singletons=True)]
+    tables = [table, *map(NameTable, spellings[1:])]
+    own = [[k for k in keys if t.find(t.other, k) and not any(u.find(u.other, k) for u in tables if u is not t)]
+           for t in tables]
+    used = [i for i, found in enumerate(own) if found]
+    if len(used) > 1:
+        raise UsageError(f"--preset {p.name}: the keys mix two spellings of {p.other_side}'s layers: "
+                         f"{own[used[0]][0]!r} and {own[used[1]][0]!r}")
+    if used:
+        return spellings[used[0]]
+    if to_hf:
+        return p
+    variants: dict[str, set[str]] = {}
+    for k in keys:
+        m = table.find(table.hf, k)
+        if m is not None and m.row.group:
+            slot, _, variant = m.row.group.partition(":")
+            variants.setdefault(slot, set()).add(variant)
+    return spellings[1] if any(len(v) > 1 for v in variants.values()) else p
+
+
 def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_hf: bool | None) -> Adapted:
     """``sources`` under preset ``p``'s table, towards HF names (``to_hf``) or, when None, from whichever side
     the keys are named in to the other.
@@ -110,7 +137,10 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
         fields = dict.fromkeys(CONFIG_NAMES.get(f, f) for f in needed if f)
         raise UsageError(f"--preset {p.name} needs config.json's {', '.join(f for f in fields if f)}: pass "
                          "--hf-assets DIR with the model's config.json")
-    towards = True if p.identity else _direction(p, table, [s.entry.key for s in sources], to_hf)
+    keys = [s.entry.key for s in sources]
+    p = _spelling(p, table, keys, to_hf)
+    table = NameTable(p)
+    towards = True if p.identity else _direction(p, table, keys, to_hf)
     dropped: list[tuple[str, str]] = []
     if not towards and p.fp8:
         sources = _dequantize(sources, p)

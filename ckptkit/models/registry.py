@@ -11,7 +11,7 @@ from ..errors import UsageError
 from . import families
 from .table import Preset, Unmapped
 
-__all__ = ["DETECT", "MEGATRON", "PRESETS", "UNMAPPED", "preset"]
+__all__ = ["DETECT", "MEGATRON", "MEGATRON_REFUSED", "PRESETS", "UNMAPPED", "preset"]
 
 # The framework modules first, so that ``--help`` and ``ckptkit presets`` list the converting tables before
 # the checking ones; every other module follows in name order.
@@ -53,6 +53,10 @@ DETECT = _by_model_type("torchtitan")
 
 MEGATRON = _by_model_type("Megatron")
 """``config.json``'s ``model_type`` -> the preset ``convert --to megatron`` uses when given none."""
+
+
+MEGATRON_REFUSED: dict[str, str] = importlib.import_module(f"{families.__name__}.megatron").REFUSED
+"""``model_type`` -> why ``convert --to megatron`` has no table for that family."""
 
 
 def preset(name: str) -> Preset:

@@ -42,6 +42,14 @@ A :class:`Buffer` names a persistent buffer of the other side's model that HF ha
 router load-balancing ``moe.expert_bias_E``): left out on the way to HF, and written on the way back as the
 value the other side's model initialises it to, so that its strict load finds every key of its model.
 
+Two spellings of layer-stacked tensors. A preset with a ``layer_prefix`` (megatron-core's ``decoder.layers.``)
+also reads, and writes, each layer's tensors one per layer: the stacked name with the layer number after the
+prefix (``decoder.layers.0.mlp.linear_fc1.weight``), stacking one dim fewer (:meth:`Preset.per_layer`), which
+is how megatron-core saves a model whose layers differ (dense and MoE ones). With ``singleton_local_shards``
+megatron-core also saves each expert on its own and a gated ``linear_fc1`` as two tensors; that spelling is
+read too. HF names are written per layer when the layers hold different variants of a slot (``group``),
+stacked otherwise.
+
 On import from HF, a preset with ``fp8`` dequantizes each float8 ``X.weight`` with its ``X.weight_scale_inv``
 (128x128 blocks) into float32 before the table applies (what torchtitan's DeepSeek-V3 import reads through
 torch's ``QuantizedHuggingFaceStorageReader``). A preset with ``mxfp4`` dequantizes each ``X_blocks``
@@ -64,6 +72,7 @@ Adding a family is adding a module to :mod:`ckptkit.models.families` with its ta
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -168,6 +177,34 @@ class Preset:
     model_types: tuple[str, ...] = ()
     """The ``config.json`` ``model_type`` values of the family: detection picks this preset by them for the
     framework's names (:mod:`ckptkit.models.registry`)."""
+    layer_prefix: str | None = None
+    """The prefix of the other side's layer-stacked names, after which the per-layer spelling puts the layer
+    number (module docstring)."""
+
+    def per_layer(self, singletons: bool = False) -> Preset:
+        """This table in the per-layer spelling: each row stacked along ``n`` named ``<prefix>{n}.<rest>``
+        instead, stacked along its other placeholders only. ``singletons``: megatron-core's
+        ``singleton_local_shards`` spelling too, one tensor per expert (``experts.experts.{e}.linear_fc1.weight``)
+        and a gated ``linear_fc1`` in two (``weight_w``: the gate, ``weight_v``: the up projection)."""
+        prefix = self.layer_prefix
+        if prefix is None:
+            return self
+
+        def unstacked(r: Row) -> list[Row]:
+            if "n" not in r.stack_axes:
+                return [r]
+            other = tuple(prefix + "{n}." + o.removeprefix(prefix) if o.startswith(prefix) else o for o in r.other)
+            axes = [a for a in r.stack_axes if a != "n"]
+            if singletons and axes == ["e"]:
+                other, axes = tuple(o.rsplit(".", 2)[0] + ".{e}." + ".".join(o.rsplit(".", 2)[1:]) for o in other), []
+            row = dataclasses.replace(r, other=other, stacked=",".join(axes) or None)
+            if singletons and len(r.hf_names) == 2 and r.split is None and r.groups is None:
+                return [dataclasses.replace(row, hf=hf, other=tuple(o + part for o in other))
+                        for hf, part in zip(r.hf_names, ("_w", "_v"), strict=True)]
+            return [row]
+
+        rows = tuple(row for r in self.rows for row in unstacked(r))
+        return dataclasses.replace(self, rows=rows, layer_prefix=None)
 
     @property
     def identity(self) -> bool:

@@ -16,7 +16,7 @@ from ..models.engine import NameTable
 from ..models.hfconfig import check_single_file, find_config
 from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
 from ..models.megatron_args import MEGATRON_SIDE, for_run, run_args
-from ..models.registry import MEGATRON, preset
+from ..models.registry import MEGATRON, MEGATRON_REFUSED, preset
 from ..models.table import ModelShape, Preset
 from ..models.unmapped import refuse_unmapped
 from ._optimizer import Entry, carry_training_state
@@ -178,8 +178,10 @@ def megatron_preset(src: Path, hf_assets: Path | str | None, preset: str | None)
         return preset
     config = find_config(Path(src), hf_assets)
     model_type = config.data.get("model_type") if config is not None else None
+    where = str(config.path) if config is not None else f"{src}: no config.json, and"
+    if isinstance(model_type, str) and model_type in MEGATRON_REFUSED:
+        raise UsageError(f"{where}: model_type {model_type!r}: {MEGATRON_REFUSED[model_type]}")
     if not isinstance(model_type, str) or model_type not in MEGATRON:
-        where = str(config.path) if config is not None else f"{src}: no config.json, and"
         raise UsageError(f"{where} model_type {model_type!r:.40} has no Megatron table; pass --preset "
                          f"({', '.join(MEGATRON.values())})")
     return MEGATRON[model_type]

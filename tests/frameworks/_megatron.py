@@ -6,7 +6,9 @@ megatron-core runs on CPU given four patches, each applied inside the spawned ra
   ``torch.cuda.current_device`` (``strategies/state_dict_saver.py``) are redirected to the CPU; nothing else of
   Megatron's code is touched;
 - for the forward, an explicit causal attention mask is passed, and the RNG tracker's ``fork`` (a CUDA RNG
-  context) is a no-op.
+  context) is a no-op; ``moe_utils.te_general_gemm`` is None (a MoE router reads it unguarded without TE).
+Multi-latent attention builds with two more (:func:`_spec`: plain softmax attention in place of TE's), and
+``torch.cuda.current_device`` pointed at the CPU while its rotary embedding is made.
 """
 
 from __future__ import annotations
@@ -37,32 +39,97 @@ FAMILIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # Llama 3 trained with Megatron's interleaved rotary embeddings: q/k rotate adjacent pairs of each head.
     "llama_interleaved": ({"rotary_interleaved": True}, {}),
 }
+_MOE = FAMILIES["qwen3_moe"][0]
+FAMILIES.update({
+    # Qwen2: Llama plus q/k/v biases.
+    "qwen2": ({"add_qkv_bias": True}, {}),
+    # Mixtral: Qwen3-MoE without q/k norms, its experts split over 2 ranks (EP=2; TP=1 then, on 2 ranks).
+    "mixtral": ({**_MOE, "expert_model_parallel_size": 2}, {"num_experts": 4}),
+    # Qwen2-MoE: q/k/v biases, a dense first layer (moe_layer_freq: saved with per-layer keys), then a MoE layer
+    # with a gated shared expert.
+    "qwen2_moe": ({**_MOE, "add_qkv_bias": True, "moe_layer_freq": [0, 1], "moe_shared_expert_intermediate_size": 40,
+                   "moe_shared_expert_gate": True}, {}),
+    # DeepSeek-V3: multi-latent attention (q through a low rank), a dense first layer, then a MoE layer with a
+    # shared expert and the router's expert bias.
+    "deepseek_v3": ({**_MOE, "multi_latent_attention": True, "num_query_groups": None, "kv_channels": None,
+                     "q_lora_rank": 16, "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4,
+                     "v_head_dim": 8, "qk_layernorm": True, "rope_type": "rope", "moe_layer_freq": [0, 1],
+                     "moe_shared_expert_intermediate_size": 48, "moe_router_enable_expert_bias": True,
+                     "moe_router_score_function": "sigmoid"}, {}),
+})
+# DeepSeek-V3 with q projected at once (DeepSeek-V2-Lite's linear_q_proj), no low rank.
+FAMILIES["deepseek_v3_q"] = ({**FAMILIES["deepseek_v3"][0], "q_lora_rank": None}, {})
+# Qwen2-MoE saved with singleton_local_shards: each expert on its own, a gated linear_fc1 as two tensors.
+FAMILIES["qwen2_moe_singletons"] = FAMILIES["qwen2_moe"]
+METADATA = {"qwen2_moe_singletons": {"singleton_local_shards": True}}
+"""The ``metadata`` a family's ``sharded_state_dict`` is asked with."""
 
 
 def _config(family: str, tp: int):
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     fields, _ = FAMILIES[family]
-    return TransformerConfig(
+    base = dict(
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
         kv_channels=8, normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, tensor_model_parallel_size=tp,
         use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        persist_layer_norm=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False, **fields)
+        persist_layer_norm=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False)
+    cls = MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig
+    return cls(**{**base, **fields})
+
+
+class _Attention(torch.nn.Module):
+    """Softmax attention of multi-latent attention's q, k and v ([seq, batch, heads, dim]) under the mask, in place
+    of the local spec's ``DotProductAttention``, which takes neither MLA's channel counts nor its unequal q/k and
+    v head sizes (TE's attention does). It holds no weights; everything around it is megatron-core's."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, **_):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, **_):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, dim]
+        scores = (q @ k.transpose(-1, -2) * self.scale).masked_fill(attention_mask, float("-inf"))
+        out = scores.softmax(-1) @ v
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
+def _spec(family: str, config):
+    """The local spec of ``family``'s layers: megatron-core's decoder block spec where its layers differ
+    (``moe_layer_freq``). Multi-latent attention takes :class:`_Attention`, and an isinstance check against TE's
+    class (a stand-in without TE) is turned off."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    fields, spec_fields = FAMILIES[family]
+    if "moe_layer_freq" not in fields:
+        return get_gpt_layer_local_spec(normalization="RMSNorm", **spec_fields)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if fields.get("multi_latent_attention"):
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = _Attention
+    return spec
 
 
 def build(family: str, tp: int, seed: int = 0):
     """The GPTModel of ``family`` on this rank (parallel state already set up), weights drawn from ``seed``."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    _, spec_fields = FAMILIES[family]
     torch.manual_seed(seed)
-    model = GPTModel(config=_config(family, tp), vocab_size=VOCAB, max_sequence_length=SEQ * 2,
-                     transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", **spec_fields),
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=10000)
+    config = _config(family, tp)
+    current = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # MLA's rotary embedding asks for it
+    try:
+        model = GPTModel(config=config, vocab_size=VOCAB, max_sequence_length=SEQ * 2,
+                         transformer_layer_spec=_spec(family, config), share_embeddings_and_output_weights=False,
+                         position_embedding_type="rope", rotary_base=10000)
+    finally:
+        torch.cuda.current_device = current  # type: ignore[assignment]
     # Every weight random, norms included: a mapping that swapped two norms would not show with ones.
     g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
     with torch.no_grad():
@@ -71,11 +138,12 @@ def build(family: str, tp: int, seed: int = 0):
     return model
 
 
-def _init(rank: int, world: int, tp: int) -> None:
+def _init(rank: int, world: int, tp: int, family: str) -> None:
     from megatron.core import parallel_state
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ep = FAMILIES[family][0].get("expert_model_parallel_size", 1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
 
 
 def _done() -> None:
@@ -128,9 +196,9 @@ def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool,
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
-    _init(rank, world, tp)
+    _init(rank, world, tp, family)
     model = build(family, tp)
-    state = model.sharded_state_dict(prefix=prefix)
+    state = model.sharded_state_dict(prefix=prefix, metadata=METADATA.get(family))
     if with_args:
         state = {**state, "args": megatron_lm_args(family, tp), "checkpoint_version": 3.0, "iteration": 0}
     os.makedirs(out, exist_ok=True)
@@ -164,7 +232,9 @@ def tokens() -> torch.Tensor:
 @contextlib.contextmanager
 def _cpu_forward():
     from megatron.core.tensor_parallel import random
+    from megatron.core.transformer.moe import moe_utils
 
+    moe_utils.te_general_gemm = None  # the router reads it unguarded without Transformer Engine
     tracker = random.get_cuda_rng_tracker()
     fork, current = tracker.fork, torch.cuda.current_device
     tracker.fork = lambda *a, **k: contextlib.nullcontext()  # a CUDA RNG context, with no dropout to seed
@@ -181,7 +251,7 @@ def load(rank: int, world: int, family: str, tp: int, ckpt: str, forward: bool, 
     saves to ``result``/rank{rank}.pt this rank's parts of every parameter (:func:`assemble` joins them) and the
     logits over the whole vocabulary (tensors cannot go back through the spawn queue once a rank has exited)."""
 
-    _init(rank, world, tp)
+    _init(rank, world, tp, family)
     model = build(family, tp, seed=1)  # weights unlike the saved ones: a tensor not loaded shows
     common = _load_into(model, ckpt)
     out: dict[str, Any] = {"params": _local(model), "common": common}

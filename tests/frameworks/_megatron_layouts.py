@@ -94,7 +94,7 @@ def load_objects(rank: int, world: int, tp: int, ckpts: list[str], result: str) 
     saved."""
     from megatron.core import dist_checkpointing
 
-    M._init(rank, world, tp)
+    M._init(rank, world, tp, "llama")
     out = []
     for ckpt in ckpts:
         model = M.build("llama", tp, seed=1)
