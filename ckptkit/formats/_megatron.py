@@ -102,7 +102,10 @@ def read_common(root: Path) -> tuple[list[TensorEntry], list[ObjectEntry], str]:
     """
     path = root / COMMON
     if not path.is_file():
-        raise FormatError(f"{root}: {CONFIG} names a megatron-core checkpoint, but {COMMON} is missing")
+        # megatron-core 0.19 keeps the common state as a ``common_state`` ShardedObject inside the DCP files.
+        newer = " (megatron-core 0.19 keeps it in a common_state object, which ckptkit does not read yet)" if any(
+            root.glob("*.distcp")) else ""
+        raise FormatError(f"{root}: {CONFIG} names a megatron-core checkpoint, but {COMMON} is missing{newer}")
     tree = read_archive(str(path), extra_globals=COMMON_GLOBALS)
     if not isinstance(tree, dict):
         raise FormatError(f"{path}: megatron-core's common state is a dict, found {type(tree).__name__}")
