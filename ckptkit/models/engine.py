@@ -19,9 +19,11 @@ from ..core.dtypes import by_name
 from ..core.manifest import TensorEntry
 from ..core.reshape import dequantized, join_rows, split_rows, stack, take_rows, transposed, unstack
 from ..errors import UsageError
+from .names import RECOMPUTED
+from .registry import PRESETS
 from .table import STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
 
-__all__ = ["Adapted", "NameTable", "Source", "apply_preset", "listed"]
+__all__ = ["Adapted", "NameTable", "Source", "advice", "apply_preset", "listed", "nearest", "unknown_keys"]
 
 _SHOWN = 8
 _CONFIG_FIELDS = {"experts": "num_experts (or num_local_experts, n_routed_experts)", "layers": "num_hidden_layers"}
@@ -140,8 +142,7 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
             unknown.append(key)
     if unknown:
         raise UsageError(f"--preset {p.name}: {len(unknown)} keys are not {p.other_side if towards else 'HF'} names "
-                         f"it knows: {listed(unknown)}; rename them first (--rename, --key-map) or leave them out "
-                         "with --key-map '{\"KEY\": null}'")
+                         f"it knows: {listed(unknown)}; {advice(p, unknown, towards)}")
     build = _Builder(p, shape)
     out = build.to_hf(matched) if towards else build.from_hf(matched)
     canonical = {r.hf_names: r for r in p.rows if not r.read_only}
@@ -153,6 +154,36 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
     notes += tuple(f"{t.entry.key} written from {t.origin}: {shape.source if shape else 'the config'} ties them, "
                    f"and {p.other_side} keeps both" for t in tied)
     return Adapted(tuple(out), tuple(dropped), notes, build.gathered)
+
+
+def unknown_keys(p: Preset, keys: Sequence[str], hf: bool = False) -> list[str]:
+    """The keys that are none of ``p``'s names (its HF side when ``hf``) nor a buffer it leaves out."""
+    table = NameTable(p)
+    side = table.hf if hf else table.other
+    return [k for k in keys if not (table.find(side, k) or any(d.fullmatch(k) for d in table.dropped))]
+
+
+def nearest(keys: Sequence[str], presets: Sequence[Preset], hf: bool = False) -> tuple[Preset, list[str]]:
+    """The preset of ``presets`` whose table knows the most of ``keys`` (the first on a tie), and the keys it
+    does not know."""
+    return min(((p, unknown_keys(p, keys, hf)) for p in presets), key=lambda s: len(s[1]))
+
+
+def advice(p: Preset, unknown: Sequence[str], towards: bool) -> str:
+    """What to do about keys that preset ``p``'s table does not know. Only what a consumer rebuilds itself
+    (:data:`ckptkit.models.names.RECOMPUTED`) may be left out: leaving out a weight gives a model that loads
+    with that weight initialised afresh."""
+    weights = [k for k in unknown if not RECOMPUTED.search(k)]
+    if not weights:
+        shown = ", ".join(f'"{k}": null' for k in unknown[:_SHOWN])
+        return (f"they are not weights (the model recomputes them): leave them out with --key-map '{{{shown}}}'"
+                + (f" (and the {len(unknown) - _SHOWN} others)" if len(unknown) > _SHOWN else ""))
+    kin = [q for q in PRESETS.values() if q.other_side == p.other_side and not q.identity] or [p]
+    near, missing = nearest(weights, kin, hf=not towards)
+    closest = ("no other preset knows more of them" if near is p else f"--preset {near.name} knows them"
+               if not missing else f"the nearest, --preset {near.name}, does not know {len(missing)} of them")
+    return (f"{listed(weights)} {'is a weight' if len(weights) == 1 else 'are weights'} of a family or variant "
+            f"that --preset {p.name} does not map yet ({closest}); --preset none writes the names as they are")
 
 
 def _notes(p: Preset, out: list[Source], shape: ModelShape | None, towards: bool, gathered: int) -> tuple[str, ...]:

@@ -53,7 +53,9 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
         tensors, notes = mapped.tensors, notes + mapped.notes
         changes = Changes(mapped.renamed, mapped.dropped, permuted=mapped.permuted)
         if not io.hf_model:
-            notes += ("a key mapping renames the model's weights: the output holds the model part only",)
+            what = ("a key mapping renames the model's weights" if mapped.renamed or mapped.dropped
+                    else "a key mapping was asked for (it renames no key)")
+            notes += (f"{what}: the output holds the model part only",)
     objects = (*extra_states(tensors), *MEGATRON_STEP_0) if to == TO_MEGATRON else ()
     return Manifest(manifest.format, manifest.root, tensors, objects), changes, notes
 
@@ -74,6 +76,8 @@ def map_model(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: Path |
         keys = [t.key for t in tensors]
         if mapping.preset == "auto":
             found = detect_family(keys, model_type if isinstance(model_type, str) else None, where)
+            if found.unmapped and to_hf:
+                raise UsageError(f"--preset auto: {found.why}")
             mapping = dataclasses.replace(mapping, preset=found.preset)
             notes = (f"--preset auto: {found.preset} ({found.why})",) if found.preset else ()
         if mapping.preset is not None:
