@@ -12,13 +12,16 @@ from ..formats import FormatIO
 from ..formats._megatron import COMMON, extra_states
 from ..formats.dcp import check_blobs
 from ..models.detect import check_family, detect_family
+from ..models.engine import listed
+from ..models.hfclass import class_keys
 from ..models.hfconfig import check_single_file, find_config
 from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
-from ..models.registry import MEGATRON, preset
+from ..models.registry import MEGATRON, PRESETS, preset
 from .report import Changes
 from .select import select_model
 
-__all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "key_mapping_for", "map_model", "megatron_preset", "model_part"]
+__all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "check_class", "key_mapping_for", "map_model", "megatron_preset",
+           "model_part"]
 
 TO_MEGATRON = "megatron"
 """The ``--to`` name of a megatron-core checkpoint: SHARDED, with megatron-core's names and files."""
@@ -56,6 +59,10 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
             what = ("a key mapping renames the model's weights" if mapped.renamed or mapped.dropped
                     else "a key mapping was asked for (it renames no key)")
             notes += (f"{what}: the output holds the model part only",)
+    if io.hf_model and isinstance(hf_assets, (str, os.PathLike)):  # a URL's assets are not read for this
+        config = find_config(Path(src), hf_assets)
+        if config is not None and config.is_hf:
+            notes += check_class(config.data, [t.key for t in tensors], str(config.path), mapping.preset is None)
     objects = (*extra_states(tensors), *MEGATRON_STEP_0) if to == TO_MEGATRON else ()
     return Manifest(manifest.format, manifest.root, tensors, objects), changes, notes
 
@@ -116,3 +123,38 @@ def megatron_preset(src: Path, hf_assets: Path | str | None, preset: str | None)
         raise UsageError(f"{where} model_type {model_type!r:.40} has no Megatron table; pass --preset "
                          f"({', '.join(MEGATRON.values())})")
     return MEGATRON[model_type]
+
+
+def check_class(config: dict, keys: list[str], where: str, keep_names: bool) -> tuple[str, ...]:
+    """Refuses an HF output that transformers' class of ``config`` (read from ``where``) would load differently:
+    keys it does not load, or weights of it that no key gives (:func:`ckptkit.models.hfclass.class_keys`).
+    ``keep_names`` (``--preset none``): the names were asked for as they are, so keys it does not load are a
+    note. Buffers the class computes itself are always a note.
+
+    Returns:
+        Notes for the report.
+
+    Raises:
+        UsageError: the keys and the class disagree.
+    """
+    found = class_keys(config, keys)
+    if found is None:
+        return ()
+    notes = []
+    if found.unexpected and keep_names:
+        notes.append(f"--preset none: transformers' {found.name} ({where}) does not load {len(found.unexpected)} of "
+                     f"the keys written: {listed(found.unexpected)}")
+    elif found.unexpected or found.missing:
+        said = [f"does not load {len(found.unexpected)} of the keys to write ({listed(found.unexpected)})"
+                ] if found.unexpected else []
+        said += [f"would initialise {len(found.missing)} of its weights afresh, which no key gives "
+                 f"({listed(found.missing)})"] if found.missing else []
+        advice = (f"the names need a --preset ({', '.join(PRESETS)}), or --hf-assets of the model these weights are; "
+                  "--preset none writes the names as they are" if found.unexpected
+                  else "--hf-assets of the model these weights are")
+        raise UsageError(f"{where}: transformers' {found.name} {' and '.join(said)}: {advice}")
+    if found.buffers:
+        notes.append(f"transformers' {found.name} computes {len(found.buffers)} buffers the output does not hold: "
+                     f"{listed(found.buffers)}")
+    return tuple(notes) or (f"every key loads in transformers' {found.name} ({where}), and none of its weights is "
+                            "missing",)

@@ -43,7 +43,7 @@ from ..io.sources import Files
 from ..io.storage import storage_at
 from ..models.hfconfig import TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
 from ..models.mapping import KeyMapping, KeyMapSource, Renames, key_mapping
-from ._model import map_model
+from ._model import check_class, map_model
 from ._options import WriteKeywords, storage_of, write_options
 from .assets import find_assets
 from .convert import parse_size, write
@@ -170,7 +170,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets)
-    part = _with_assets(part, storage_of(options), cast, options.max_memory)
+    part = _with_assets(part, storage_of(options), cast, options.max_memory, keep_names=mapping.preset is None)
     layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size))
     casts = tuple((t.key, to.name) for t in part.tensors if (to := layout.cast_of(t)) is not None)
     return write(Manifest(part.source.format, part.source.root, part.tensors), writer_for(Format.HF), dst, layout,
@@ -212,19 +212,22 @@ def _model_part(src: Path, local: LocalOptions | None, model_key: str, strip_pre
                  mapped.permuted)
 
 
-def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int) -> _Part:
-    """``part`` with the files of its ``hf_assets`` to copy, untied as their config says, the config naming the
-    dtype written."""
+def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int, keep_names: bool) -> _Part:
+    """``part`` with the files of its ``hf_assets`` to copy, untied as their config says, checked against the
+    config's transformers class (:func:`ckptkit.ops._model.check_class`; ``keep_names``: ``--preset none``), the
+    config naming the dtype written."""
     if part.hf_assets is None:
         return part
-    assets, config, left_note = _assets(storage_at(part.hf_assets, storage)[1])
+    directory = storage_at(part.hf_assets, storage)[1]
+    assets, config, left_note = _assets(directory)
     tensors, tie_note = _untie(list(part.tensors), config, max_memory)
+    class_notes = check_class(config, [t.key for t in tensors], str(directory / "config.json"), keep_names)
     kept = {t.key for t in tensors}
     untied = [(t.key, "tied to the input embedding") for t in part.tensors if t.key not in kept]
     assets, dtype_note = _with_written_dtype(assets, config, tensors, cast)
     notes = [n for n in (tie_note, dtype_note) if n] + ["copied " + ", ".join(p.relpath for p in assets)]
     notes += [left_note] if left_note else []
-    return dataclasses.replace(part, tensors=tuple(tensors), notes=part.notes + tuple(notes),
+    return dataclasses.replace(part, tensors=tuple(tensors), notes=part.notes + tuple(notes) + class_notes,
                                dropped=part.dropped + tuple(untied), assets=assets, config=config)
 
 
