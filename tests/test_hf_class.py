@@ -78,3 +78,32 @@ def test_convert_to_hf_with_hf_assets_checks_the_class_too(llama, tmp_path):
     result = run("convert", tmp_path / "w.safetensors", tmp_path / "hf", "--to", "hf", "--hf-assets", llama)
     assert result.exit_code == 2, result.output
     assert "transformers' LlamaForCausalLM does not load 1 of the keys to write ('w')" in result.output
+
+
+FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def test_export_hf_leaves_out_a_quantization_config_the_written_weights_are_not_in(llama, tmp_path):
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    config = json.loads((llama / "config.json").read_text())
+    (assets / "config.json").write_text(json.dumps({**config, "quantization_config": FP8}))
+    result = run("export-hf", llama / "model.safetensors", tmp_path / "hf", "--hf-assets", assets, "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    assert "config.json: quantization_config (fp8) left out: the weights written are not quantized" in result.output
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "quantization_config" not in written and written["dtype"] == "bfloat16"
+    info = loading_info(tmp_path / "hf")
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_export_hf_keeps_the_quantization_config_of_fp8_weights_with_their_scales(tmp_path):
+    weight = "model.layers.0.mlp.down_proj.weight"
+    save_file({weight: torch.ones(128, 128).to(torch.float8_e4m3fn), weight + "_scale_inv": torch.ones(1, 1)},
+              tmp_path / "fp8.safetensors")
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": FP8}))
+    result = run("export-hf", tmp_path / "fp8.safetensors", tmp_path / "hf", "--hf-assets", assets)
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["quantization_config"] == FP8

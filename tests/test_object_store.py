@@ -245,7 +245,8 @@ def test_cli_convert_to_s3_writes_the_bucket_and_nothing_in_the_working_director
 def test_export_hf_copies_assets_from_s3_to_s3_as_locally(s3, sources, tmp_path):
     assets = tmp_path / "assets"
     assets.mkdir()
-    (assets / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": False}))
+    # A model type transformers has no class of: the toy tensors are no model it would check them against.
+    (assets / "config.json").write_text(json.dumps({"model_type": "my-own-lm", "tie_word_embeddings": False}))
     (assets / "tokenizer.json").write_text("{}")
     export_hf(sources["dcp"], tmp_path / "want", dtype="bf16", hf_assets=assets)
     export_hf(s3.put(sources["dcp"], "ckpt"), s3.url("out"), dtype="bf16", hf_assets=s3.put(assets, "assets"))

@@ -95,6 +95,29 @@ def _untie(tensors: list[TensorEntry], config: dict, max_memory: int) -> tuple[l
     return [t for t in tensors if t is not head], f"lm_head.weight left out: tied to {embed.key} ({why})"
 
 
+_QUANTIZED = re.compile(r"(_scale_inv|weight_scale|_blocks|_scales|qweight|qzeros|\.SCB|absmax|quant_map|"
+                        r"weight_packed|input_scale)$")
+"""Names of the tensors a quantized release holds beside (or for) its weights: FP8 block scales, MXFP4's blocks
+and scales, GPTQ/AWQ's packed weights, bitsandbytes' and compressed-tensors' scales."""
+
+
+def _without_quantization(config: dict, tensors: list[TensorEntry], cast: DType | None) -> tuple[dict, str | None]:
+    """``config`` without its ``quantization_config`` where the weights written (after the ``cast``) are not in a
+    quantized form (no float8 or integer weights, none of the tensors a quantized release holds beside them):
+    transformers would build the quantized layers that config names and read plain weights into them."""
+    quant = config.get("quantization_config")
+    if quant is None:
+        return config, None
+    written = {t.key: cast if cast is not None and t.dtype.is_floating else t.dtype for t in tensors}
+    quantized = [k for k, dtype in written.items()
+                 if _QUANTIZED.search(k) or dtype.name.startswith(("float8", "int", "uint")) and k.endswith("weight")]
+    if quantized:
+        return config, None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    return ({k: v for k, v in config.items() if k != "quantization_config"},
+            f"config.json: quantization_config ({method or 'unnamed'}) left out: the weights written are not quantized")
+
+
 def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: list[TensorEntry],
                         cast: DType | None) -> tuple[tuple[FilePlan, ...], str | None]:
     """``config.json`` naming the floating dtype written, which ``from_pretrained(dtype="auto")`` then loads in:
@@ -221,11 +244,17 @@ def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memo
     directory = storage_at(part.hf_assets, storage)[1]
     assets, config, left_note = _assets(directory)
     tensors, tie_note = _untie(list(part.tensors), config, max_memory)
-    class_notes = check_class(config, [t.key for t in tensors], str(directory / "config.json"), keep_names)
     kept = {t.key for t in tensors}
     untied = [(t.key, "tied to the input embedding") for t in part.tensors if t.key not in kept]
+    config, quant_note = _without_quantization(config, tensors, cast)
+    # A quantized model's layers are the quantizer's, which from_pretrained builds and a bare class lacks.
+    class_notes = () if "quantization_config" in config else \
+        check_class(config, [t.key for t in tensors], str(directory / "config.json"), keep_names)
+    if quant_note:
+        assets = tuple(FilePlan(p.relpath, (Bytes((json.dumps(config, indent=2) + "\n").encode()),))
+                       if p.relpath == "config.json" else p for p in assets)
     assets, dtype_note = _with_written_dtype(assets, config, tensors, cast)
-    notes = [n for n in (tie_note, dtype_note) if n] + ["copied " + ", ".join(p.relpath for p in assets)]
+    notes = [n for n in (tie_note, quant_note, dtype_note) if n] + ["copied " + ", ".join(p.relpath for p in assets)]
     notes += [left_note] if left_note else []
     return dataclasses.replace(part, tensors=tuple(tensors), notes=part.notes + tuple(notes) + class_notes,
                                dropped=part.dropped + tuple(untied), assets=assets, config=config)
