@@ -78,6 +78,8 @@ class MappedKeys:
     notes: tuple[str, ...]
     permuted: tuple[str, ...] = ()
     """New keys whose rows a preset's transform reordered."""
+    preset: str | None = None
+    """The preset that mapped the keys (the one ``auto`` chose), or None."""
 
 
 def parse_rename(text: str) -> tuple[str, str]:
@@ -224,4 +226,4 @@ def map_keys(tensors: Iterable[TensorEntry], mapping: KeyMapping, *, shape: Mode
     original = {t.key: t.rows for t in tensors}
     renamed = tuple((i.origin, i.entry.key) for i in items if i.origin != i.entry.key)
     permuted = tuple(i.entry.key for i in items if i.entry.rows is not None and i.entry.rows != original.get(i.origin))
-    return MappedKeys(tuple(i.entry for i in items), renamed, tuple(dropped), tuple(notes), permuted)
+    return MappedKeys(tuple(i.entry for i in items), renamed, tuple(dropped), tuple(notes), permuted, mapping.preset)

@@ -50,10 +50,11 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
     check_blobs(manifest)
     sel = select_model(manifest)
     tensors, notes, changes = sel.tensors, sel.notes, Changes()
+    mapped_by = None
     if mapping:
         mapped = map_model(tensors, mapping, src, hf_assets,
                            to_hf=True if io.hf_model else False if to == TO_MEGATRON else None)
-        tensors, notes = mapped.tensors, notes + mapped.notes
+        tensors, notes, mapped_by = mapped.tensors, notes + mapped.notes, mapped.preset
         changes = Changes(mapped.renamed, mapped.dropped, permuted=mapped.permuted)
         if not io.hf_model:
             what = ("a key mapping renames the model's weights" if mapped.renamed or mapped.dropped
@@ -62,7 +63,8 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
     if io.hf_model and isinstance(hf_assets, (str, os.PathLike)):  # a URL's assets are not read for this
         config = find_config(Path(src), hf_assets)
         if config is not None and config.is_hf:
-            notes += check_class(config.data, [t.key for t in tensors], str(config.path), mapping.preset is None)
+            notes += check_class(config.data, [t.key for t in tensors], str(config.path), mapping.preset is None,
+                                 mapped_by)
     objects = (*extra_states(tensors), *MEGATRON_STEP_0) if to == TO_MEGATRON else ()
     return Manifest(manifest.format, manifest.root, tensors, objects), changes, notes
 
@@ -125,11 +127,14 @@ def megatron_preset(src: Path, hf_assets: Path | str | None, preset: str | None)
     return MEGATRON[model_type]
 
 
-def check_class(config: dict, keys: list[str], where: str, keep_names: bool) -> tuple[str, ...]:
+def check_class(config: dict, keys: list[str], where: str, keep_names: bool, mapped_by: str | None = None
+                ) -> tuple[str, ...]:
     """Refuses an HF output that transformers' class of ``config`` (read from ``where``) would load differently:
     keys it does not load, or weights of it that no key gives (:func:`ckptkit.models.hfclass.class_keys`).
     ``keep_names`` (``--preset none``): the names were asked for as they are, so keys it does not load are a
-    note. Buffers the class computes itself are always a note.
+    note. Buffers the class computes itself are always a note. Keys that preset ``mapped_by`` wrote for the
+    family the config names are not checked again: each table is tested against that family's class, and
+    importing transformers' model code costs seconds.
 
     Returns:
         Notes for the report.
@@ -137,6 +142,8 @@ def check_class(config: dict, keys: list[str], where: str, keep_names: bool) -> 
     Raises:
         UsageError: the keys and the class disagree.
     """
+    if mapped_by is not None and config.get("model_type") in PRESETS[mapped_by].model_types:
+        return ()
     found = class_keys(config, keys)
     if found is None:
         return ()

@@ -210,6 +210,8 @@ class _Part:
     tensors: tuple[TensorEntry, ...]
     notes: tuple[str, ...]
     hf_assets: Path | str | None
+    preset: str | None = None
+    """The preset that mapped the keys, or None."""
     renamed: tuple[tuple[str, str], ...] = ()
     dropped: tuple[tuple[str, str], ...] = ()
     permuted: tuple[str, ...] = ()
@@ -231,8 +233,8 @@ def _model_part(src: Path, local: LocalOptions | None, model_key: str, strip_pre
     if not mapping:
         return _Part(manifest, sel.tensors, notes, hf_assets)
     mapped = map_model(sel.tensors, mapping, found.path, hf_assets, to_hf=True)
-    return _Part(manifest, mapped.tensors, notes + mapped.notes, hf_assets, mapped.renamed, mapped.dropped,
-                 mapped.permuted)
+    return _Part(manifest, mapped.tensors, notes + mapped.notes, hf_assets, mapped.preset, mapped.renamed,
+                 mapped.dropped, mapped.permuted)
 
 
 def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int, keep_names: bool) -> _Part:
@@ -249,7 +251,7 @@ def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memo
     config, quant_note = _without_quantization(config, tensors, cast)
     # A quantized model's layers are the quantizer's, which from_pretrained builds and a bare class lacks.
     class_notes = () if "quantization_config" in config else \
-        check_class(config, [t.key for t in tensors], str(directory / "config.json"), keep_names)
+        check_class(config, [t.key for t in tensors], str(directory / "config.json"), keep_names, part.preset)
     if quant_note:
         assets = tuple(FilePlan(p.relpath, (Bytes((json.dumps(config, indent=2) + "\n").encode()),))
                        if p.relpath == "config.json" else p for p in assets)
