@@ -96,7 +96,8 @@ def _presets(framework: Framework) -> list[Preset]:
 
 
 def _unmapped(framework: Framework, example: str, keys: Sequence[str], presets: list[Preset]) -> Detected:
-    near, unknown = nearest(keys, presets)
+    near, _ = nearest(_templates(keys), presets)
+    unknown = unknown_keys(near, keys)
     return Detected(None, f"the keys are {framework.name} names (e.g. {example!r}), and no preset maps all of them: "
                           f"the nearest, --preset {near.name}, does not know {len(unknown)}: {listed(unknown)}; this "
                           f"family or variant is not mapped yet (the presets of {framework.name} names: "
@@ -137,7 +138,7 @@ def detect_family(keys: Sequence[str], model_type: str | None, source: str = "co
     if whole:
         return Detected(whole[0].name, f"{framework.name} names of --preset {whole[0].name}'s table"
                         + (f" (model_type {model_type!r} is not a known family)" if model_type else ""))
-    return _unmapped(framework, example, templates, claimed + [p for p in presets if p not in claimed])
+    return _unmapped(framework, example, keys, claimed + [p for p in presets if p not in claimed])
 
 
 def check_family(p: Preset, keys: Sequence[str], model_type: str | None, source: str = "config.json") -> None:
