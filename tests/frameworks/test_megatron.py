@@ -212,6 +212,19 @@ def test_megatron_export_hf_refusal_of_a_bias_never_offers_to_leave_the_weight_o
     assert "'decoder.layers.self_attention.linear_qkv.bias' is a weight of a family or variant that --preset " \
            "megatron-llama does not map yet" in out and "null" not in out, out
     assert not (tmp_path / "hf").exists()
+    # Leaving the bias out anyway, for a Qwen2: transformers' class would initialise its 6 q/k/v biases afresh.
+    import transformers
+
+    fields = _hf_config("llama").to_dict()
+    transformers.Qwen2Config(**{k: fields[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                        "num_hidden_layers", "num_attention_heads",
+                                                        "num_key_value_heads", "tie_word_embeddings")}
+                             ).save_pretrained(tmp_path / "qwen2")
+    code, out = _run("export-hf", tmp_path / "qwen2ish.pt", tmp_path / "hf", "--preset", "megatron-llama",
+                     "--hf-assets", tmp_path / "qwen2", "--key-map",
+                     '{"decoder.layers.self_attention.linear_qkv.bias": null}')
+    assert code == 2 and "transformers' Qwen2ForCausalLM would initialise 6 of its weights afresh" in out, out
+    assert not (tmp_path / "hf").exists()
 
 
 def test_megatron_export_hf_reads_head_counts_from_common_pt_args(llama_tp2, tmp_path):
