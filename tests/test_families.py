@@ -208,3 +208,20 @@ def test_export_hf_refusal_offers_to_leave_out_a_recomputed_buffer_and_key_map_t
                    "--key-map", f'{{"{buffer}": null}}')
     assert followed.exit_code == 0, followed.output
     assert len(load_file(tmp_path / "hf" / "model.safetensors")) == 3 + 9 + 3 * 4
+
+
+@pytest.mark.parametrize("keys, framework", [
+    (["tok_embeddings.weight", "layers.0.attention.wq.weight"], "torchtitan (or Meta)"),  # Meta, torchtitan <= 0.2
+    (["layers.3.feed_forward.w1.weight"], "torchtitan (or Meta)"),
+    (["decoder.layers.self_attention.linear_qkv.weight"], "Megatron"),  # torch_dist, layer-stacked
+    (["decoder.layers.0.mlp.linear_fc1.weight"], "Megatron"),  # megatron-core's per-layer state dict
+    (["language_model.encoder.layers.0.self_attention.query_key_value.weight"], "Megatron"),  # Megatron-LM legacy
+    (["layers.0.self_attn.q_proj.weight", "embed_tokens.weight", "norm.weight"], None),  # HF's LlamaModel
+    (["decoder.layers.0.self_attn.k_proj.weight", "encoder.layers.0.fc1.weight"], None),  # HF's BartModel
+    (["model.layers.0.self_attn.q_proj.weight"], None),
+])
+def test_recognise_knows_framework_names_and_not_hf_base_models(keys, framework):
+    from ckptkit.models.detect import recognise
+
+    found = recognise(keys)
+    assert (found[0].name if found else None) == framework
