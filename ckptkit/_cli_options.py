@@ -133,8 +133,9 @@ def _preset_names() -> list[str]:
 
 
 _MAPPING = (
-    option("--key-map", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="FILE.json",
-            section=MAPPING, help="A JSON object of old key to new key (null leaves the key out)."),
+    option("--key-map", metavar="JSON|FILE.json", section=MAPPING,
+            help="A JSON object of old key to new key (null leaves the key out), inline ('{\"old\": \"new\"}') or "
+                 "in a file."),
     option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT", section=MAPPING,
             help="Rename keys by re.sub (repeatable, applied in order), e.g. '^net\\.=model.' or "
                  "'\\.attn\\.=.self_attn.'; \\1 refers to a group."),

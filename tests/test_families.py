@@ -83,7 +83,8 @@ def assert_refused(result, message: str, out: Path) -> None:
      "'layers.0.moe.routed_experts.inner_experts.w1_EFD' of shape [4, 6, 8] stacks experts along dim 0, but "),
     # a key the table does not know is refused, never passed through
     ({**qwen3_moe_titan(), "layers.0.moe.shared_expert.w1.weight": torch.zeros(2, 8)}, CONFIG, [],
-     "1 keys are not torchtitan names it knows: 'layers.0.moe.shared_expert.w1.weight'"),
+     "no preset maps all of them: the nearest, --preset torchtitan-qwen3-moe, does not know 1: "
+     "'layers.0.moe.shared_expert.w1.weight'; this family or variant is not mapped yet"),
     # a Qwen3-MoE checkpoint given DeepSeek-V3's preset
     (qwen3_moe_titan(), CONFIG, ["--preset", "torchtitan-deepseek-v3"],
      "--preset torchtitan-deepseek-v3: "),
@@ -132,3 +133,94 @@ def test_convert_refuses_gpt_oss_mxfp4_blocks_without_their_scales(tmp_path):
                  "--hf-assets", assets)
     assert_refused(result, "'model.layers.0.mlp.experts.gate_up_proj_blocks' holds MXFP4 blocks but "
                            "'model.layers.0.mlp.experts.gate_up_proj_scales' is missing", tmp_path / "titan")
+
+
+# ------------------------------------------------------------------------- names no preset maps, and the advice
+
+
+def unknown_titan_family() -> dict[str, torch.Tensor]:
+    """torchtitan's names of a family no preset maps: a Qwen3-MoE layer with an attention output gate of a name
+    no torchtitan release uses (so that no preset will ever know it)."""
+    return {**qwen3_moe_titan(), "layers.0.attention.zz_output_gate.weight": torch.zeros(8, 8)}
+
+
+def test_export_hf_preset_auto_refuses_torchtitan_names_no_preset_maps_and_none_keeps_them(tmp_path):
+    src, assets = checkpoint(tmp_path, unknown_titan_family(), {**CONFIG, "model_type": "zz_family"})
+    result = run("export-hf", src, tmp_path / "hf", "--hf-assets", assets)
+    assert_refused(result, "--preset auto: the keys are torchtitan (or Meta) names (e.g. ", tmp_path / "hf")
+    assert "does not know 1: 'layers.0.attention.zz_output_gate.weight'; this family or variant is not mapped yet" \
+        in result.stderr and "torchtitan-qwen3-moe, " in result.stderr and "--preset none writes the names" \
+        in result.stderr
+    kept = run("export-hf", src, tmp_path / "kept", "--preset", "none")
+    assert kept.exit_code == 0, kept.output
+    assert set(load_file(tmp_path / "kept" / "model.safetensors")) == set(unknown_titan_family())
+
+
+def test_export_hf_preset_auto_tells_megatron_families_apart_by_their_keys(tmp_path):
+    layer = {"decoder.layers.self_attention.linear_qkv.layer_norm_weight": (1, 8),
+             "decoder.layers.self_attention.linear_qkv.weight": (1, 16, 8),
+             "decoder.layers.self_attention.linear_proj.weight": (1, 8, 8),
+             "decoder.layers.mlp.linear_fc1.layer_norm_weight": (1, 8),
+             "decoder.layers.mlp.linear_fc1.weight": (1, 12, 8), "decoder.layers.mlp.linear_fc2.weight": (1, 8, 6),
+             "embedding.word_embeddings.weight": (10, 8), "decoder.final_layernorm.weight": (8,),
+             "output_layer.weight": (10, 8)}
+    norms = {f"decoder.layers.self_attention.{x}_layernorm.weight": (1, 4) for x in "qk"}
+    config = {k: v for k, v in CONFIG.items() if k not in ("model_type", "num_experts")}
+    for shapes, chosen in ((layer, "megatron-llama"), ({**layer, **norms}, "megatron-qwen3")):
+        (tmp_path / chosen).mkdir()
+        src, assets = checkpoint(tmp_path / chosen, {k: torch.ones(s) for k, s in shapes.items()}, config)
+        result = run("export-hf", src, tmp_path / chosen / "hf", "--hf-assets", assets, "--dry-run")
+        assert result.exit_code == 0, result.output
+        assert f"--preset auto: {chosen} (Megatron names of --preset {chosen}'s table)" in result.output
+
+
+def test_export_hf_preset_auto_keeps_an_empty_key_that_nothing_renames(tmp_path):
+    torch.save({"": torch.ones(2), "w": torch.zeros(3)}, tmp_path / "model.pt")
+    result = run("export-hf", tmp_path / "model.pt", tmp_path / "hf")
+    assert result.exit_code == 0, result.output
+    assert set(load_file(tmp_path / "hf" / "model.safetensors")) == {"", "w"}
+
+
+def test_convert_to_sharded_with_preset_auto_says_it_renames_nothing_when_it_renames_nothing(tmp_path):
+    save_file({"model.norm.weight": torch.ones(8)}, tmp_path / "model.safetensors")
+    result = run("convert", tmp_path / "model.safetensors", tmp_path / "out", "--to", "sharded", "--preset", "auto")
+    assert result.exit_code == 0, result.output
+    assert "renames the model's weights" not in result.output
+
+
+def test_export_hf_refusal_names_a_weight_as_unmapped_and_never_offers_to_leave_it_out(tmp_path):
+    src, assets = checkpoint(tmp_path, {**qwen3_moe_titan(), "layers.0.moe.shared_expert.w1.weight": torch.zeros(2, 8)})
+    result = run("export-hf", src, tmp_path / "hf", "--hf-assets", assets, "--preset", "torchtitan-qwen3-moe")
+    assert_refused(result, "'layers.0.moe.shared_expert.w1.weight' is a weight of a family or variant that --preset "
+                           "torchtitan-qwen3-moe does not map yet", tmp_path / "hf")
+    assert "null" not in result.stderr
+
+
+def test_export_hf_refusal_offers_to_leave_out_a_recomputed_buffer_and_key_map_takes_it_inline(tmp_path):
+    buffer = "layers.0.attention.rotary_emb.inv_freq"
+    src, assets = checkpoint(tmp_path, {**qwen3_moe_titan(), buffer: torch.ones(2)})
+    result = run("export-hf", src, tmp_path / "hf", "--hf-assets", assets, "--preset", "torchtitan-qwen3-moe")
+    advice = f"--key-map '{{\"{buffer}\": null}}'"
+    assert_refused(result, f"they are not weights (the model recomputes them): leave them out with {advice}",
+                   tmp_path / "hf")
+    followed = run("export-hf", src, tmp_path / "hf", "--hf-assets", assets, "--preset", "torchtitan-qwen3-moe",
+                   "--key-map", f'{{"{buffer}": null}}')
+    assert followed.exit_code == 0, followed.output
+    assert len(load_file(tmp_path / "hf" / "model.safetensors")) == 3 + 9 + 3 * 4
+
+
+@pytest.mark.parametrize("keys, framework", [
+    (["tok_embeddings.weight", "layers.0.attention.wq.weight"], "torchtitan (or Meta)"),  # Meta, torchtitan <= 0.2
+    (["layers.3.feed_forward.w1.weight"], "torchtitan (or Meta)"),
+    (["decoder.layers.self_attention.linear_qkv.weight"], "Megatron"),  # torch_dist, layer-stacked
+    (["decoder.layers.0.mlp.linear_fc1.weight"], "Megatron"),  # megatron-core's per-layer state dict
+    (["language_model.encoder.layers.0.self_attention.query_key_value.weight"], "Megatron"),  # Megatron-LM legacy
+    (["layers.0.self_attn.q_proj.weight", "embed_tokens.weight", "norm.weight"], None),  # HF's LlamaModel
+    (["decoder.layers.0.self_attn.k_proj.weight", "encoder.layers.0.fc1.weight"], None),  # HF's BartModel
+    (["model.layers.0.self_attn.q_proj.weight"], None),
+])
+def test_recognise_knows_framework_names_and_not_hf_base_models(keys, framework):
+    from ckptkit.models.detect import recognise
+
+    found = recognise(keys)
+    assert (found[0].name if found else None) == framework

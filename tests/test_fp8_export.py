@@ -131,7 +131,8 @@ def test_export_hf_fp8_cuts_partial_tiles_as_torchs_reader_reads_them(tmp_path):
     (tmp_path / "src").mkdir()
     save_file({key: w, "model.norm.weight": torch.ones(300, dtype=torch.bfloat16)},
               tmp_path / "src" / "model.safetensors")
-    (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    # Not a whole model of a transformers class, so a model_type transformers does not know.
+    (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": "my-own-lm"}))
     ckptkit.export_hf(tmp_path / "src", tmp_path / "fp8", hf_assets=tmp_path / "src", dtype="fp8",
                       max_memory=20_000, max_shard_size="50KB")
     got = load_hf(tmp_path / "fp8")

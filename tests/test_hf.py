@@ -207,7 +207,9 @@ def test_verify_model_only_matches_export(tmp_path, full_ckpt):
 
 def _assets(root: Path, tie: bool | None) -> Path:
     root.mkdir()
-    config = {"model_type": "llama", "vocab_size": 6}
+    # The Llama these tensors are: no layers (transformers' class of the config holds exactly these weights).
+    config = {"model_type": "llama", "vocab_size": 6, "hidden_size": 4, "num_hidden_layers": 0,
+              "num_attention_heads": 1, "intermediate_size": 8}
     if tie is not None:
         config["tie_word_embeddings"] = tie
     (root / "config.json").write_text(json.dumps(config))

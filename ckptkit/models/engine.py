@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import re
 from dataclasses import dataclass
 
 from ..core.dtypes import by_name
@@ -32,9 +31,10 @@ from ..core.reshape import (
 )
 from ..errors import UsageError
 from .complete import Source, buffers, check_complete, fill, listed
+from .nametable import Match, NameTable, advice, nearest, unknown_keys
 from .table import CONFIG_NAMES, STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
 
-__all__ = ["Adapted", "NameTable", "Source", "apply_preset", "listed"]
+__all__ = ["Adapted", "NameTable", "Source", "advice", "apply_preset", "listed", "nearest", "unknown_keys"]
 Binding = tuple[tuple[str, str], ...]
 
 
@@ -46,37 +46,6 @@ class Adapted:
     notes: tuple[str, ...]
     gathered: int = 0
     """Tensors whose rows the rotary transform reordered."""
-
-
-def _pattern(name: str) -> re.Pattern:
-    text = re.escape(name)
-    for ph in re.findall(r"\\\{(\w+)\\\}", text):
-        text = text.replace(f"\\{{{ph}\\}}", f"(?P<{ph}>\\d+)", 1)
-    return re.compile(text)
-
-
-@dataclass(frozen=True)
-class _Match:
-    row: Row
-    part: int
-    binding: dict[str, str]
-
-
-class NameTable:
-    """A preset's rows as regular expressions, per side."""
-
-    def __init__(self, p: Preset) -> None:
-        self.hf = [(_pattern(n), r, i) for r in p.rows if not r.read_only for i, n in enumerate(r.hf_names)]
-        self.other = [(_pattern(n), r, i if r.hf_fuses else 0) for r in p.rows for i, n in enumerate(r.other)]
-        self.dropped = [_pattern(d) for d in (*p.dropped, *(b.other for b in p.buffers))]
-        self.refused = [(_pattern(n), why) for n, why in p.refuse]
-
-    @staticmethod
-    def find(side: list, key: str) -> _Match | None:
-        for regex, row, part in side:
-            if m := regex.fullmatch(key):
-                return _Match(row, part, m.groupdict())
-        return None
 
 
 def _direction(p: Preset, table: NameTable, keys: list[str], to_hf: bool | None) -> bool:
@@ -146,7 +115,7 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
         sources = _dequantize(sources, p)
     if not towards and p.mxfp4:
         sources = _dequantize_mxfp4(sources, p)
-    matched: list[tuple[Source, _Match]] = []
+    matched: list[tuple[Source, Match]] = []
     unknown: list[str] = []
     for s in sources:
         key = s.entry.key
@@ -162,8 +131,7 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
             unknown.append(key)
     if unknown:
         raise UsageError(f"--preset {p.name}: {len(unknown)} keys are not {p.other_side if towards else 'HF'} names "
-                         f"it knows: {listed(unknown)}; rename them first (--rename, --key-map) or leave them out "
-                         "with --key-map '{\"KEY\": null}'")
+                         f"it knows: {listed(unknown)}; {advice(p, unknown, towards)}")
     build = _Builder(p, shape)
     out = build.to_hf(matched) if towards else build.from_hf(matched)
     canonical = {r.hf_names: r for r in p.rows if not r.read_only}
@@ -306,7 +274,7 @@ class _Builder:
             raise UsageError(f"--preset {self.p.name}: {entry.key!r} has {rows} rows, not whole heads of head_dim "
                              f"{shape.head_dim} ({shape.source})")
 
-    def to_hf(self, matched: list[tuple[Source, _Match]]) -> list[Source]:
+    def to_hf(self, matched: list[tuple[Source, Match]]) -> list[Source]:
         out: list[Source] = []
         fused: dict[tuple[Row, Binding], dict[int, Source]] = {}
         for s, m in matched:
@@ -366,7 +334,7 @@ class _Builder:
         return [take_rows(name, [(entry, g * per + a, g * per + a + n) for g in range(groups)])
                 for name, a, n in zip(names, starts, counts, strict=True)]
 
-    def from_hf(self, matched: list[tuple[Source, _Match]]) -> list[Source]:
+    def from_hf(self, matched: list[tuple[Source, Match]]) -> list[Source]:
         """Gathers each row's HF tensors (its parts, its stacked indices) and builds the other side's tensor."""
         groups: dict[tuple[Row, Binding], dict[tuple[str, int], Source]] = {}
         out: list[Source] = []

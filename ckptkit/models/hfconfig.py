@@ -19,6 +19,7 @@ from .megatron_args import run_args
 from .table import ModelShape, Preset, model_shape
 
 __all__ = ["INPUT_EMBEDDINGS", "TIE_DEFAULTS", "ModelConfig", "check_single_file", "find_config", "keep_in_fp32",
+           "model_class",
            "read_model_config", "tie_word_embeddings"]
 
 
@@ -133,7 +134,7 @@ def find_config(src: Path, hf_assets: Path | str | None) -> ModelConfig | None:
     return ModelConfig(params, read_model_config(params)) if params.is_file() else None
 
 
-def _model_class(config: dict):
+def model_class(config: dict):
     """The transformers class the config names (``architectures``, else its ``model_type``'s causal LM), or None
     where transformers is not installed or does not know it. Looked up lazily: no model is built."""
     try:
@@ -161,7 +162,7 @@ def keep_in_fp32(config: dict, cast: DType | None) -> tuple[re.Pattern | None, s
     (None, None) where there is no such class or list."""
     if cast is None or cast.name not in ("float16", "bfloat16"):
         return None, None
-    cls = _model_class(config)
+    cls = model_class(config)
     if cls is None:
         return None, None
     found: list[str] = []

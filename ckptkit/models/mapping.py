@@ -1,7 +1,7 @@
 """Key mapping: the model's keys turned into another code base's names, as pure planning.
 
-A :class:`KeyMapping` says how: ``key_map`` (exact names, from ``--key-map FILE.json``; ``null`` leaves a key
-out), then ``renames`` (``--rename 'REGEX=REPLACEMENT'``, in order, each a :func:`re.sub` over every key),
+A :class:`KeyMapping` says how: ``key_map`` (exact names, from ``--key-map``, inline JSON or a file; ``null``
+leaves a key out), then ``renames`` (``--rename 'REGEX=REPLACEMENT'``, in order, each a :func:`re.sub` over every key),
 then a ``preset`` (:mod:`.presets`: a name table with tensor transforms). :func:`map_keys` applies it to the
 tensors that the model-part rule (:mod:`.select`) chose and named: it renames entries and attaches row
 gathers, and reads no file, so a mapping streams like any conversion and ``--dry-run`` shows it whole.
@@ -34,7 +34,8 @@ __all__ = ["KeyMapSource", "KeyMapping", "MappedKeys", "Renames", "key_mapping",
 Renames = Iterable[str | tuple[str, str]]
 """``--rename`` values: ``'REGEX=REPLACEMENT'`` strings, or (regex, replacement) pairs."""
 KeyMapSource = Mapping[str, str | None] | Path | str | None
-"""``--key-map``: old key to new key (None leaves it out), or the path of a JSON file of that."""
+"""``--key-map``: old key to new key (None leaves it out), as a mapping, inline JSON of that (a string that
+starts with ``{``), or the path of a JSON file of that."""
 _SHOWN = 8
 _MAX_OPTION_FILE = 64 << 20
 
@@ -78,7 +79,7 @@ class MappedKeys:
     permuted: tuple[str, ...] = ()
     """New keys whose rows a preset's transform reordered."""
     preset: str | None = None
-    """The preset applied, by name."""
+    """The preset that mapped the keys (the one ``auto`` chose), or None."""
 
 
 def parse_rename(text: str) -> tuple[str, str]:
@@ -90,11 +91,24 @@ def parse_rename(text: str) -> tuple[str, str]:
     raise UsageError(f"--rename {text!r}: expected REGEX=REPLACEMENT, e.g. '^model\\.=' or 'attn\\.(\\w)_proj=\\1'")
 
 
-def read_key_map(path: Path) -> tuple[tuple[str, str | None], ...]:
-    """A ``--key-map`` file: a JSON object of old key to new key (``null``: leave the key out)."""
-    data = read_json(path, "--key-map")
+def read_key_map(source: Path | str) -> tuple[tuple[str, str | None], ...]:
+    """``--key-map``: a JSON object of old key to new key (``null``: leave the key out), given inline (text that
+    starts with ``{``) or as the path of a file holding it.
+
+    Raises:
+        UsageError: not a JSON object of strings and nulls, or a file that cannot be read.
+    """
+    inline = isinstance(source, str) and source.lstrip().startswith("{")
+    if inline:
+        try:
+            data = json.loads(str(source))
+        except ValueError as e:
+            raise UsageError(f"--key-map {str(source)!r:.80}: not valid JSON ({e})") from None
+    else:
+        data = read_json(Path(source), "--key-map")
     if not isinstance(data, dict) or not all(isinstance(v, str) or v is None for v in data.values()):
-        raise UsageError(f"--key-map {path}: expected a JSON object of old key to new key (or null to leave it out)")
+        where = f"{str(source)!r:.80}" if inline else str(source)
+        raise UsageError(f"--key-map {where}: expected a JSON object of old key to new key (or null to leave it out)")
     return tuple(data.items())
 
 
@@ -104,7 +118,7 @@ def key_mapping(*, preset: str | None = None, renames: Renames = (), key_map: Ke
     strings or pairs, ``key_map`` as a dict or the path of its JSON file, ``preset`` ``"none"`` as None."""
     preset = None if preset == "none" else preset
     pairs = tuple(parse_rename(r) if isinstance(r, str) else (r[0], r[1]) for r in renames)
-    table = read_key_map(Path(key_map)) if isinstance(key_map, (str, Path)) else tuple((key_map or {}).items())
+    table = read_key_map(key_map) if isinstance(key_map, (str, Path)) else tuple((key_map or {}).items())
     return KeyMapping(key_map=table, renames=pairs, preset=preset, strict=strict)
 
 
@@ -180,7 +194,7 @@ def _check_collisions(new_of: Mapping, origin_of: Mapping | None = None) -> None
     origins: dict[str, str] = {}
     for item, new in new_of.items():
         old = origin_of[item] if origin_of is not None else item
-        if not new:
+        if not new and new != old:  # a key that was empty and stays so is no rename (torch saves '' keys)
             raise UsageError(f"key {old!r} would be renamed to an empty name")
         if new in origins:
             raise UsageError(f"keys {origins[new]!r} and {old!r} would both be named {new!r}")

@@ -7,9 +7,15 @@ checkpointing). Every rename is counted and reported; which tensors are the mode
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
-__all__ = ["WRAPPER_NAMES", "strip_names", "strip_wrapper_names"]
+__all__ = ["RECOMPUTED", "WRAPPER_NAMES", "strip_names", "strip_wrapper_names"]
+
+RECOMPUTED = re.compile(r"(^|\.)(inv_freq|freqs_cis|freqs|position_ids|masked_bias|_extra_state)$")
+"""Names of what a checkpoint may hold beside the weights and a consumer rebuilds itself: rotary tables
+(``rotary_emb.inv_freq``, ``freqs_cis``, Meta's ``rope.freqs``), position ids, attention masks and Transformer
+Engine's ``_extra_state``. Only these may be left out of a model on a refusal's advice; a weight never is."""
 
 WRAPPER_NAMES = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 """Key segments that wrappers insert anywhere; ``module`` is stripped only as a leading segment (DDP)."""

@@ -12,19 +12,20 @@ from ..formats import FormatIO
 from ..formats._megatron import COMMON, extra_states
 from ..formats.dcp import check_blobs
 from ..models.detect import check_family, detect_family
-from ..models.engine import NameTable
+from ..models.engine import NameTable, listed
+from ..models.hfclass import class_keys
 from ..models.hfconfig import check_single_file, find_config
 from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
 from ..models.megatron_args import MEGATRON_SIDE, for_run, run_args
-from ..models.registry import MEGATRON, MEGATRON_REFUSED, preset
+from ..models.registry import MEGATRON, MEGATRON_REFUSED, PRESETS, preset
 from ..models.table import ModelShape, Preset
 from ..models.unmapped import refuse_unmapped
 from ._optimizer import Entry, carry_training_state
 from .report import Changes
 from .select import select_model
 
-__all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "Resolved", "check_megatron_args", "key_mapping_for", "map_model",
-           "megatron_preset", "model_part", "resolve_mapping"]
+__all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "Resolved", "check_class", "check_megatron_args", "key_mapping_for",
+           "map_model", "megatron_preset", "model_part", "resolve_mapping"]
 
 TO_MEGATRON = "megatron"
 """The ``--to`` name of a megatron-core checkpoint: SHARDED, with megatron-core's names and files."""
@@ -57,11 +58,12 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
     sel = select_model(manifest)
     tensors, notes, changes = sel.tensors, sel.notes, Changes()
     state: tuple[Entry, ...] = ()
+    mapped_by = None
     if mapping:
         to_hf = True if io.hf_model else False if to == TO_MEGATRON else None
         r = resolve_mapping(tensors, mapping, src, hf_assets, to_hf, megatron_args)
         mapped = r.map(tensors, to_hf)
-        tensors, notes = mapped.tensors, notes + r.notes + mapped.notes
+        tensors, notes, mapped_by = mapped.tensors, notes + r.notes + mapped.notes, r.mapping.preset
         changes = Changes(mapped.renamed, mapped.dropped, permuted=mapped.permuted)
         if not io.hf_model and to != TO_MEGATRON:
             carried = carry_training_state(manifest, sel, mapped, lambda ts: r.map(ts, to_hf),
@@ -69,6 +71,11 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
             state = carried.entries
             left = tuple(d for d in sel.left_out if d.split(" (", 1)[0] not in carried.groups)
             notes = dataclasses.replace(sel, left_out=left).notes + notes[len(sel.notes):] + carried.notes
+    if io.hf_model and isinstance(hf_assets, (str, os.PathLike)):  # a URL's assets are not read for this
+        config = find_config(Path(src), hf_assets)
+        if config is not None and config.is_hf:
+            notes += check_class(config.data, [t.key for t in tensors], str(config.path), mapping.preset is None,
+                                 mapped_by)
     objects = (*extra_states(tensors), *MEGATRON_STEP_0) if to == TO_MEGATRON else ()
     if to == TO_MEGATRON and megatron_args:
         notes += ("common.pt holds no run arguments (Megatron-LM checks a checkpoint's against its own): pass the "
@@ -126,6 +133,8 @@ def resolve_mapping(tensors: tuple[TensorEntry, ...], mapping: KeyMapping, src: 
         if mapping.preset == "auto":
             refuse_unmapped(keys, config.data if config is not None else None, where)
             found = detect_family(keys, model_type if isinstance(model_type, str) else None, where)
+            if found.unmapped and to_hf:
+                raise UsageError(f"--preset auto: {found.why}")
             mapping = dataclasses.replace(mapping, preset=found.preset)
             notes = (f"--preset auto: {found.preset} ({found.why})",) if found.preset else ()
         if mapping.preset is not None:
@@ -185,3 +194,43 @@ def megatron_preset(src: Path, hf_assets: Path | str | None, preset: str | None)
         raise UsageError(f"{where} model_type {model_type!r:.40} has no Megatron table; pass --preset "
                          f"({', '.join(MEGATRON.values())})")
     return MEGATRON[model_type]
+
+
+def check_class(config: dict, keys: list[str], where: str, keep_names: bool, mapped_by: str | None = None
+                ) -> tuple[str, ...]:
+    """Refuses an HF output that transformers' class of ``config`` (read from ``where``) would load differently:
+    keys it does not load, or weights of it that no key gives (:func:`ckptkit.models.hfclass.class_keys`).
+    ``keep_names`` (``--preset none``): the names were asked for as they are, so keys it does not load are a
+    note. Buffers the class computes itself are always a note. Keys that preset ``mapped_by`` wrote for the
+    family the config names are not checked again: each table is tested against that family's class, and
+    importing transformers' model code costs seconds.
+
+    Returns:
+        Notes for the report.
+
+    Raises:
+        UsageError: the keys and the class disagree.
+    """
+    if mapped_by is not None and config.get("model_type") in PRESETS[mapped_by].model_types:
+        return ()
+    found = class_keys(config, keys)
+    if found is None:
+        return ()
+    notes = []
+    if found.unexpected and keep_names:
+        notes.append(f"--preset none: transformers' {found.name} ({where}) does not load {len(found.unexpected)} of "
+                     f"the keys written: {listed(found.unexpected)}")
+    elif found.unexpected or found.missing:
+        said = [f"does not load {len(found.unexpected)} of the keys to write ({listed(found.unexpected)})"
+                ] if found.unexpected else []
+        said += [f"would initialise {len(found.missing)} of its weights afresh, which no key gives "
+                 f"({listed(found.missing)})"] if found.missing else []
+        advice = (f"the names need a --preset ({', '.join(PRESETS)}), or --hf-assets of the model these weights are; "
+                  "--preset none writes the names as they are" if found.unexpected
+                  else "--hf-assets of the model these weights are")
+        raise UsageError(f"{where}: transformers' {found.name} {' and '.join(said)}: {advice}")
+    if found.buffers:
+        notes.append(f"transformers' {found.name} computes {len(found.buffers)} buffers the output does not hold: "
+                     f"{listed(found.buffers)}")
+    return tuple(notes) or (f"every key loads in transformers' {found.name} ({where}), and none of its weights is "
+                            "missing",)

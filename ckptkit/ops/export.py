@@ -47,7 +47,7 @@ from ..models.megatron_args import MEGATRON_SIDE, run_args
 from ..models.megatron_config import ARCHITECTURES, hf_config
 from ..models.registry import preset as preset_named
 from ._fp8 import fp8_config, quantize_fp8
-from ._model import check_megatron_args, map_model
+from ._model import check_class, check_megatron_args, map_model
 from ._options import WriteKeywords, storage_of, write_options
 from .assets import find_assets
 from .convert import parse_size, write
@@ -97,6 +97,29 @@ def _untie(tensors: list[TensorEntry], config: dict, max_memory: int) -> tuple[l
         raise UsageError(f"{why}, but lm_head.weight and {embed.key} differ ({diff}); refusing to drop "
                          "lm_head.weight: use assets whose config says tie_word_embeddings: false")
     return [t for t in tensors if t is not head], f"lm_head.weight left out: tied to {embed.key} ({why})"
+
+
+_QUANTIZED = re.compile(r"(_scale_inv|weight_scale|_blocks|_scales|qweight|qzeros|\.SCB|absmax|quant_map|"
+                        r"weight_packed|input_scale)$")
+"""Names of the tensors a quantized release holds beside (or for) its weights: FP8 block scales, MXFP4's blocks
+and scales, GPTQ/AWQ's packed weights, bitsandbytes' and compressed-tensors' scales."""
+
+
+def _without_quantization(config: dict, tensors: list[TensorEntry], cast: DType | None) -> tuple[dict, str | None]:
+    """``config`` without its ``quantization_config`` where the weights written (after the ``cast``) are not in a
+    quantized form (no float8 or integer weights, none of the tensors a quantized release holds beside them):
+    transformers would build the quantized layers that config names and read plain weights into them."""
+    quant = config.get("quantization_config")
+    if quant is None:
+        return config, None
+    written = {t.key: cast if cast is not None and t.dtype.is_floating else t.dtype for t in tensors}
+    quantized = [k for k, dtype in written.items()
+                 if _QUANTIZED.search(k) or dtype.name.startswith(("float8", "int", "uint")) and k.endswith("weight")]
+    if quantized:
+        return config, None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    return ({k: v for k, v in config.items() if k != "quantization_config"},
+            f"config.json: quantization_config ({method or 'unnamed'}) left out: the weights written are not quantized")
 
 
 def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: list[TensorEntry],
@@ -182,7 +205,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets,
                        megatron_args)
-    part = _with_assets(part, storage_of(options), cast, options.max_memory)
+    part = _with_assets(part, storage_of(options), cast, options.max_memory, keep_names=mapping.preset is None)
     quantized: frozenset[str] = frozenset()
     if fp8:
         tensors, quantized, note = quantize_fp8(part.tensors)
@@ -204,6 +227,8 @@ class _Part:
     tensors: tuple[TensorEntry, ...]
     notes: tuple[str, ...]
     hf_assets: Path | str | None
+    preset: str | None = None
+    """The preset that mapped the keys, or None."""
     renamed: tuple[tuple[str, str], ...] = ()
     dropped: tuple[tuple[str, str], ...] = ()
     permuted: tuple[str, ...] = ()
@@ -228,7 +253,8 @@ def _model_part(src: Path, local: LocalOptions | None, model_key: str, strip_pre
     mapped = map_model(sel.tensors, mapping, found.path, hf_assets, to_hf=True, megatron_args=megatron_args)
     config, said = _megatron_config(found.path, mapped, megatron_args) if hf_assets is None else (None, None)
     return _Part(manifest, mapped.tensors, notes + mapped.notes + ((said,) if said else ()), hf_assets,
-                 mapped.renamed, mapped.dropped, mapped.permuted, config=config)
+                 preset=mapped.preset, renamed=mapped.renamed, dropped=mapped.dropped, permuted=mapped.permuted,
+                 config=config)
 
 
 def _megatron_config(src: Path, mapped: MappedKeys, megatron_args: dict | None) -> tuple[dict | None, str | None]:
@@ -246,24 +272,35 @@ def _megatron_config(src: Path, mapped: MappedKeys, megatron_args: dict | None) 
     return made or (None, None)
 
 
-def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int) -> _Part:
+def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int, keep_names: bool) -> _Part:
     """``part`` with the files of its ``hf_assets`` to copy (or the config made from a Megatron run's arguments),
-    untied as their config says, the config naming the dtype written."""
+    untied as their config says, checked against the config's transformers class
+    (:func:`ckptkit.ops._model.check_class`; ``keep_names``: ``--preset none``), the config naming the dtype
+    written."""
     if part.hf_assets is not None:
-        assets, config, left_note = _assets(storage_at(part.hf_assets, storage)[1])
+        directory = storage_at(part.hf_assets, storage)[1]
+        assets, config, left_note = _assets(directory)
+        where = str(directory / "config.json")
     elif part.config is not None:
-        config, left_note = part.config, None
+        config, left_note, where = part.config, None, "the config.json made from Megatron's arguments"
         assets = (FilePlan("config.json", (Bytes((json.dumps(config, indent=2) + "\n").encode()),)),)
     else:
         return part
     tensors, tie_note = _untie(list(part.tensors), config, max_memory)
     kept = {t.key for t in tensors}
     untied = [(t.key, "tied to the input embedding") for t in part.tensors if t.key not in kept]
+    config, quant_note = _without_quantization(config, tensors, cast)
+    # A quantized model's layers are the quantizer's, which from_pretrained builds and a bare class lacks.
+    class_notes = () if "quantization_config" in config else \
+        check_class(config, [t.key for t in tensors], where, keep_names, part.preset)
+    if quant_note:
+        assets = tuple(FilePlan(p.relpath, (Bytes((json.dumps(config, indent=2) + "\n").encode()),))
+                       if p.relpath == "config.json" else p for p in assets)
     assets, dtype_note = _with_written_dtype(assets, config, tensors, cast)
-    notes = [n for n in (tie_note, dtype_note) if n]
+    notes = [n for n in (tie_note, quant_note, dtype_note) if n]
     notes += ["copied " + ", ".join(p.relpath for p in assets)] if part.hf_assets is not None else []
     notes += [left_note] if left_note else []
-    return dataclasses.replace(part, tensors=tuple(tensors), notes=part.notes + tuple(notes),
+    return dataclasses.replace(part, tensors=tuple(tensors), notes=part.notes + tuple(notes) + class_notes,
                                dropped=part.dropped + tuple(untied), assets=assets, config=config)
 
 

@@ -77,8 +77,8 @@ def test_megatron_convert_full_is_dcp_to_torch_save_plus_common_state_as_megatro
     assert ckptkit.verify(ckpt, tmp_path / "full.pt").ok  # ckptkit reads its own output back, args included
 
 
-def test_megatron_export_hf_without_preset_keeps_megatron_names_and_bytes(llama_tp2, tmp_path):
-    ckptkit.export_hf(llama_tp2, tmp_path / "hf")
+def test_megatron_export_hf_with_preset_none_keeps_megatron_names_and_bytes(llama_tp2, tmp_path):
+    ckptkit.export_hf(llama_tp2, tmp_path / "hf", preset=None)
     oracle = load_dcp(llama_tp2, tmp_path / "oracle.pt")
     assert_same_tree(load_hf(tmp_path / "hf"), {k: v for k, v in oracle.items() if isinstance(v, torch.Tensor)})
 
@@ -176,6 +176,55 @@ def test_megatron_export_hf_llama_loads_in_transformers_and_matches_megatrons_fo
     difference = (_hf_logits(model) - megatron_logits).abs().max().item()
     print(f"llama: largest logit difference, transformers vs megatron-core: {difference:.3g}")
     assert difference < 1e-5
+
+
+def test_megatron_export_hf_preset_auto_picks_the_family_and_transformers_loads_every_weight(llama_tp2, tmp_path):
+    assets = tmp_path / "assets"
+    _hf_config("llama").save_pretrained(assets)
+    code, out = _run("export-hf", llama_tp2, tmp_path / "auto", "--hf-assets", assets)  # --preset auto, the default
+    assert code == 0, out
+    assert "--preset auto: megatron-llama (model_type 'llama' in " in out
+    ckptkit.export_hf(llama_tp2, tmp_path / "named", preset="megatron-llama", hf_assets=assets)
+    for f in (tmp_path / "named").iterdir():
+        assert (tmp_path / "auto" / f.name).read_bytes() == f.read_bytes(), f.name
+    _hf_model("llama", tmp_path / "auto")  # nothing missing, unexpected or mismatched
+    ckptkit.convert(llama_tp2, tmp_path / "converted", to="hf", hf_assets=assets)  # convert --to hf: the same
+    assert_same_tree(load_hf(tmp_path / "converted"), load_hf(tmp_path / "named"))
+
+
+def test_megatron_export_hf_preset_auto_tells_the_family_by_its_keys_without_a_config(moe_tp2, tmp_path):
+    report = ckptkit.export_hf(moe_tp2, tmp_path / "auto")  # no --hf-assets: common.pt's args give the counts
+    assert "--preset auto: megatron-qwen3-moe (Megatron names of --preset megatron-qwen3-moe's table)" in report.notes
+    ckptkit.export_hf(moe_tp2, tmp_path / "named", preset="megatron-qwen3-moe")
+    assert (tmp_path / "auto" / "model.safetensors").read_bytes() == \
+        (tmp_path / "named" / "model.safetensors").read_bytes()
+
+
+def test_megatron_export_hf_refusal_of_a_bias_never_offers_to_leave_the_weight_out(llama_tp2, tmp_path):
+    ckptkit.convert(llama_tp2, tmp_path / "full.pt", to="full")
+    state = torch.load(tmp_path / "full.pt", weights_only=False)  # the test's own file
+    state["decoder.layers.self_attention.linear_qkv.bias"] = torch.zeros(2, 64)  # a Qwen2-shaped attention
+    torch.save(state, tmp_path / "qwen2ish.pt")
+    _hf_config("llama").save_pretrained(tmp_path / "assets")
+    code, out = _run("export-hf", tmp_path / "qwen2ish.pt", tmp_path / "hf", "--preset", "megatron-llama",
+                     "--hf-assets", tmp_path / "assets")
+    assert code == 2 and out.count("\n") == 1, out
+    assert "'decoder.layers.self_attention.linear_qkv.bias' is a weight of a family or variant that --preset " \
+           "megatron-llama does not map yet" in out and "null" not in out, out
+    assert not (tmp_path / "hf").exists()
+    # Leaving the bias out anyway, for a Qwen2: transformers' class would initialise its 6 q/k/v biases afresh.
+    import transformers
+
+    fields = _hf_config("llama").to_dict()
+    transformers.Qwen2Config(**{k: fields[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                        "num_hidden_layers", "num_attention_heads",
+                                                        "num_key_value_heads", "tie_word_embeddings")}
+                             ).save_pretrained(tmp_path / "qwen2")
+    code, out = _run("export-hf", tmp_path / "qwen2ish.pt", tmp_path / "hf", "--preset", "megatron-llama",
+                     "--hf-assets", tmp_path / "qwen2", "--key-map",
+                     '{"decoder.layers.self_attention.linear_qkv.bias": null}')
+    assert code == 2 and "transformers' Qwen2ForCausalLM would initialise 6 of its weights afresh" in out, out
+    assert not (tmp_path / "hf").exists()
 
 
 def test_megatron_export_hf_reads_head_counts_from_common_pt_args(llama_tp2, tmp_path):

@@ -209,3 +209,34 @@ def test_fp8_deepseek_v3_import_equals_torchs_quantized_reader_and_transformers_
                                                          torch.float32))
     assert set(back) == set(read)
     assert report.tensors == len(expected)
+
+
+# The debug models of torchtitan 0.3's families that no preset mapped when this was written, by their own
+# registries' builders (qwen3_5's model needs flash-linear-attention, which is not installed here). Should a
+# preset come to map one, its own test takes over and this one skips it.
+_UNMAPPED = {"kimi_k2_7": ("_debugmodel", "flex", "standard"), "muse_glimmer": ("_debugmodel", "flex")}
+
+
+@pytest.mark.parametrize("name", _UNMAPPED)
+def test_export_hf_refuses_the_names_of_a_torchtitan_family_no_preset_maps(tmp_path, name):
+    import importlib
+
+    import torch.distributed.checkpoint as dcp
+    from click.testing import CliRunner
+
+    from ckptkit.cli import cli
+    from ckptkit.models.detect import detect_family
+
+    builder, *args = _UNMAPPED[name]
+    config = getattr(importlib.import_module(f"torchtitan.models.{name}"), builder)(*args)
+    with torch.device("meta"):
+        keys = list(config.build().state_dict())
+    if detect_family(keys, None).preset is not None:
+        pytest.skip(f"a preset maps {name} now")
+    # Its keys as torchtitan's model-only DCP holds them; one element each: the names are what is refused.
+    dcp.save({k: torch.zeros(1) for k in keys}, checkpoint_id=str(tmp_path / "step-0"), no_dist=True)
+    result = CliRunner().invoke(cli, ["export-hf", str(tmp_path / "step-0"), str(tmp_path / "hf")])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "--preset auto: the keys are torchtitan (or Meta) names (e.g. " in result.output
+    assert "this family or variant is not mapped yet" in result.output and "--preset none" in result.output
+    assert not (tmp_path / "hf").exists()
