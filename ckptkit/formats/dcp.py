@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..codecs.dcp_metadata import EMPTY_MARK, ChunkRecord, MetadataPickle, ObjectRecord, TensorRecord
+from ..codecs.dcp_metadata import ChunkRecord, MetadataPickle, ObjectRecord, TensorRecord
 from ..codecs.pickle_read import (
     MEMORY_FORMATS,
     Call,
@@ -42,12 +42,13 @@ from ..core import dtypes
 from ..core.boxes import shard0_boxes
 from ..core.dtypes import DType
 from ..core.gc_pause import gc_paused
-from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, bytes_entry, key_of
+from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef, bytes_entry
 from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan
-from ..core.tree import dcp_path, flatten, from_dcp_path
+from ..core.tree import dcp_path, from_dcp_path
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError
 from ..io.sources import Files
 from . import _accelerate as accelerate, _megatron as megatron
+from ._dcp_entries import empty_containers, empty_dict, open_whole_entries
 from ._lightning import META, meta_parts, read_meta
 from .base import FormatIO, FormatOptions, Target, cast_for, is_empty_container, object_value, regions_in
 
@@ -199,10 +200,10 @@ class DcpIO(FormatIO):
         paths = getattr(md, "planner_data", None) or {}
         files.expect(_chunk_edges(root, md, locate.storage))
         headers, objects = _headers(md, paths, locate, at)
-        objects += _empty_containers(paths, md.state_dict_metadata)
+        objects += empty_containers(paths, md.state_dict_metadata)
         # megatron-core's bytes entries are its ShardedObjects (rng_state, _extra_state), which its loader asks
         # for by their own keys: they stay whole, their bytes copied as they are.
-        opened, objects = ([], objects) if whole else _open_whole_entries(objects)
+        opened, objects = ([], objects) if whole else open_whole_entries(objects)
         chosen = None
         if wanted is not None and not (root / META).is_file():  # (meta.pt's entries join later: read them all)
             chosen = set(wanted(Manifest(Format.SHARDED, str(root), (*(bare for bare, _ in headers), *opened),
@@ -289,8 +290,8 @@ class DcpIO(FormatIO):
         # torch's DCP never writes an empty dict (its traversal finds no leaf in one; an empty list is a leaf),
         # and its loader trips over one as an entry (it falls back to a pre-2.4 key scheme): they are recorded
         # in planner_data alone, where torch does not look.
-        objects = [o for o in manifest.objects if not _empty_dict(o) and o.sidecar is None]
-        empty = {o.key: (*dcp_path(o.path), {}) for o in manifest.objects if _empty_dict(o) and o.sidecar is None}
+        objects = [o for o in manifest.objects if not empty_dict(o) and o.sidecar is None]
+        empty = {o.key: (*dcp_path(o.path), {}) for o in manifest.objects if empty_dict(o) and o.sidecar is None}
         blobs = [ObjectRecord(o.key, *put(0, (Region.whole(bytes_entry(o.blob, o.key)),) if o.blob
                                           else archive_parts(regions_in(o.value, options.cast))))
                  for o in objects]
@@ -404,46 +405,6 @@ def _chunks(bare: TensorEntry, sm: Any, locate: _Locator, files: Files, archives
                               f".metadata says {dtype} {list(sizes)}")
         chunks.append(Chunk(offsets, sizes, ref.span, ref.strides))
     return tuple(chunks)
-
-
-def _empty_dict(o: ObjectEntry) -> bool:
-    return is_empty_container(o) and isinstance(o.value, dict)
-
-
-def _empty_containers(paths: dict, entries: dict) -> list[ObjectEntry]:
-    """The empty dicts ``planner_data`` records beside the entries (see :data:`EMPTY_MARK`). Any other
-    path there that names no entry is ignored, as torch's loaders ignore it."""
-    found = []
-    for key, path in paths.items():
-        if key in entries or not isinstance(path, tuple) or not path or type(path[-1]) is not EMPTY_MARK or path[-1]:
-            continue
-        where = from_dcp_path(path[:-1])
-        if not all(type(k) in (str, int) for k in path[:-1]) or key_of(where) != key:
-            raise ValueError(f"key {key!r:.60} records an empty dict at {list(path)!r:.80}, not at its path")
-        found.append(ObjectEntry(key, where, {}))
-    return found
-
-
-def _open_whole_entries(objects: list[ObjectEntry]) -> tuple[list[TensorEntry], list[ObjectEntry]]:
-    """The tensors inside entries DCP stored whole, as entries of their own, and the other entries.
-
-    A planner with ``flatten_state_dict=False`` stores ``{"model": model.state_dict(), ...}`` as one bytes entry
-    per top-level key: ``model``'s tensors lie in its ``torch.save`` bytes, where torch's loader finds them.
-    Opened, they stream like any other tensor and the model rule sees them. An entry that holds no tensor stays
-    whole (its bytes are copied verbatim); one that cannot be decoded too, for the writer to name its fault."""
-    tensors: list[TensorEntry] = []
-    kept: list[ObjectEntry] = []
-    for o in objects:
-        try:
-            leaves = list(flatten(object_value(o), lambda v: isinstance(v, TensorRef), o.path))
-        except CheckpointError:
-            leaves = []
-        if not any(isinstance(leaf, TensorRef) for _, leaf in leaves):
-            kept.append(o)
-            continue
-        tensors += [leaf.as_entry(p) for p, leaf in leaves if isinstance(leaf, TensorRef)]
-        kept += [ObjectEntry(key_of(p), p, leaf) for p, leaf in leaves if not isinstance(leaf, TensorRef)]
-    return tensors, kept
 
 
 def _chunk_edges(root: Path, md: Any, storage: dict) -> Iterator[tuple[str, int, int]]:

@@ -32,14 +32,19 @@ TO_MEGATRON = "megatron"
 
 
 def key_mapping_for(io: FormatIO, to: str, src: Path, hf_assets: Path | str | None, preset: str | None,
-                    renames: Renames, key_map: KeyMapSource, strict: bool) -> KeyMapping:
+                    renames: Renames, key_map: KeyMapSource, strict: bool,
+                    megatron_args: dict | None = None) -> KeyMapping:
     """The key mapping of a conversion to ``io`` (asked for as ``to``): a model-only HF output maps towards HF
-    names by default (``preset="auto"``), a megatron-core one with its family's Megatron preset."""
+    names by default (``preset="auto"``), a megatron-core one with its family's Megatron preset. ``--megatron-args``
+    without any preset to read them is refused."""
     if to == TO_MEGATRON:
         preset = megatron_preset(src, hf_assets, preset)
     elif preset is None and io.hf_model:
         preset = "auto"
-    return key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict)
+    mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict)
+    if mapping.preset is None:
+        check_megatron_args(megatron_args, None)
+    return mapping
 
 
 def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, src: Path,

@@ -29,7 +29,7 @@ from ..io.parallel import execute_parallel, writers
 from ..io.progress import progress_bar
 from ..io.storage import Storage, storage_at
 from ..models.mapping import KeyMapSource, Renames
-from ._model import check_megatron_args, key_mapping_for, model_part
+from ._model import key_mapping_for, model_part
 from ._options import WriteKeywords, storage_of, write_options
 from .report import Changes, Report
 from .select import meta_groups
@@ -179,11 +179,9 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
         renames: ``'REGEX=REPLACEMENT'`` renames, applied in order.
         key_map: Old key to new key (None leaves the key out), as a dict or a JSON file.
         strict_map: Refuse keys that neither ``key_map`` nor ``renames`` maps.
-        hf_assets: An HF model directory whose ``config.json`` gives a preset its head and expert counts
-            (default: the source's own).
-        megatron_args: Megatron-LM arguments (``{"rotary_interleaved": True}``) that a ``megatron-*`` preset
-            applies: over those of the source's ``common.pt``, or, for ``megatron``, those of the run the output
-            is for (:mod:`ckptkit.models.megatron_args`).
+        hf_assets: An HF model directory whose ``config.json`` gives a preset its counts (default: the source's).
+        megatron_args: Megatron-LM arguments a ``megatron-*`` preset applies, over the source's own (for
+            ``megatron``: the run the output is for; :mod:`ckptkit.models.megatron_args`).
         options: How the output is written (:class:`ckptkit.WriteOptions`): overwrite, dry run, processes.
         **write_keywords: Fields of ``options`` as keywords (``overwrite=True``, ``workers=4``); they win.
 
@@ -191,19 +189,15 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
         What was written (or, with ``dry_run``, would be): files and sizes, keys renamed and left out, notes.
 
     Raises:
-        FormatError: A file of ``src`` is not what its format promises, or ``src`` is no checkpoint ckptkit
-            knows.
+        FormatError: A file of ``src`` is not what its format promises, or no checkpoint ckptkit knows.
         IncompleteCheckpointError: A rank file, chunk or shard of ``src`` is missing, or chunks overlap.
         UnsafeCheckpointError: A pickle in ``src`` names a global outside the allow-list.
-        UsageError: The request is inconsistent: ``dst`` exists without ``overwrite``, lies inside ``src``,
-            or an option value is unknown.
+        UsageError: ``dst`` exists without ``overwrite``, lies inside ``src``, or an option is unknown.
     """
     options = write_options(options, write_keywords)
     io = writer_for(to, local)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
-    mapping = key_mapping_for(io, to, src, hf_assets, preset, renames, key_map, strict_map)
-    if mapping.preset is None:
-        check_megatron_args(megatron_args, None)
+    mapping = key_mapping_for(io, to, src, hf_assets, preset, renames, key_map, strict_map, megatron_args)
     found = locate(src, local)
     manifest = found.reader.read(found.path)
     world_size, notes = _world_size(world_size, manifest, io)

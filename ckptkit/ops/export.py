@@ -170,17 +170,14 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
             (:mod:`ckptkit.ops._fp8`).
         max_shard_size: Largest safetensors file (``"5GB"``, ``"1GiB"`` or bytes); None: one file.
         strip_prefixes: Further leading key prefixes to strip.
-        strip_wrappers: Strip ``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.`` and
-            ``_checkpoint_wrapped_module.``.
-        hf_assets: An HF model directory whose config, tokenizer and other files are copied (default: the one the
-            checkpoint carries, verl's ``huggingface/``).
+        strip_wrappers: Strip the wrapper names (:mod:`ckptkit.models.names`).
+        hf_assets: An HF model directory whose files are copied (default: the checkpoint's, verl's ``huggingface/``).
         preset: A key mapping towards HF names; ``auto`` picks the family's for torchtitan's names, None none.
         renames: ``'REGEX=REPLACEMENT'`` renames, applied in order.
         key_map: Old key to new key (None leaves the key out), as a dict or a JSON file.
         strict_map: Refuse keys that neither ``key_map`` nor ``renames`` maps.
         keep_fp32: Regular expressions of HF names kept in float32 under a cast.
-        megatron_args: Megatron-LM arguments (``{"rotary_interleaved": True}``) over those of the source's
-            ``common.pt``, for a ``megatron-*`` preset (:mod:`ckptkit.models.megatron_args`).
+        megatron_args: Megatron-LM arguments over the source's own (:mod:`ckptkit.models.megatron_args`).
         local: How to read a LOCAL checkpoint.
         options: How the output is written (:class:`ckptkit.WriteOptions`).
         **write_keywords: Fields of ``options`` as keywords; they win.
@@ -195,10 +192,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     """
     options = write_options(options, write_keywords)
     fp8 = dtype == "fp8"
-    cast = parse_cast("bf16" if fp8 else dtype)
-    keep_patterns = _patterns(keep_fp32, "--keep-fp32")
-    if keep_patterns and cast is None:
-        raise UsageError("--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype bf16 or fp16")
+    cast, keep_patterns = _cast_rule(dtype, keep_fp32)
     mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
     if mapping.preset is None:
         check_megatron_args(megatron_args, None)
@@ -206,17 +200,30 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets,
                        megatron_args)
     part = _with_assets(part, storage_of(options), cast, options.max_memory, keep_names=mapping.preset is None)
-    quantized: frozenset[str] = frozenset()
-    if fp8:
-        tensors, quantized, note = quantize_fp8(part.tensors)
-        part = dataclasses.replace(part, tensors=tensors, assets=fp8_config(part.assets, part.config),
-                                   notes=part.notes + (note,))
+    part, quantized = _quantized(part) if fp8 else (part, frozenset[str]())
     layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size), quantized)
     casts = tuple((t.key, to.name) for t in part.tensors if (to := layout.cast_of(t)) is not None)
     return write(Manifest(part.source.format, part.source.root, part.tensors), writer_for(Format.HF), dst, layout,
                  dataclasses.replace(options, progress=options.progress and not options.distributed), src=src,
                  extra_files=part.assets, notes=part.notes + cast_notes,
                  changes=Changes(part.renamed, part.dropped, casts, part.permuted))
+
+
+def _cast_rule(dtype: str, keep_fp32: Iterable[str]) -> tuple[DType | None, tuple[re.Pattern, ...]]:
+    """The cast of ``--dtype`` (``fp8`` casts what it leaves unquantized to bf16) and the ``--keep-fp32``
+    patterns, which need a cast."""
+    cast = parse_cast("bf16" if dtype == "fp8" else dtype)
+    keep_patterns = _patterns(keep_fp32, "--keep-fp32")
+    if keep_patterns and cast is None:
+        raise UsageError("--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype bf16 or fp16")
+    return cast, keep_patterns
+
+
+def _quantized(part: _Part) -> tuple[_Part, frozenset[str]]:
+    """``part`` in DeepSeek-V3's FP8 release form (:mod:`._fp8`), and the keys written as they are."""
+    tensors, quantized, note = quantize_fp8(part.tensors)
+    return dataclasses.replace(part, tensors=tensors, assets=fp8_config(part.assets, part.config),
+                               notes=part.notes + (note,)), quantized
 
 
 @dataclass(frozen=True)

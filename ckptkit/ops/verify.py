@@ -20,7 +20,7 @@ from typing import Any
 from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry, map_tensor_refs
 from ..core.plan import Region, row_blocks
 from ..errors import UsageError
-from ..formats import LocalOptions, locate, object_value
+from ..formats import LocalOptions, Located, locate, object_value
 from ..io.options import DEFAULT_MAX_MEMORY
 from ..io.progress import count, human_size, progress_bar
 from ..io.sources import Files, read_region
@@ -306,10 +306,7 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
         return _verify_alone(pa, max_memory, progress, local)
     mapping = KeyMapping(renames=tuple(parse_rename(r) if isinstance(r, str) else (r[0], r[1]) for r in renames))
     prefixes = tuple(strip_prefixes)
-    pb = storage_at(b, storage_options)[1]
-    fa, fb = locate(pa, local), locate(pb, local)
-    wanted = model_keys(strip_prefixes=prefixes) if model_only else None  # the model's chunks alone, as export_hf
-    ma, mb = (f.reader.read(f.path) if wanted is None else f.reader.read_part(f.path, wanted) for f in (fa, fb))
+    (fa, ma), (fb, mb) = (_read(p, local, model_only, prefixes) for p in (pa, storage_at(b, storage_options)[1]))
     ta, oa, notes_a = _entries(ma, model_only, prefixes, mapping)
     tb, ob, notes_b = _entries(mb, model_only, prefixes, mapping)
     with Files() as files:
@@ -321,6 +318,15 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     return VerifyReport(str(a), str(b), ma.format, mb.format, len(common), len([k for k in oa if k in ob]), total,
                         tuple(diffs), atol=atol, rtol=rtol,
                         notes=tuple(f.note for f in (fa, fb) if f.note) + notes_a + notes_b)
+
+
+def _read(path: Path, local: LocalOptions | None, model_only: bool, prefixes: tuple[str, ...]
+          ) -> tuple[Located, Manifest]:
+    """The checkpoint at ``path`` and its manifest: with ``model_only``, the model's chunks alone, as export_hf
+    reads them."""
+    found = locate(path, local)
+    wanted = model_keys(strip_prefixes=prefixes) if model_only else None
+    return found, found.reader.read(found.path) if wanted is None else found.reader.read_part(found.path, wanted)
 
 
 _HEAD = "lm_head.weight"

@@ -106,8 +106,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     Raises:
         CheckpointError: Under ``strict``, the keys do not match, or ``optimizer`` is given and the checkpoint
             holds no optimizer state or state that does not fit.
-        FormatError: ``latest`` is not a small file naming a step directory inside the run directory, or a
-            file of the checkpoint is not what its format promises.
+        FormatError: ``latest`` names no step directory of the run, or a file is not what its format says.
         ChecksumError: A tensor's bytes differ from the checksum recorded when it was saved.
         UsageError: ``path`` is a URL.
     """
@@ -115,8 +114,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     manifest = detect(ckpt).read(ckpt)  # once: for DCP this reads every chunk's header
     if verify_checksums:
         checksums.verify_on_every_rank(ckpt, manifest, gloo_group())
-    # Before anything touches the model: FSDP1 with parameter offloading takes a load into a fresh wrapper
-    # without moving it to the shard it trains from (see fsdp1_offload).
+    # First: an FSDP1 model offloading its parameters is settled before any load (see fsdp1_offload).
     settle_offloaded_fsdp1(model)
     # An HF folder's top-level keys are weights: its training state, if any, is the DCP saved beside them.
     training = _training_state(ckpt) if manifest.format is Format.HF else manifest
