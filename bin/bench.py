@@ -157,32 +157,42 @@ def titan_moe_shapes(layers: int, experts: int = 64, dim: int = 1536, ffn: int =
     return shapes + [("norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))], config
 
 
-def bench_titan_moe(layers: int, repeat: int, root: Path) -> None:
-    """export-hf of a torchtitan Qwen3-MoE DCP (experts split) and the reverse (experts joined), against cp."""
+def _there_and_back(shapes: Shapes, config: dict, there: tuple[str, list[str]], back: tuple[str, list[str]],
+                    repeat: int, root: Path) -> tuple[list[Row], int]:
+    """``shapes`` in bf16 as a 4-rank DCP with ``config`` as its config.json; ``there`` (a row's name and its
+    ckptkit arguments after SRC OUT) converts it, and ``back`` converts that output again; each timed against
+    the ``cp -r`` of its own input. The rows and the DCP's size."""
     import json
 
-    shapes, config = titan_moe_shapes(layers)
     total = write_dcp(root, [(k, s, "bfloat16") for k, s in shapes])
     assets = root / "assets"
     assets.mkdir()
     (assets / "config.json").write_text(json.dumps(config))
-    src, hf = root / "dcp", root / "hf"
+    src, mid = root / "dcp", root / "mid"
     compileall.compile_dir(Path(ckptkit_package.__file__).parent, quiet=1)
     ckptkit = [sys.executable, "-m", "ckptkit"]
-    export = Row("ckptkit export-hf (experts split)", lambda out: [
-        *ckptkit, "export-hf", str(src), str(out), "-q", "--hf-assets", str(assets)], src, keep=hf)
+    first = Row(there[0], lambda out: [*ckptkit, there[1][0], str(src), str(out), "-q", *there[1][1:],
+                                       "--hf-assets", str(assets)], src, keep=mid)
     _warm(src)
-    _time_rows([_cp(src), export], 1, root)  # makes the HF directory the reverse reads
-    back = Row("ckptkit convert --to sharded (joined)", lambda out: [
-        *ckptkit, "convert", str(hf), str(out), "--to", "sharded", "--world-size", "4", "-q", "--preset",
-        "torchtitan-qwen3-moe", "--hf-assets", str(assets)], hf)
-    rows = [_cp(src), export, _cp(hf), back]
+    _time_rows([_cp(src), first], 1, root)  # makes the output the way back reads
+    second = Row(back[0], lambda out: [*ckptkit, back[1][0], str(mid), str(out), "-q", *back[1][1:],
+                                       "--hf-assets", str(assets)], mid)
+    rows = [_cp(src), first, _cp(mid), second]
     for row in rows:
         row.runs.clear()
-    _warm(hf)
+    _warm(mid)
     _time_rows(rows, repeat, root)
+    return rows, total
+
+
+def bench_titan_moe(layers: int, repeat: int, root: Path) -> None:
+    """export-hf of a torchtitan Qwen3-MoE DCP (experts split) and the reverse (experts joined), against cp."""
+    shapes, config = titan_moe_shapes(layers)
+    rows, total = _there_and_back(shapes, config, ("ckptkit export-hf (experts split)", ["export-hf"]), (
+        "ckptkit convert --to sharded (joined)",
+        ["convert", "--to", "sharded", "--world-size", "4", "--preset", "torchtitan-qwen3-moe"]), repeat, root)
     _table(rows, total, repeat, f"{total / 1e9:.2f} GB bf16, torchtitan Qwen3-MoE, {layers} layers x 64 stacked "
-                                f"experts, 4-rank DCP, {_chunks(src)} chunks")
+                                f"experts, 4-rank DCP, {_chunks(root / 'dcp')} chunks")
 
 
 def deepseek_shapes(target: int, dim: int = 2048, heads: int = 16, ffn: int = 5632,
@@ -211,29 +221,10 @@ def deepseek_shapes(target: int, dim: int = 2048, heads: int = 16, ffn: int = 56
 
 def bench_fp8(size: int, repeat: int, root: Path) -> None:
     """export-hf --dtype fp8 of a bf16 DeepSeek-V3 (block scales computed) and the FP8 import back, against cp."""
-    import json
-
     shapes, config = deepseek_shapes(size)
-    total = write_dcp(root, [(k, s, "bfloat16") for k, s in shapes])
-    assets = root / "assets"
-    assets.mkdir()
-    (assets / "config.json").write_text(json.dumps(config))
-    src, fp8 = root / "dcp", root / "fp8"
-    compileall.compile_dir(Path(ckptkit_package.__file__).parent, quiet=1)
-    ckptkit = [sys.executable, "-m", "ckptkit"]
-    export = Row("ckptkit export-hf --dtype fp8", lambda out: [
-        *ckptkit, "export-hf", str(src), str(out), "-q", "--dtype", "fp8", "--hf-assets", str(assets)], src,
-        keep=fp8)
-    _warm(src)
-    _time_rows([_cp(src), export], 1, root)  # makes the FP8 folder the import reads
-    back = Row("ckptkit convert --to sharded (dequantized)", lambda out: [
-        *ckptkit, "convert", str(fp8), str(out), "--to", "sharded", "--world-size", "4", "-q", "--preset",
-        "torchtitan-deepseek-v3", "--hf-assets", str(assets)], fp8)
-    rows = [_cp(src), export, _cp(fp8), back]
-    for row in rows:
-        row.runs.clear()
-    _warm(fp8)
-    _time_rows(rows, repeat, root)
+    rows, total = _there_and_back(shapes, config, ("ckptkit export-hf --dtype fp8", ["export-hf", "--dtype", "fp8"]), (
+        "ckptkit convert --to sharded (dequantized)",
+        ["convert", "--to", "sharded", "--world-size", "4", "--preset", "torchtitan-deepseek-v3"]), repeat, root)
     _table(rows, total, repeat, f"{total / 1e9:.2f} GB bf16, DeepSeek-V3-shaped (MLA, dense MLPs), "
                                 f"{config['num_hidden_layers']} layers, 4-rank DCP -> FP8 HF -> 4-rank DCP")
 
