@@ -52,6 +52,15 @@ def megatron(g: torch.Generator) -> dict[str, torch.Tensor]:
             "decoder.layers.self_attention.linear_qkv.layer_norm_weight": torch.randn(LAYERS, DIM, generator=g)}
 
 
+def test_a_conversion_towards_megatron_names_refuses_keys_that_are_megatrons_already(tmp_path):
+    """``convert --to megatron`` of a megatron-core checkpoint: mapping its names "towards HF" would write HF
+    names into the megatron-core output and exit 0."""
+    sources = stored(tmp_path, megatron(torch.Generator().manual_seed(0)))
+    with pytest.raises(UsageError, match=r"the keys are Megatron names already \(e\.g\. 'decoder\.layers\..*reshard "
+                                         r"re-lays a checkpoint as it is"):
+        apply_preset(sources, MEGATRON, SHAPE, to_hf=False)
+
+
 def test_stacked_fused_rows_split_per_layer_and_query_group_and_join_back(tmp_path):
     src = megatron(torch.Generator().manual_seed(0))
     hf = written(tmp_path, apply_preset(stored(tmp_path, src), MEGATRON, SHAPE, to_hf=True).tensors)

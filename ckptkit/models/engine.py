@@ -59,6 +59,9 @@ def _direction(p: Preset, table: NameTable, keys: list[str], to_hf: bool | None)
     if only_hf and only_other and not to_hf:
         raise UsageError(f"--preset {p.name}: the keys mix Hugging Face names ({only_hf[0]!r}) and "
                          f"{p.other_side} names ({only_other[0]!r})")
+    if to_hf is False and only_other and not only_hf:  # asked for the other side's names, and they are already
+        raise UsageError(f"--preset {p.name}: the keys are {p.other_side} names already (e.g. {only_other[0]!r}); "
+                         f"this conversion maps Hugging Face names to them (reshard re-lays a checkpoint as it is)")
     return True if to_hf else not only_hf
 
 
