@@ -14,6 +14,11 @@ Shapes (``--shape``), each a bf16 checkpoint of random bits (the shapes are what
   32000), layer-stacked as ``torch_dist`` holds them, with ``common.pt`` (Megatron-LM's args) and
   ``metadata.json``, ``Shard(0)`` chunks laid out by ckptkit's writer; export-hf maps it with
   ``--preset megatron-llama`` (per-layer split, q/k/v per query group, gate/up).
+- ``megatron-moe``: megatron-core's names for a Mixtral-shaped MoE, ``--layers`` layers (default 8) of 64
+  experts (dim 1024, expert ffn 512, 16 heads in 4 query groups), written per layer as megatron-core writes a
+  model whose layers differ (``decoder.layers.{n}.mlp.experts.experts.linear_fc1.weight``, ``[experts, 2 x
+  ffn, dim]``, expert-parallel ``Shard(0)`` chunks), with ``common.pt`` and ``metadata.json``: ``export-hf
+  --preset megatron-mixtral`` splits each layer's experts, and ``reshard`` re-lays it for 3 ranks.
 - ``fp8``: a DeepSeek-V3-shaped model (MLA attention, dense MLPs; dim 2048, 16 heads, ffn 5632, vocab 32000) in
   bf16 under HF names, as many layers as fit in ``--size``: ``export-hf --dtype fp8`` writes it in the release's
   FP8 form (block scales computed), and ``convert --to sharded --preset torchtitan-deepseek-v3`` imports that
@@ -118,6 +123,54 @@ def write_megatron(root: Path, size: int) -> int:
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 0}, root / "dcp" / "common.pt")
     (root / "dcp" / CONFIG).write_bytes(CONFIG_BYTES)
     return total
+
+
+def megatron_moe_shapes(layers: int, experts: int = 64, dim: int = 1024, heads: int = 16, groups: int = 4,
+                        ffn: int = 512, vocab: int = 16000) -> tuple[Shapes, dict]:
+    """megatron-core's per-layer tensors of a Mixtral-shaped MoE, and its HF config.json."""
+    hd = dim // heads
+    shapes: Shapes = [("embedding.word_embeddings.weight", (vocab, dim))]
+    for n in range(layers):
+        p = f"decoder.layers.{n}."
+        shapes += [(p + "self_attention.linear_qkv.layer_norm_weight", (dim,)),
+                   (p + "self_attention.linear_qkv.weight", ((heads + 2 * groups) * hd, dim)),
+                   (p + "self_attention.linear_proj.weight", (dim, dim)), (p + "pre_mlp_layernorm.weight", (dim,)),
+                   (p + "mlp.router.weight", (experts, dim)),
+                   (p + "mlp.experts.experts.linear_fc1.weight", (experts, 2 * ffn, dim)),
+                   (p + "mlp.experts.experts.linear_fc2.weight", (experts, dim, ffn))]
+    config = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": dim,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": groups,
+              "head_dim": hd, "num_local_experts": experts, "num_experts_per_tok": 2, "intermediate_size": ffn,
+              "vocab_size": vocab, "tie_word_embeddings": False}
+    return shapes + [("decoder.final_layernorm.weight", (dim,)), ("output_layer.weight", (vocab, dim))], config
+
+
+def bench_megatron_moe(layers: int, repeat: int, root: Path) -> None:
+    """export-hf and reshard of megatron-core's per-layer MoE names, against cp."""
+    import json
+
+    import torch
+
+    from ckptkit.formats._megatron import CONFIG, CONFIG_BYTES
+
+    shapes, config = megatron_moe_shapes(layers)
+    total = write_dcp(root, [(k, s, "bfloat16") for k, s in shapes])
+    src = root / "dcp"
+    torch.save({"checkpoint_version": 3.0, "iteration": 0}, src / "common.pt")
+    (src / CONFIG).write_bytes(CONFIG_BYTES)
+    assets = root / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps(config))
+    compileall.compile_dir(Path(ckptkit_package.__file__).parent, quiet=1)
+    ckptkit = [sys.executable, "-m", "ckptkit"]
+    rows = [_cp(src), Row("ckptkit export-hf --preset megatron-mixtral", lambda out: [
+        *ckptkit, "export-hf", str(src), str(out), "-q", "--preset", "megatron-mixtral", "--hf-assets", str(assets)],
+        src), Row("ckptkit reshard -> 3", lambda out: [*ckptkit, "reshard", str(src), str(out), "--world-size", "3",
+                                                        "-q"], src)]
+    _warm(src)
+    _time_rows(rows, repeat, root)
+    _table(rows, total, repeat, f"{total / 1e9:.2f} GB bf16, megatron-core Mixtral-shaped MoE, {layers} layers x 64 "
+                                f"experts, per-layer keys, 4-rank torch_dist, {_chunks(src)} chunks")
 
 
 def moe_shapes(layers: int, experts: int = 64, dim: int = 1024, ffn: int = 96, vocab: int = 16000) -> Shapes:
@@ -365,7 +418,8 @@ def _chunks(path: Path) -> int:
 
 
 @click.command()
-@click.option("--shape", type=click.Choice(["dense", "moe", "moe-titan", "tp", "megatron", "fp8"]), default="dense",
+@click.option("--shape", type=click.Choice(["dense", "moe", "moe-titan", "tp", "megatron", "megatron-moe", "fp8"]),
+              default="dense",
               show_default=True, help="Which checkpoint (see the module docstring).")
 @click.option("--size", default="2GB", show_default=True, help="Approximate size of the dense and tp checkpoints.")
 @click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1), help="moe: layers.")
@@ -400,6 +454,8 @@ def main(shape: str, size: str, layers: int, world_size: int, workers: str | Non
             bench_titan_moe(layers, repeat, root)
         elif shape == "fp8":
             bench_fp8(parse_size(size, "--size"), repeat, root)
+        elif shape == "megatron-moe":
+            bench_megatron_moe(layers, repeat, root)
         elif storage == "s3":
             total = write_dcp(root, [(k, s, "bfloat16") for k, s in llama_shapes(parse_size(size, "--size"))])
             bench_storage(root / "dcp", total, repeat, root)
