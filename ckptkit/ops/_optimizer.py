@@ -180,6 +180,8 @@ def _state(manifest: Manifest, sec: _Section, outs: _Outputs, map_fn: MapFn, tit
             raise UsageError(f"optimizer state {sec.name}.state.*.{slot}: {error}") from None
         origin = {new: old for old, new in mapped.renamed}
         for t in mapped.tensors:
+            if t.derived is not None and t.derived.op == "zeros":  # a buffer written at its initial value: no state
+                continue
             fqn, e = saved[origin.get(t.key, t.key), slot]
             placed = _state_entry(e, sec.name, fqn, t.key, slot, titan)
             out.append(dataclasses.replace(t, key=placed.key, path=placed.path))

@@ -209,10 +209,10 @@ def test_megatron_export_hf_refusal_of_a_bias_never_offers_to_leave_the_weight_o
     code, out = _run("export-hf", tmp_path / "qwen2ish.pt", tmp_path / "hf", "--preset", "megatron-llama",
                      "--hf-assets", tmp_path / "assets")
     assert code == 2 and out.count("\n") == 1, out
-    assert "'decoder.layers.self_attention.linear_qkv.bias' is a weight of a family or variant that --preset " \
-           "megatron-llama does not map yet" in out and "null" not in out, out
+    # The bias is Qwen2's, whose table maps it: the refusal names that preset, and never offers to leave it out.
+    assert "the keys are --preset megatron-qwen2's family, not megatron-llama's" in out and "null" not in out, out
     assert not (tmp_path / "hf").exists()
-    # Leaving the bias out anyway, for a Qwen2: transformers' class would initialise its 6 q/k/v biases afresh.
+    # Leaving the bias out anyway, for a Qwen2, under the Llama table: refused, naming Qwen2's preset.
     import transformers
 
     fields = _hf_config("llama").to_dict()
@@ -223,7 +223,7 @@ def test_megatron_export_hf_refusal_of_a_bias_never_offers_to_leave_the_weight_o
     code, out = _run("export-hf", tmp_path / "qwen2ish.pt", tmp_path / "hf", "--preset", "megatron-llama",
                      "--hf-assets", tmp_path / "qwen2", "--key-map",
                      '{"decoder.layers.self_attention.linear_qkv.bias": null}')
-    assert code == 2 and "transformers' Qwen2ForCausalLM would initialise 6 of its weights afresh" in out, out
+    assert code == 2 and "config.json says model_type 'qwen2', which is --preset megatron-qwen2's family" in out, out
     assert not (tmp_path / "hf").exists()
 
 
