@@ -329,8 +329,9 @@ def test_convert_bad_shard_size(tmp_path, flat_full_ckpt):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"to": "parquet"}, r"unknown format 'parquet'; expected one of full, sharded, local, hf, deepspeed-universal"),  # not a format
-    ({"to": "sharded", "world_size": 0}, r"world_size must be >= 1, got 0"),                     # no ranks
+    # not a format
+    ({"to": "parquet"}, r"unknown format 'parquet'; expected one of full, sharded, local, hf, deepspeed-universal"),
+    ({"to": "sharded", "world_size": 0}, r"world_size must be >= 1, got 0"),  # no ranks
 ])
 def test_convert_bad_request_is_a_usage_error(tmp_path, flat_full_ckpt, kwargs, message):
     with pytest.raises(UsageError, match=rf"^{message}$"):
