@@ -186,7 +186,9 @@ def _run_jobs(fn: Callable, jobs: list[_Job], device: str,
 def _convert(cell: Cell, src: Path, dst: Path, assets: Path) -> str | None:
     """Run the cell's ckptkit operation; a verify finding, or None."""
     if cell.operation == "export_hf":
-        export_hf(src, dst, hf_assets=assets)
+        # The harness's model keeps its own names (its config describes it as a LLaMA but for its position
+        # table, which transformers' class would not load): --preset none makes that a note, not a refusal.
+        export_hf(src, dst, hf_assets=assets, preset=None)
         return None  # verify would report the lm_head.weight the export leaves out; the load check covers it
     if cell.operation == "reshard":
         reshard(src, dst, world_size=cell.target.world_size)
