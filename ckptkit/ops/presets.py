@@ -27,10 +27,12 @@ def describe(p: Preset) -> dict[str, Any]:
         does.append("experts transposed")
     if p.fp8:
         does.append("FP8 dequantized (from HF)")
+    if p.mxfp4:
+        does.append("MXFP4 dequantized (from HF)")
     if any("freq" in d for d in p.dropped):
         does.append("rotary tables left out")
     if p.refuse:
-        does.append("MXFP4 refused" if any("MXFP4" in why for _, why in p.refuse) else "some keys refused")
+        does.append("some keys refused")
     return {"name": p.name, "framework": p.other_side, "family": ", ".join(p.model_types) or "-",
             "direction": "checks HF names" if p.identity else f"{p.other_side} <-> HF",
             "transforms": "; ".join(does) or "-", "summary": p.summary}
