@@ -42,7 +42,7 @@ from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, Us
 from ._deepspeed_zero import ZeroFiles, zero_manifest
 from .base import ReadOnlyIO
 
-__all__ = ["DeepSpeedIO", "tag_directory"]
+__all__ = ["DeepSpeedIO", "read_tag", "tag_directory"]
 
 _LATEST = "latest"
 _MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
@@ -90,6 +90,24 @@ class DeepSpeedIO(ReadOnlyIO):
         return _read_zero(_tag_dir(path.absolute()))
 
 
+def read_tag(latest: Path) -> str:
+    """The tag directory name a DeepSpeed pointer file (``latest``, ``latest_universal``) holds.
+
+    Args:
+        latest: The pointer file.
+
+    Returns:
+        The name, stripped.
+
+    Raises:
+        FormatError: the file holds something other than one plain directory name.
+    """
+    tag = latest.read_bytes()[:_MAX_TAG].decode("utf-8", "replace").strip()
+    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or "\n" in tag:
+        raise FormatError(f"{latest}: expected a tag directory name, found {tag[:80]!r}")
+    return tag
+
+
 def tag_directory(path: Path) -> Path:
     """The tag directory of the DeepSpeed checkpoint at ``path``: itself, or the one its ``latest`` names.
 
@@ -110,9 +128,7 @@ def _tag_dir(path: Path) -> Path:
         tags = sorted(p.name for p in path.iterdir() if _is_tag_dir(p))
         raise UsageError(f"{path}: no '{_LATEST}' file names the tag to read; pass one of its tag directories "
                          f"({', '.join(tags)})")
-    tag = latest.read_bytes()[:_MAX_TAG].decode("utf-8", "replace").strip()
-    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or "\n" in tag:
-        raise FormatError(f"{latest}: expected a tag directory name, found {tag[:80]!r}")
+    tag = read_tag(latest)
     if not _is_tag_dir(path / tag):
         raise IncompleteCheckpointError(f"{latest}: names tag {tag!r}, but {path / tag} holds no DeepSpeed "
                                         "*_model_states.pt or *_optim_states.pt files")

@@ -42,7 +42,7 @@ from ..core.tree import ListIndex
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
 from ._universal_source import Source, read_step, source_of
 from .base import FormatIO, FormatOptions, Target, object_value, plain_object
-from .deepspeed import _GLOBALS
+from .deepspeed import _GLOBALS, read_tag
 
 __all__ = ["DeepSpeedUniversalIO", "UniversalOptions"]
 
@@ -53,7 +53,6 @@ _MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_s
 _SLOTS = ("exp_avg", "exp_avg_sq")
 _VERSION = "0.19.8"
 """The DeepSpeed release whose loader this layout is written for (its ``ds_version`` check wants one)."""
-_MAX_TAG = 4096
 _FLOAT32 = by_name("float32")
 
 
@@ -150,9 +149,7 @@ def _tag_dir(path: Path) -> Path:
     latest = path / LATEST
     if not latest.is_file():
         raise FormatError(f"{path}: no {LATEST} file and no zero/{_OPTIMIZER}: not a universal checkpoint")
-    tag = latest.read_bytes()[:_MAX_TAG].decode("utf-8", "replace").strip()
-    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or "\n" in tag:
-        raise FormatError(f"{latest}: expected a tag directory name, found {tag[:80]!r}")
+    tag = read_tag(latest)
     if not _is_tag(path / tag):
         raise IncompleteCheckpointError(f"{latest}: names tag {tag!r}, but {path / tag} holds no zero/{_OPTIMIZER} "
                                         "and mp_rank_00_model_states.pt")
