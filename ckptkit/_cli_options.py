@@ -155,12 +155,13 @@ _MAPPING = (
 def _megatron_args(value: str | None) -> dict | None:
     if value is None:
         return None
+    from .errors import UsageError
+    from .models.mapping import read_inline_json
+
     try:
-        text = value if value.lstrip().startswith("{") else Path(value).read_text()
-        args = json.loads(text)
-    except (OSError, ValueError) as e:
-        raise click.BadParameter(f"expected a JSON object or the path of a JSON file, got {value!r:.80} ({e})",
-                                 param_hint="--megatron-args") from None
+        args = read_inline_json(value, "--megatron-args")
+    except UsageError as e:
+        raise click.BadParameter(str(e).removeprefix("--megatron-args "), param_hint="--megatron-args") from None
     if not isinstance(args, dict):
         raise click.BadParameter(f"expected a JSON object, got {type(args).__name__}", param_hint="--megatron-args")
     return args

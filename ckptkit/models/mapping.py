@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..core.manifest import TensorEntry
 from ..errors import UsageError
@@ -99,13 +100,7 @@ def read_key_map(source: Path | str) -> tuple[tuple[str, str | None], ...]:
         UsageError: not a JSON object of strings and nulls, or a file that cannot be read.
     """
     inline = isinstance(source, str) and source.lstrip().startswith("{")
-    if inline:
-        try:
-            data = json.loads(str(source))
-        except ValueError as e:
-            raise UsageError(f"--key-map {str(source)!r:.80}: not valid JSON ({e})") from None
-    else:
-        data = read_json(Path(source), "--key-map")
+    data = read_inline_json(source, "--key-map")
     if not isinstance(data, dict) or not all(isinstance(v, str) or v is None for v in data.values()):
         where = f"{str(source)!r:.80}" if inline else str(source)
         raise UsageError(f"--key-map {where}: expected a JSON object of old key to new key (or null to leave it out)")
@@ -120,6 +115,27 @@ def key_mapping(*, preset: str | None = None, renames: Renames = (), key_map: Ke
     pairs = tuple(parse_rename(r) if isinstance(r, str) else (r[0], r[1]) for r in renames)
     table = read_key_map(key_map) if isinstance(key_map, (str, Path)) else tuple((key_map or {}).items())
     return KeyMapping(key_map=table, renames=pairs, preset=preset, strict=strict)
+
+
+def read_inline_json(source: str | Path, what: str) -> Any:
+    """JSON an option (``what``) gives inline (text that starts with ``{``) or as the path of a small file.
+
+    Args:
+        source: The option's value.
+        what: The option's name, for messages.
+
+    Returns:
+        The parsed JSON.
+
+    Raises:
+        UsageError: not valid JSON, or a file that cannot be read or is too large.
+    """
+    if isinstance(source, str) and source.lstrip().startswith("{"):
+        try:
+            return json.loads(source)
+        except ValueError as e:
+            raise UsageError(f"{what} {source!r:.80}: not valid JSON ({e})") from None
+    return read_json(Path(source), what)
 
 
 def read_json(path: Path, what: str):

@@ -22,6 +22,7 @@ but the small ``params`` lists.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -165,7 +166,7 @@ def _state(manifest: Manifest, sec: _Section, outs: _Outputs, map_fn: MapFn, tit
             if isinstance(e, TensorEntry) and e.shape == weight.shape:
                 moments.setdefault(slot, []).append(dataclasses.replace(e, key=weight.key, path=(weight.key,)))
                 saved[weight.key, slot] = fqn, e
-            elif isinstance(e, ObjectEntry) or _numel(e.shape) == 1:
+            elif isinstance(e, ObjectEntry) or math.prod(e.shape) == 1:
                 scalars.append((fqn, slot, e))
             else:
                 raise UsageError(f"{manifest.root}: optimizer state {e.key!r} of shape {list(e.shape)} is not "
@@ -188,13 +189,6 @@ def _state(manifest: Manifest, sec: _Section, outs: _Outputs, map_fn: MapFn, tit
     for fqn, slot, e in scalars:
         out += [_state_entry(e, sec.name, fqn, new, slot, titan) for new in outs.outputs(fqn)]
     return tuple(out)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _state_entry(e: Entry, section: str, fqn: str, new: str, slot: str, titan: str | None) -> Entry:

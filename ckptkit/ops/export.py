@@ -59,8 +59,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TIE_DEFAULTS", "export_hf", "tie_word_embeddings"]
 
-_EMBEDDINGS = INPUT_EMBEDDINGS
-
 
 def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict, str | None]:
     """The asset files to copy (:func:`ckptkit.ops.assets.find_assets`), the parsed config, and a note on what
@@ -86,7 +84,7 @@ def _untie(tensors: list[TensorEntry], config: dict, max_memory: int) -> tuple[l
         return tensors, f"lm_head.weight kept: {why}"
     if not tied:
         return tensors, None
-    embed = next((t for t in tensors if t.key.endswith(_EMBEDDINGS)), None)
+    embed = next((t for t in tensors if t.key.endswith(INPUT_EMBEDDINGS)), None)
     if embed is None:
         return tensors, f"lm_head.weight kept: {why}, but no input embedding was found to tie it to"
     with Files() as files:
