@@ -110,8 +110,9 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
         raise UsageError(f"--preset {p.name} needs config.json's {', '.join(f for f in fields if f)}: pass "
                          "--hf-assets DIR with the model's config.json")
     keys = [s.entry.key for s in sources]
-    p = _spelling(p, table, keys, to_hf)
-    table = NameTable(p)
+    spelled = _spelling(p, table, keys, to_hf)
+    if spelled is not p:  # megatron-core's other spelling of the layers: its own table
+        p, table = spelled, NameTable(spelled)
     towards = True if p.identity else _direction(p, table, keys, to_hf)
     dropped: list[tuple[str, str]] = []
     if not towards and p.fp8:

@@ -12,12 +12,13 @@ from .names import RECOMPUTED
 from .registry import PRESETS
 from .table import Preset, Row
 
-__all__ = ["Match", "NameTable", "advice", "nearest", "unknown_keys"]
+__all__ = ["Match", "NameTable", "advice", "nearest", "pattern", "unknown_keys"]
 
 _SHOWN = 8
 
 
-def _pattern(name: str) -> re.Pattern:
+def pattern(name: str) -> re.Pattern:
+    """A table name as a regular expression: each ``{x}`` placeholder matches a number, captured as ``x``."""
     text = re.escape(name)
     for ph in re.findall(r"\\\{(\w+)\\\}", text):
         text = text.replace(f"\\{{{ph}\\}}", f"(?P<{ph}>\\d+)", 1)
@@ -37,10 +38,10 @@ class NameTable:
     """A preset's rows as regular expressions, per side."""
 
     def __init__(self, p: Preset) -> None:
-        self.hf = [(_pattern(n), r, i) for r in p.rows if not r.read_only for i, n in enumerate(r.hf_names)]
-        self.other = [(_pattern(n), r, i if r.hf_fuses else 0) for r in p.rows for i, n in enumerate(r.other)]
-        self.dropped = [_pattern(d) for d in (*p.dropped, *(b.other for b in p.buffers))]
-        self.refused = [(_pattern(n), why) for n, why in p.refuse]
+        self.hf = [(pattern(n), r, i) for r in p.rows if not r.read_only for i, n in enumerate(r.hf_names)]
+        self.other = [(pattern(n), r, i if r.hf_fuses else 0) for r in p.rows for i, n in enumerate(r.other)]
+        self.dropped = [pattern(d) for d in (*p.dropped, *(b.other for b in p.buffers))]
+        self.refused = [(pattern(n), why) for n, why in p.refuse]
 
     @staticmethod
     def find(side: list, key: str) -> Match | None:

@@ -7,17 +7,13 @@ into an HF folder under names its consumer does not know. ``--preset none`` keep
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from ..errors import UsageError
+from .nametable import pattern
 from .registry import UNMAPPED
 
 __all__ = ["refuse_unmapped"]
-
-
-def _pattern(name: str) -> re.Pattern:
-    return re.compile(re.escape(name).replace(re.escape("{n}"), r"\d+"))
 
 
 def refuse_unmapped(keys: Sequence[str], config: dict | None, source: str = "config.json") -> None:
@@ -34,7 +30,7 @@ def refuse_unmapped(keys: Sequence[str], config: dict | None, source: str = "con
     named = [config.get(field) for field in ("model_type", "_class_name")] if config else []
     for u in UNMAPPED:
         by_config = next((n for n in named if isinstance(n, str) and n in u.model_types), None)
-        patterns = [_pattern(k) for k in u.keys]
+        patterns = [pattern(k) for k in u.keys]
         by_key = next((k for k in keys if any(p.fullmatch(k) for p in patterns)), None)
         if by_config or by_key:
             found = f"{source} names {by_config!r}" if by_config else f"the keys are its names ({by_key!r})"
