@@ -20,13 +20,14 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-from ..core.manifest import Derived
+from ..core.manifest import Derived, TensorEntry
 from ..core.plan import Region
-from ..core.reshape import FP8_MAX
+from ..errors import FormatError
 
-Read = Callable[[Region], bytearray]
+Read = Callable[[Region], "bytearray | memoryview"]
 """The row-major bytes of a region of a stored tensor (:func:`ckptkit.io.sources.read_region` over open files)."""
 
 __all__ = ["COMPUTE_MEMORY", "WORKING_BYTES", "block_budget", "compute_region", "tensor_bytes", "working_bytes"]
@@ -59,10 +60,13 @@ def _tensor(region: Region, read: Read) -> Any:
 def compute_region(region: Region, read: Read) -> memoryview:
     """The row-major bytes of ``region`` of a computed entry, in the entry's dtype (``region.cast`` is not
     applied here); ``read`` reads its inputs' regions."""
-    import torch
-
     derived = region.entry.derived
     assert derived is not None
+    if derived.op in ("quant_fp8", "fp8_scale", "dequant_fp8"):
+        array = _fp8(region, derived, read) if derived.op != "dequant_fp8" else _dequantized(region, derived, read)
+        return memoryview(array).cast("B") if array.size else memoryview(b"")
+    import torch
+
     if derived.op == "transpose":
         box = _swap(region.offsets), _swap(region.sizes)
         out = _tensor(Region(derived.inputs[0], *box), read).transpose(-1, -2).contiguous()
@@ -70,12 +74,10 @@ def compute_region(region: Region, read: Read) -> memoryview:
         out = _rows(region, derived, read)
     elif derived.op == "dequant_mxfp4":
         out = _mxfp4(region, derived, read)
-    elif derived.op in ("quant_fp8", "fp8_scale"):
-        out = _fp8(region, derived, read)
     elif derived.op == "zeros":
         out = torch.zeros(region.sizes, dtype=getattr(torch, region.entry.dtype.name))
     else:
-        out = _dequantized(region, derived, read).to(getattr(torch, region.entry.dtype.name))
+        raise FormatError(f"{region.entry.key!r}: no computation {derived.op!r}")
     return tensor_bytes(out)
 
 
@@ -106,20 +108,35 @@ def _swap(t: tuple[int, ...]) -> tuple[int, ...]:
     return (*t[:-2], t[-1], t[-2])
 
 
-def _dequantized(region: Region, derived: Derived, read: Read):
-    import torch
+def _array(region: Region, read: Read) -> Any:
+    """The region's bytes as a numpy array of its shape, in the form :mod:`.fp8` holds its dtype."""
+    import numpy as np
+
+    from .fp8 import ENCODES
+
+    name = region.entry.dtype.name
+    held = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}.get(name)
+    if held is None and name not in ("uint8",) and not name.startswith("float8"):
+        raise FormatError(f"{region.entry.key!r}: {name} is not a dtype FP8 (de)quantization reads "
+                          f"({', '.join(ENCODES)}, float8)")
+    return np.frombuffer(read(region), dtype=held or np.uint8).reshape(region.sizes)
+
+
+def _dequantized(region: Region, derived: Derived, read: Read) -> Any:
+    from .fp8 import DECODES, ENCODES, dequantize, to_float32
 
     weight, scale = derived.inputs
     b = derived.block
     (r0, c0), (rows, cols) = region.offsets, region.sizes
-    if rows * cols == 0:
-        return torch.empty((rows, cols), dtype=torch.float32)
-    w = _tensor(Region(weight, region.offsets, region.sizes), read).to(torch.float32)
+    out = region.entry.dtype.name
+    if weight.dtype.name not in DECODES or out not in ENCODES:
+        raise FormatError(f"{region.entry.key!r}: dequantizing {weight.dtype} into {out}; FP8 dequantization reads "
+                          f"{', '.join(DECODES)} into {', '.join(ENCODES)}")
     br, bc = r0 // b, c0 // b
-    grid = ((r0 + rows - 1) // b - br + 1, (c0 + cols - 1) // b - bc + 1)
-    s = _tensor(Region(scale, (br, bc), grid), read).to(torch.float32)
-    expanded = s.repeat_interleave(b, 0).repeat_interleave(b, 1)
-    return w * expanded[r0 - br * b:r0 - br * b + rows, c0 - bc * b:c0 - bc * b + cols]
+    grid = ((r0 + rows - 1) // b - br + 1, (c0 + cols - 1) // b - bc + 1) if rows * cols else (0, 0)
+    scales = to_float32(_array(Region(scale, (br, bc), grid), read), scale.dtype.name)
+    return dequantize(_array(Region(weight, (r0, c0), (rows, cols)), read), scales, (r0, c0), b, weight.dtype.name,
+                      out)
 
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -148,40 +165,56 @@ def _mxfp4(region: Region, derived: Derived, read: Read):
     return flat[..., c0 - g0 * width:c0 - g0 * width + cols].contiguous()
 
 
-def _fp8(region: Region, derived: Derived, read: Read):
+def _fp8(region: Region, derived: Derived, read: Read) -> Any:
     """A box of a weight's float8 values or of its tile scales, one band of whole tiles (``block`` rows of the
     weight) at a time, so that only a band's float32 copy is alive beside the output."""
-    import torch
+    import numpy as np
+
+    from .fp8 import quantize
 
     (weight,), b = derived.inputs, derived.block
     scales = derived.op == "fp8_scale"
     (r0, c0), (nr, nc) = region.offsets, region.sizes
-    out = torch.empty((nr, nc), dtype=getattr(torch, region.entry.dtype.name))
+    out = np.empty((nr, nc), np.float32 if scales else np.uint8)
     unit = 1 if scales else b  # the scales' box counts tiles, the values' box elements
     left = c0 // unit * b
     right = min(-(-(c0 + nc) // unit) * b, weight.shape[1])
     for tile in range(r0 // unit, -(-(r0 + nr) // unit) if nr else 0):
         top, bottom = tile * b, min((tile + 1) * b, weight.shape[0])
-        w = _tensor(Region(weight, (top, left), (bottom - top, right - left)), read).to(torch.float32)
-        scale = _tile_scales(w, b)
+        box = Region(weight, (top, left), (bottom - top, right - left))
+        key = (weight, tile, left, right)
         if scales:
-            out[tile - r0] = scale[c0 - left // b:c0 - left // b + nc]
+            out[tile - r0] = _scales_of(key, partial(_array, box, read), b)[c0 - left // b:c0 - left // b + nc]
             continue
-        expanded = scale.repeat_interleave(b)[:w.shape[1]]
-        values = w.div_(torch.where(expanded > 0, expanded, torch.ones_like(expanded)))
+        band = _array(box, read)
         a, z = max(top, r0), min(bottom, r0 + nr)
-        out[a - r0:z - r0] = values[a - top:z - top, c0 - left:c0 - left + nc]
+        scale = _scales_of(key, partial(_same, band), b)
+        values = quantize(band[a - top:z - top, :c0 - left + nc], weight.dtype.name, scale, b)
+        out[a - r0:z - r0] = values[:, c0 - left:]
     return out
 
 
-def _tile_scales(band: Any, b: int) -> Any:
-    """The scale of each ``b`` x ``b`` tile of a band of at most ``b`` rows: its largest magnitude / 448."""
-    import torch
+_SCALES: dict[tuple[TensorEntry, int, int, int], Any] = {}
+"""The tile scales of the bands last quantized (weight, band, columns): a weight's scales are written after its
+values, and computing them again would read the weight twice."""
+_SCALES_KEPT = 4096
 
-    cols = band.shape[1]
-    amax = band.abs().amax(dim=0)
-    amax = torch.nn.functional.pad(amax, (0, -cols % b)).reshape(-1, b).amax(dim=1)
-    return amax / FP8_MAX
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _scales_of(key: tuple[TensorEntry, int, int, int], band: Callable[[], Any], b: int) -> Any:
+    """The tile scales of band ``key`` (weight, band, first and end column), computed from ``band()`` unless
+    kept from before."""
+    from .fp8 import tile_scales
+
+    scale = _SCALES.get(key)
+    if scale is None:
+        if len(_SCALES) >= _SCALES_KEPT:  # a few KB a weight: dropped once many weights have passed
+            _SCALES.clear()
+        scale = _SCALES[key] = tile_scales(band(), key[0].dtype.name, b)
+    return scale
 
 
 COMPUTE_MEMORY = 32 << 20

@@ -153,11 +153,11 @@ def _chain(first: Range, rest: Iterable[Range]) -> Iterable[Range]:
     yield from rest
 
 
-def read_region(region: Region, files: Files) -> bytearray:
+def read_region(region: Region, files: Files) -> bytearray | memoryview:
     """The row-major bytes of ``region`` in the entry's dtype (``region.cast`` is not applied here); a computed
-    entry's (:mod:`.compute`) are computed from its inputs'."""
+    entry's (:mod:`.compute`) are computed from its inputs', and returned as computed (writable, not copied)."""
     if region.entry.derived is not None:
-        return bytearray(compute_region(region, lambda box: read_region(box, files)))
+        return compute_region(region, lambda box: read_region(box, files))
     buf = bytearray(Region(region.entry, region.offsets, region.sizes).nbytes)
     pieces = plan_strided(region)
     if pieces and files.streamed(pieces[0].src.file):

@@ -43,7 +43,7 @@ _GAP = 64 << 10
 """Bytes between two reads of a source that a gathered request fetches rather than making two (a DCP chunk's
 ``torch.save`` archive headers lie between one tensor's bytes and the next)."""
 
-Cast = Callable[[bytearray, DType, DType], memoryview]
+Cast = Callable[[bytearray | memoryview, DType, DType], memoryview]
 """The local executor's cast: source bytes, their dtype, the dtype to write."""
 
 

@@ -32,7 +32,7 @@ _COPY_PIECE = 1 << 30  # copy_file_range moves at most this much per call; large
 _GATHER_BLOCK = 8 << 20  # the write buffer's size
 
 
-def cast_bytes(data: bytearray, src: DType, dst: DType) -> memoryview:
+def cast_bytes(data: bytearray | memoryview, src: DType, dst: DType) -> memoryview:
     if src == dst:
         return memoryview(data)
     import torch  # only a dtype cast needs torch
