@@ -205,3 +205,26 @@ def data_pkl_flips(target: Path, step: int) -> Iterator[int]:
             yield pos - start
     finally:
         target.write_bytes(clean)
+
+
+_CLI_WATCHING_IMPORTS = """
+import runpy, sys
+sys.argv = ["ckptkit", *sys.argv[1:]]
+try:
+    runpy.run_module("ckptkit", run_name="__main__")
+finally:
+    print("imported:", *sorted(m for m in ("torch", "transformers") if m in sys.modules), file=sys.stderr)
+"""
+
+
+def run_cli_watching_imports(*args: str) -> tuple[int, str, set[str]]:
+    """``ckptkit ARGS`` in a fresh interpreter: its exit status, its output (stdout and stderr, the import line
+    left out), and which of torch and transformers it imported."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CLI_WATCHING_IMPORTS, *args], capture_output=True, text=True,
+                          timeout=300)
+    lines = (done.stdout + done.stderr).splitlines()
+    imported = next((set(line.split()[1:]) for line in lines if line.startswith("imported:")), set())
+    return done.returncode, "\n".join(line for line in lines if not line.startswith("imported:")), imported

@@ -6,6 +6,7 @@ Everything lives under ``tmp_path``; the checkers that read results back with to
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,15 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_class_cache(tmp_path_factory) -> None:
+    """What transformers said is cached per test session (and for the subprocesses tests start), not in the
+    user's cache directory."""
+    from ckptkit.models.classcache import CACHE_ENV
+
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("ckptkit-cache"))
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ckptkit
-from _checks import load_hf
+from _checks import load_dcp, load_hf
 
 pytest.importorskip("transformers")
 
@@ -157,3 +157,30 @@ def test_the_fp8_export_imports_back_as_torchs_quantized_reader_dequantizes_it(f
     titan = {"layers.0.feed_forward.w2.weight": torch.empty(read[key].shape)}
     dcp.load(titan, checkpoint_id=str(tmp_path / "titan"))
     assert torch.equal(titan["layers.0.feed_forward.w2.weight"], read[key])
+
+
+def test_export_hf_fp8_and_its_import_back_compute_without_torch_or_transformers(bf16_model, fp8_export, tmp_path):
+    """The (de)quantization computes in numpy, and the class check's answer is cached: a second export of the
+    same model imports neither torch nor transformers (their imports alone cost some 300 MB), and writes what
+    the in-process export wrote."""
+    from _checks import run_cli_watching_imports
+
+    args = ["--hf-assets", str(bf16_model), "--dtype", "fp8", "--max-shard-size", "100KB", "--max-memory", "40000"]
+    first = run_cli_watching_imports("export-hf", str(bf16_model), str(tmp_path / "first"), *args)
+    assert first[0] == 0, first[1]
+    code, output, imported = run_cli_watching_imports("export-hf", str(bf16_model), str(tmp_path / "fp8"), *args)
+    assert code == 0, output
+    assert imported == set(), output
+    assert {p.name: p.read_bytes() for p in (tmp_path / "fp8").iterdir()} == {
+        p.name: p.read_bytes() for p in fp8_export.iterdir()}
+    code, output, imported = run_cli_watching_imports(
+        "convert", str(fp8_export), str(tmp_path / "titan"), "--to", "sharded", "--world-size", "1", "--preset",
+        "torchtitan-deepseek-v3", "--hf-assets", str(bf16_model))
+    assert code == 0, output
+    assert imported == set(), output
+    back = load_dcp(tmp_path / "titan", tmp_path / "titan.pt")
+    expected = load_hf(fp8_export)
+    weight = "model.layers.0.mlp.up_proj.weight"
+    scales = expected[weight + "_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
+    wanted = expected[weight].float() * scales[:256, :128]  # what torch's reader computes
+    assert torch.equal(back["layers.0.feed_forward.w3.weight"].view(torch.int32), wanted.view(torch.int32))

@@ -1,5 +1,5 @@
-"""ckptkit's float8 (de)quantization computes in numpy; each of its conversions must give the bits torch's own
-casts give, on every float8 byte and on the float32 values where rounding is decided (ties, subnormals, the
+"""ckptkit casts between floating dtypes and (de)quantizes float8 in numpy; each conversion must give the bits
+torch's own casts give, on every float8 byte and on the values where rounding is decided (ties, subnormals, the
 largest finite value, NaN, infinities)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckptkit.io.fp8 import DECODES, decode_table, dequantize, encode, quantize, tile_scales, to_float32
+from ckptkit.io.floats import DECODES, ENCODES, convert, decode_table, encode, to_float32
+from ckptkit.io.fp8 import dequantize, quantize, tile_scales
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -94,3 +95,20 @@ def test_dequantize_of_a_box_off_the_tile_grid_equals_torchs_blockwise_product(d
     assert np.array_equal(got.view(np.uint16 if dtype != "float32" else np.uint32)[~nan],
                           _bits(expected).view(got.view(np.uint16 if dtype != "float32" else np.uint32).dtype)[~nan])
     assert np.isnan(to_float32(got, dtype))[nan].all()
+
+
+@pytest.mark.parametrize("src", ENCODES)
+@pytest.mark.parametrize("dst", ENCODES)
+def test_convert_between_floating_dtypes_gives_torchs_cast(src, dst):
+    wide = torch.cat([_edges().double(), torch.randn(5000, dtype=torch.float64) * 1e5,
+                      torch.tensor([1e300, -1e-300, 65520.0, 3.4e38, 1 + 2.0 ** -40], dtype=torch.float64)])
+    values = wide.to(getattr(torch, src))
+    held = values.numpy() if src != "bfloat16" else _bits(values).view(np.uint16)
+    if src == "float32":
+        held = held.view(np.uint32)
+    got = convert(held, src, dst)
+    expected = values.to(getattr(torch, dst))
+    nan = expected.isnan().numpy()
+    width = np.uint64 if dst == "float64" else np.uint32 if dst == "float32" else np.uint16
+    assert np.array_equal(got.view(width)[~nan], _bits(expected).view(width)[~nan])
+    assert np.isnan(to_float32(got, dst))[nan].all()

@@ -12,7 +12,12 @@ tensor one row block at a time, within its memory setting, and never holds the m
   does, then cropped to the box;
 - ``quant_fp8`` and ``fp8_scale``: the rows of whole 128x128 tiles the box meets, in float32, each tile's
   largest magnitude / 448 (the scale) and the weight divided by it (the float8 values), cropped to the box;
-- ``zeros``: zeros of the box's size, read from nothing.
+- ``zeros``: zeros of the box's size, read from nothing;
+- ``rows`` and ``stack``: the rows of several inputs, one after another.
+
+All but the MXFP4 dequantization compute in numpy (:mod:`.floats`, :mod:`.fp8`), giving the bits torch gives:
+importing torch costs more memory and time than the work. transformers' MXFP4 dequantization computes in the
+output dtype (bfloat16), and is followed in torch.
 """
 
 from __future__ import annotations
@@ -62,29 +67,51 @@ def compute_region(region: Region, read: Read) -> memoryview:
     applied here); ``read`` reads its inputs' regions."""
     derived = region.entry.derived
     assert derived is not None
-    if derived.op in ("quant_fp8", "fp8_scale", "dequant_fp8"):
-        array = _fp8(region, derived, read) if derived.op != "dequant_fp8" else _dequantized(region, derived, read)
-        return memoryview(array).cast("B") if array.size else memoryview(b"")
-    import torch
-
+    if derived.op == "dequant_mxfp4":
+        return tensor_bytes(_mxfp4(region, derived, read))
     if derived.op == "transpose":
         box = _swap(region.offsets), _swap(region.sizes)
-        out = _tensor(Region(derived.inputs[0], *box), read).transpose(-1, -2).contiguous()
+        array = _elements(Region(derived.inputs[0], *box), read).swapaxes(-1, -2)
     elif derived.op in ("rows", "stack"):
-        out = _rows(region, derived, read)
-    elif derived.op == "dequant_mxfp4":
-        out = _mxfp4(region, derived, read)
+        array = _rows(region, derived, read)
     elif derived.op == "zeros":
-        out = torch.zeros(region.sizes, dtype=getattr(torch, region.entry.dtype.name))
+        import numpy as np
+
+        array = np.zeros(region.sizes, _opaque(region.entry.dtype.itemsize))
+    elif derived.op == "dequant_fp8":
+        array = _dequantized(region, derived, read)
+    elif derived.op in ("quant_fp8", "fp8_scale"):
+        array = _fp8(region, derived, read)
     else:
         raise FormatError(f"{region.entry.key!r}: no computation {derived.op!r}")
-    return tensor_bytes(out)
+    return _bytes(array)
+
+
+def _opaque(itemsize: int) -> Any:
+    """A numpy dtype of ``itemsize`` bytes for elements only moved, never computed with."""
+    import numpy as np
+
+    return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(itemsize) or np.dtype(f"V{itemsize}")
+
+
+def _elements(region: Region, read: Read) -> Any:
+    """The region's elements as opaque numpy values of its shape (for moving, not computing)."""
+    import numpy as np
+
+    return np.frombuffer(read(region), _opaque(region.entry.dtype.itemsize)).reshape(region.sizes)
+
+
+def _bytes(array: Any) -> memoryview:
+    """The row-major bytes of numpy ``array`` (copied only where it is a strided view)."""
+    import numpy as np
+
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data if array.size else memoryview(b"")
 
 
 def _rows(region: Region, derived: Derived, read: Read) -> Any:
     """Rows of the region from each input that holds some: a ``rows`` entry's ranges, or a ``stack``'s
     inputs, one row (of the output) each."""
-    import torch
+    import numpy as np
 
     ranges = derived.ranges or tuple((i, 0, 1) for i in range(len(derived.inputs)))
     first, end = region.offsets[0], region.offsets[0] + region.sizes[0]
@@ -95,13 +122,12 @@ def _rows(region: Region, derived: Derived, read: Read) -> Any:
             source = derived.inputs[i]
             if derived.op == "stack":
                 box = Region(source, region.offsets[1:], region.sizes[1:])
-                parts.append(_tensor(box, read).unsqueeze(0))
+                parts.append(_elements(box, read)[None])
             else:
                 box = Region(source, (a + top - row, *region.offsets[1:]), (bottom - top, *region.sizes[1:]))
-                parts.append(_tensor(box, read))
+                parts.append(_elements(box, read))
         row += b - a
-    dtype = getattr(torch, region.entry.dtype.name)
-    return torch.cat(parts) if parts else torch.empty(region.sizes, dtype=dtype)
+    return np.concatenate(parts) if parts else np.zeros(region.sizes, _opaque(region.entry.dtype.itemsize))
 
 
 def _swap(t: tuple[int, ...]) -> tuple[int, ...]:
@@ -109,21 +135,22 @@ def _swap(t: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _array(region: Region, read: Read) -> Any:
-    """The region's bytes as a numpy array of its shape, in the form :mod:`.fp8` holds its dtype."""
+    """The region's bytes as a numpy array of its shape, as :mod:`.floats` holds its dtype (float8 as bytes)."""
     import numpy as np
 
-    from .fp8 import ENCODES
+    from .floats import ENCODES, held
 
     name = region.entry.dtype.name
-    held = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}.get(name)
-    if held is None and name not in ("uint8",) and not name.startswith("float8"):
+    if name not in ENCODES and name != "uint8" and not name.startswith("float8"):
         raise FormatError(f"{region.entry.key!r}: {name} is not a dtype FP8 (de)quantization reads "
                           f"({', '.join(ENCODES)}, float8)")
-    return np.frombuffer(read(region), dtype=held or np.uint8).reshape(region.sizes)
+    data = read(region)
+    return (held(data, name) if name in ENCODES else np.frombuffer(data, np.uint8)).reshape(region.sizes)
 
 
 def _dequantized(region: Region, derived: Derived, read: Read) -> Any:
-    from .fp8 import DECODES, ENCODES, dequantize, to_float32
+    from .floats import DECODES, ENCODES, to_float32
+    from .fp8 import dequantize
 
     weight, scale = derived.inputs
     b = derived.block

@@ -14,10 +14,12 @@ custom code (``auto_map``), which is not run.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .classcache import remembered
 from .hfconfig import model_class
 
 __all__ = ["ClassKeys", "class_keys"]
@@ -91,7 +93,9 @@ def _ignored(patterns) -> re.Pattern | None:
 
 
 def class_keys(config: dict, keys: Sequence[str]) -> ClassKeys | None:
-    """How transformers' class of ``config`` would load ``keys`` (see the module docstring).
+    """How transformers' class of ``config`` would load ``keys`` (see the module docstring); an answer given
+    before for the same config, keys and transformers release is read from the cache
+    (:mod:`ckptkit.models.classcache`) instead.
 
     Args:
         config: an HF ``config.json``, parsed.
@@ -100,6 +104,20 @@ def class_keys(config: dict, keys: Sequence[str]) -> ClassKeys | None:
     Returns:
         The class's name and what would be left over, or None where no class can be asked.
     """
+    return remembered("class-keys", [config, list(keys)], lambda: _class_keys(config, keys), _encoded, _decoded)
+
+
+def _encoded(found: ClassKeys | None) -> dict | None:
+    return dataclasses.asdict(found) if found is not None else None
+
+
+def _decoded(data: dict | None) -> ClassKeys | None:
+    if data is None:
+        return None
+    return ClassKeys(str(data["name"]), *(tuple(map(str, data[f])) for f in ("unexpected", "missing", "buffers")))
+
+
+def _class_keys(config: dict, keys: Sequence[str]) -> ClassKeys | None:
     model = _meta_model(config)
     if model is None:
         return None

@@ -159,21 +159,31 @@ def keep_in_fp32(config: dict, cast: DType | None) -> tuple[re.Pattern | None, s
     """The keys transformers keeps in float32 when it loads the config's model class in ``cast``, as it matches
     them (``*`` as ``.*``, searched anywhere in the key), and which attribute said so: the class's
     ``_keep_in_fp32_modules`` under float16, and its ``_keep_in_fp32_modules_strict`` under float16 or bfloat16.
-    (None, None) where there is no such class or list."""
+    (None, None) where there is no such class or list. The class's lists are read from the cache
+    (:mod:`ckptkit.models.classcache`) where transformers was asked before."""
     if cast is None or cast.name not in ("float16", "bfloat16"):
         return None, None
-    cls = model_class(config)
-    if cls is None:
-        return None, None
+    from .classcache import remembered
+
+    name, lists = remembered("keep-in-fp32", config, lambda: _fp32_lists(config), list, tuple)
     found: list[str] = []
     said: list[str] = []
     attributes = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict") if cast.name == "float16" else \
         ("_keep_in_fp32_modules_strict",)
     for attribute in attributes:
-        modules = sorted(getattr(cls, attribute, None) or ())
+        modules = lists.get(attribute) or []
         if modules:
             found += modules
-            said.append(f"{cls.__name__}.{attribute} {modules}")
+            said.append(f"{name}.{attribute} {modules}")
     if not found:
         return None, None
     return re.compile("|".join(m.replace("*", ".*") for m in found)), "; ".join(said)
+
+
+def _fp32_lists(config: dict) -> tuple[str | None, dict[str, list[str]]]:
+    """The config's class's name and its ``_keep_in_fp32_modules`` lists (sorted), by attribute."""
+    cls = model_class(config)
+    if cls is None:
+        return None, {}
+    lists = {a: sorted(getattr(cls, a, None) or ()) for a in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")}
+    return cls.__name__, lists

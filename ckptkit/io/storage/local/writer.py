@@ -33,13 +33,19 @@ _GATHER_BLOCK = 8 << 20  # the write buffer's size
 
 
 def cast_bytes(data: bytearray | memoryview, src: DType, dst: DType) -> memoryview:
+    """``data``, a flat array of ``src``, as ``dst``: between floating dtypes in numpy (:mod:`ckptkit.io.floats`,
+    the bits torch's casts give, without importing torch), any other cast by torch."""
     if src == dst:
         return memoryview(data)
-    import torch  # only a dtype cast needs torch
-
-    src_dtype, dst_dtype = getattr(torch, src.name), getattr(torch, dst.name)
     if not data:
         return memoryview(b"")
+    from ...floats import ENCODES, convert, held
+
+    if src.name in ENCODES and dst.name in ENCODES:
+        return convert(held(data, src.name), src.name, dst.name).data.cast("B")
+    import torch  # a cast among other dtypes
+
+    src_dtype, dst_dtype = getattr(torch, src.name), getattr(torch, dst.name)
     out = bytearray(len(data) // src.itemsize * dst.itemsize)
     torch.frombuffer(out, dtype=dst_dtype).copy_(torch.frombuffer(data, dtype=src_dtype))  # copy_ casts
     return memoryview(out)
