@@ -107,3 +107,26 @@ def test_export_hf_keeps_the_quantization_config_of_fp8_weights_with_their_scale
     result = run("export-hf", tmp_path / "fp8.safetensors", tmp_path / "hf", "--hf-assets", assets)
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["quantization_config"] == FP8
+
+
+def test_a_refusal_stands_when_transformers_answer_comes_from_the_cache(llama, tmp_path, monkeypatch):
+    """The second export of the same keys against the same config asks transformers nothing (the answer is
+    cached) and is refused the same way; a cache file that cannot be read is asked again."""
+    from _checks import run_cli_watching_imports
+    from ckptkit.models.classcache import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    assets = tmp_path / "assets"
+    transformers.GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=16, bos_token_id=0, eos_token_id=0,
+                            tie_word_embeddings=False).save_pretrained(assets)
+    args = ("export-hf", str(llama / "model.safetensors"), str(tmp_path / "hf"), "--hf-assets", str(assets))
+    first = run_cli_watching_imports(*args)
+    again = run_cli_watching_imports(*args)
+    assert first[0] == again[0] == 2
+    assert first[1] == again[1] and "transformers' GPT2LMHeadModel does not load 11 of the keys" in again[1]
+    assert "transformers" in first[2] and "transformers" not in again[2]
+    assert not (tmp_path / "hf").exists()
+    for kept in (tmp_path / "cache").rglob("*.json"):
+        kept.write_text("{not json")
+    broken = run_cli_watching_imports(*args)
+    assert broken[:2] == first[:2] and "transformers" in broken[2]
