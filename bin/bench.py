@@ -445,6 +445,8 @@ def main(shape: str, size: str, layers: int, world_size: int, workers: str | Non
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="ckptkit-bench-", dir=workdir))
+    # transformers' answers (the class check) are cached by the untimed first run, in the bench's own directory
+    os.environ["CKPTKIT_CACHE_DIR"] = str(root / "cache")
     try:
         if metadata_tensors:
             bench_metadata(metadata_tensors, repeat, root)

@@ -184,3 +184,21 @@ def test_export_hf_fp8_and_its_import_back_compute_without_torch_or_transformers
     scales = expected[weight + "_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
     wanted = expected[weight].float() * scales[:256, :128]  # what torch's reader computes
     assert torch.equal(back["layers.0.feed_forward.w3.weight"].view(torch.int32), wanted.view(torch.int32))
+
+
+def test_export_hf_fp8_with_the_releases_own_config_names_fp8_and_leaves_nothing_out(bf16_model, fp8_export, tmp_path):
+    """A fine-tuned model written back in its release form with the release's folder as --hf-assets: the
+    release's quantization_config is what the output holds, not a config "left out"."""
+    ckptkit.export_hf(bf16_model, tmp_path / "again", hf_assets=fp8_export, dtype="fp8")
+    notes = (tmp_path / "again" / "config.json").read_text()
+    assert json.loads(notes)["quantization_config"]["weight_block_size"] == [128, 128]
+    from click.testing import CliRunner
+
+    from ckptkit.cli import cli
+
+    result = CliRunner().invoke(cli, ["export-hf", str(bf16_model), str(tmp_path / "cli"), "--hf-assets",
+                                      str(fp8_export), "--dtype", "fp8"])
+    assert result.exit_code == 0, result.output
+    assert "left out" not in result.output.replace("left out of --hf-assets", "")
+    assert json.loads((tmp_path / "cli" / "config.json").read_text())["quantization_config"] == json.loads(
+        (fp8_export / "config.json").read_text())["quantization_config"]

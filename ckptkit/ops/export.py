@@ -197,7 +197,8 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets,
                        megatron_args)
-    part = _with_assets(part, storage_of(options), cast, options.max_memory, keep_names=mapping.preset is None)
+    part = _with_assets(part, storage_of(options), cast, options.max_memory, keep_names=mapping.preset is None,
+                        quantizing=fp8)
     part, quantized = _quantized(part) if fp8 else (part, frozenset[str]())
     layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size), quantized)
     casts = tuple((t.key, to.name) for t in part.tensors if (to := layout.cast_of(t)) is not None)
@@ -277,11 +278,12 @@ def _megatron_config(src: Path, mapped: MappedKeys, megatron_args: dict | None) 
     return made or (None, None)
 
 
-def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int, keep_names: bool) -> _Part:
+def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int, keep_names: bool,
+                 quantizing: bool) -> _Part:
     """``part`` with the files of its ``hf_assets`` to copy (or the config made from a Megatron run's arguments),
     untied as their config says, checked against the config's transformers class
     (:func:`ckptkit.ops._model.check_class`; ``keep_names``: ``--preset none``), the config naming the dtype
-    written."""
+    written; its ``quantization_config`` is kept where the weights will be (``quantizing``) or are quantized."""
     if part.hf_assets is not None:
         directory = storage_at(part.hf_assets, storage)[1]
         assets, config, left_note = _assets(directory)
@@ -294,7 +296,7 @@ def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memo
     tensors, tie_note = _untie(list(part.tensors), config, max_memory)
     kept = {t.key for t in tensors}
     untied = [(t.key, "tied to the input embedding") for t in part.tensors if t.key not in kept]
-    config, quant_note = _without_quantization(config, tensors, cast)
+    config, quant_note = (config, None) if quantizing else _without_quantization(config, tensors, cast)
     # A quantized model's layers are the quantizer's, which from_pretrained builds and a bare class lacks.
     class_notes = () if "quantization_config" in config else \
         check_class(config, [t.key for t in tensors], where, keep_names, part.preset)
