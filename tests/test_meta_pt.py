@@ -8,6 +8,7 @@ Directories are laid out as Lightning's FSDP strategies write them (``dcp.save``
 from __future__ import annotations
 
 import argparse
+import fractions
 from pathlib import Path
 
 import pytest
@@ -95,15 +96,25 @@ def test_convert_full_to_sharded_writes_meta_pt_and_keeps_it_through_reshard(tmp
 
 
 def test_meta_pt_off_the_allow_list_is_carried_as_it_is(tmp_path):
-    src, _ = _lightning_dir(tmp_path / "src", meta={"hparams": argparse.Namespace(lr=0.01)})
+    src, _ = _lightning_dir(tmp_path / "src", meta={"hparams": fractions.Fraction(1, 3)})
     before = hash_tree(src / "meta.pt")
     assert "not readable as data" in summary(inspect(src))["details"]["meta.pt"]
     reshard(src, tmp_path / "out", world_size=2)
     assert (tmp_path / "out" / "meta.pt").read_bytes() == (src / "meta.pt").read_bytes()
-    with pytest.raises(UnsafeCheckpointError, match=r"meta\.pt.*argparse\.Namespace, which is not on ckptkit's "
+    with pytest.raises(UnsafeCheckpointError, match=r"meta\.pt.*fractions\.Fraction, which is not on ckptkit's "
                                                     r"allow-list"):
         convert(src, tmp_path / "full.pt", to="full")
     assert hash_tree(src / "meta.pt") == before
+
+
+def test_meta_pt_hparams_namespace_is_read_as_data_and_written_back_as_torch_loads_it(tmp_path):
+    hparams = argparse.Namespace(lr=0.01, layers=2, name="run")
+    src, _ = _lightning_dir(tmp_path / "src", meta={"hparams": hparams})
+    assert "not readable as data" not in summary(inspect(src))["details"]["meta.pt"]
+    convert(src, tmp_path / "full.pt", to="full")
+    assert torch.load(tmp_path / "full.pt", weights_only=False)["hparams"] == hparams
+    reshard(src, tmp_path / "out", world_size=2)
+    assert torch.load(tmp_path / "out" / "meta.pt", weights_only=False)["hparams"] == hparams
 
 
 def test_meta_pt_damaged_stops_the_copy(tmp_path):

@@ -242,5 +242,5 @@ def _holes(window: Window, head: bytes, tail: bytes, lo: int, hi: int) -> list[t
     return [h for h in holes if h[1] <= lo or h[0] >= hi]
 
 
-def load_blob(span: Span, *, where: str) -> Any:
-    return read_archive(span.file, span.offset, span.length, where=where)
+def load_blob(span: Span, *, where: str, extra_globals: dict | None = None) -> Any:
+    return read_archive(span.file, span.offset, span.length, where=where, extra_globals=extra_globals)

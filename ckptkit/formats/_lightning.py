@@ -24,11 +24,13 @@ META = "meta.pt"
 def read_meta(path: Path, groups: set[str]) -> tuple[list[TensorEntry], list[ObjectEntry], str]:
     """``meta.pt``'s entries, flattened as a FULL file's are, less the groups the DCP holds too; and a line
     for ``inspect``."""
-    try:
-        tree = read_archive(str(path))
+    from ._megatron import COMMON_GLOBALS
+
+    try:  # hparams as an argparse.Namespace (Lightning's, Megatron-LM's args) are admitted as data
+        tree = read_archive(str(path), extra_globals=COMMON_GLOBALS)
     except UnsafeCheckpointError as e:
-        # Lightning pickles user classes there (hparams as an argparse.Namespace). The archive and the pickle's
-        # structure were checked before the first global was refused; the bytes go on untouched, never run.
+        # Lightning pickles user classes there too. The archive and the pickle's structure were checked before
+        # the first global was refused; the bytes go on untouched, never run.
         opaque = ObjectEntry(META, (META,), blob=Span(str(path), 0, path.stat().st_size), sidecar=META)
         return [], [opaque], f"not readable as data, carried as it is ({e})"
     if not isinstance(tree, dict):

@@ -171,10 +171,14 @@ def cast_for(dtype: DType, cast: DType | None) -> DType | None:
 
 
 def object_value(entry: ObjectEntry) -> Any:
-    """The entry's value, decoded from its serialized bytes where the format keeps it so (DCP)."""
+    """The entry's value, decoded from its serialized bytes where the format keeps it so (DCP). Megatron-LM's
+    run arguments are admitted as data there too, as in a ``torch.save`` file: a DCP written from a Megatron
+    checkpoint holds them."""
     if entry.blob is None:
         return entry.value
-    return load_blob(entry.blob, where=f"object {entry.key!r}")
+    from ._megatron import COMMON_GLOBALS
+
+    return load_blob(entry.blob, where=f"object {entry.key!r}", extra_globals=COMMON_GLOBALS)
 
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, TensorRef, DType)

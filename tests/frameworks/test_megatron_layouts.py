@@ -290,3 +290,19 @@ def test_megatron_legacy_te_extra_state_is_kept_as_tensor_rank_0s_object(tmp_pat
     qkv = saved["decoder.layers.1.self_attention.linear_qkv.weight"]
     assert torch.equal(full["decoder.layers.self_attention.linear_qkv.weight"][1], torch.cat([qkv, qkv]))
     assert "decoder.layers.mlp.linear_fc1._extra_state" not in full
+
+
+def test_megatron_legacy_reshard_output_is_read_back_whole_and_verifies_identical(tmp_path):
+    """reshard of a Megatron-LM legacy checkpoint writes a DCP whose objects (the run's argparse.Namespace among
+    them) torch loads as they were saved, and which ckptkit's own commands read back as data."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root = _one_rank_run(tmp_path / "ckpt")
+    saved = torch.load(root / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    ckptkit.reshard(root, tmp_path / "out", world_size=2)
+    dcp_to_torch_save(str(tmp_path / "out"), str(tmp_path / "out.pt"))
+    assert torch.load(tmp_path / "out.pt", weights_only=False)["args"] == saved["args"]
+    code, text = _run("inspect", tmp_path / "out")
+    assert code == 0 and "argparse.Namespace" in text and "not readable" not in text, text
+    code, text = _run("verify", root, tmp_path / "out")
+    assert code == 0 and "identical" in text, text
