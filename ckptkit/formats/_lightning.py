@@ -13,6 +13,7 @@ from ..core.manifest import Manifest, ObjectEntry, Span, TensorEntry, TensorRef,
 from ..core.plan import Part, Region
 from ..core.tree import flatten, unflatten
 from ..errors import FormatError, UnsafeCheckpointError
+from ._run_args import RUN_ARGS_GLOBALS
 from .base import cast_for, object_value, regions_in
 
 __all__ = ["META", "meta_parts", "read_meta"]
@@ -24,10 +25,8 @@ META = "meta.pt"
 def read_meta(path: Path, groups: set[str]) -> tuple[list[TensorEntry], list[ObjectEntry], str]:
     """``meta.pt``'s entries, flattened as a FULL file's are, less the groups the DCP holds too; and a line
     for ``inspect``."""
-    from ._megatron import COMMON_GLOBALS
-
     try:  # hparams as an argparse.Namespace (Lightning's, Megatron-LM's args) are admitted as data
-        tree = read_archive(str(path), extra_globals=COMMON_GLOBALS)
+        tree = read_archive(str(path), extra_globals=RUN_ARGS_GLOBALS)
     except UnsafeCheckpointError as e:
         # Lightning pickles user classes there too. The archive and the pickle's structure were checked before
         # the first global was refused; the bytes go on untouched, never run.

@@ -36,9 +36,10 @@ from ..core.manifest import Manifest, ObjectEntry, TensorEntry, TensorRef, key_o
 from ..core.plan import Part, Region
 from ..core.tree import flatten, unflatten
 from ..errors import FormatError
+from ._run_args import RUN_ARGS_GLOBALS
 from .base import cast_for, regions_in
 
-__all__ = ["COMMON", "COMMON_GLOBALS", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS", "args_config", "common_parts",
+__all__ = ["COMMON", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS", "args_config", "common_parts",
            "config_of_args", "extra_states", "hf_fields", "is_megatron", "read_common", "read_config"]
 
 COMMON = "common.pt"
@@ -57,13 +58,6 @@ PLAN_GLOBALS = {
 }
 """torch's save-plan records (frozen dataclasses, no ``__setstate__``) as Megatron leaves them in ``.metadata``."""
 
-_ATTN_BACKENDS = {"flash": 1, "fused": 2, "unfused": 3, "local": 4, "auto": 5}
-_ENUMS = "megatron.core.transformer.enums"
-COMMON_GLOBALS = {
-    **allow_plain_records("argparse", "Namespace"),
-    # Megatron-LM's args name the attention backend by this enum; a member, looked up by value, is data.
-    (_ENUMS, "AttnBackend"): EnumStandIn(_ATTN_BACKENDS, keep_call(_ENUMS, "AttnBackend")),
-}
 _MAX_CONFIG = 1 << 20
 
 
@@ -106,7 +100,7 @@ def read_common(root: Path) -> tuple[list[TensorEntry], list[ObjectEntry], str]:
         newer = " (megatron-core 0.19 keeps it in a common_state object, which ckptkit does not read yet)" if any(
             root.glob("*.distcp")) else ""
         raise FormatError(f"{root}: {CONFIG} names a megatron-core checkpoint, but {COMMON} is missing{newer}")
-    tree = read_archive(str(path), extra_globals=COMMON_GLOBALS)
+    tree = read_archive(str(path), extra_globals=RUN_ARGS_GLOBALS)
     if not isinstance(tree, dict):
         raise FormatError(f"{path}: megatron-core's common state is a dict, found {type(tree).__name__}")
     tensors: list[TensorEntry] = []

@@ -24,6 +24,7 @@ from ..core.dtypes import DType, parse_floating
 from ..core.manifest import Format, Manifest, ObjectEntry, Path_, TensorRef, key_of, map_tensor_refs
 from ..core.plan import Region, WritePlan
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
+from ._run_args import RUN_ARGS_GLOBALS
 
 __all__ = ["RANK", "FormatIO", "LocalOptions", "ReadOnlyIO", "Target", "FormatOptions", "rank_pattern", "cast_for",
            "index_json", "is_empty_container", "plain_object", "read_index", "regions_in", "split_files"]
@@ -176,9 +177,7 @@ def object_value(entry: ObjectEntry) -> Any:
     checkpoint holds them."""
     if entry.blob is None:
         return entry.value
-    from ._megatron import COMMON_GLOBALS
-
-    return load_blob(entry.blob, where=f"object {entry.key!r}", extra_globals=COMMON_GLOBALS)
+    return load_blob(entry.blob, where=f"object {entry.key!r}", extra_globals=RUN_ARGS_GLOBALS)
 
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, TensorRef, DType)

@@ -16,7 +16,7 @@ from ..core.manifest import Format, Manifest, ObjectEntry, TensorRef, key_of
 from ..core.plan import Bytes, FilePlan, Region, WritePlan
 from ..core.tree import flatten, unflatten
 from ..errors import FormatError, UsageError
-from ._megatron import COMMON_GLOBALS
+from ._run_args import RUN_ARGS_GLOBALS
 from .base import (
     FormatIO,
     FormatOptions,
@@ -68,7 +68,7 @@ class FullIO(FormatIO):
             raise FormatError(f"{path}: not a torch.save zip archive (legacy pre-1.6 pickles are not supported)")
         # Megatron-LM's run arguments, as convert --to full writes them from a torch_dist checkpoint (and Megatron-LM's
         # own single-file checkpoints hold them): admitted as data.
-        tree = read_archive(str(path.absolute()), extra_globals=COMMON_GLOBALS)
+        tree = read_archive(str(path.absolute()), extra_globals=RUN_ARGS_GLOBALS)
         tensors, objects = [], []
         for p, leaf in flatten(tree, _is_tensor):
             if isinstance(leaf, TensorRef):

@@ -39,7 +39,8 @@ from ..codecs.torchzip_read import read_archive
 from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef
 from ..core.tree import flatten
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
-from ._megatron import COMMON_GLOBALS, CONFIG
+from ._megatron import CONFIG
+from ._run_args import RUN_ARGS_GLOBALS
 from .base import ReadOnlyIO, plain_object
 
 __all__ = ["FILE", "TRACKER", "MegatronLegacyIO", "legacy_args"]
@@ -107,7 +108,7 @@ def _coordinates(rank_dir: Path) -> tuple[int, int]:
 
 
 def _load(file: Path) -> dict:
-    tree = read_archive(str(file), extra_globals=COMMON_GLOBALS)
+    tree = read_archive(str(file), extra_globals=RUN_ARGS_GLOBALS)
     if not isinstance(tree, dict) or "args" not in tree:
         raise FormatError(f"{file}: expected Megatron-LM's saved state (a dict with args, model, ...), found "
                           f"{type(tree).__name__}{' without args' if isinstance(tree, dict) else ''}")

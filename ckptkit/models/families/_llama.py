@@ -5,10 +5,21 @@ from __future__ import annotations
 
 from ..table import Row
 
-__all__ = ["META", "TITAN", "hf_names", "llama_rows"]
+__all__ = ["META", "TITAN", "hf_names", "llama_rows", "renames", "weights_and_biases"]
 
 TITAN, META = "layers.{n}.attention.qkv_linear.", "layers.{n}.attention."
 """torchtitan 0.3's fused-module prefix of q/k/v, and Meta's (and torchtitan <= 0.2's) attention prefix."""
+
+
+def renames(pairs: tuple[tuple[str, str], ...], hf: str = "model.layers.{n}.", other: str = "layers.{n}.",
+            group: str | None = None) -> list[Row]:
+    """Rows that rename a tensor: each (HF name, other side's name) below the prefixes ``hf`` and ``other``."""
+    return [Row(hf + a, (other + b,), group=group) for a, b in pairs]
+
+
+def weights_and_biases(pairs: tuple[tuple[str, str], ...], hf: str = "", other: str = "") -> list[Row]:
+    """A weight and a bias row for each (HF module, other side's module) pair, below ``hf`` and ``other``."""
+    return [Row(f"{hf}{a}.{leaf}", (f"{other}{b}.{leaf}",)) for a, b in pairs for leaf in ("weight", "bias")]
 
 
 def llama_rows(q: tuple[str, ...], k: tuple[str, ...], v: tuple[str, ...], head: tuple[str, ...],

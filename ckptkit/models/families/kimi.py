@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..table import Preset, Row
+from ._llama import weights_and_biases
 from .torchtitan import DEEPSEEK_V3_ROWS
 
 __all__ = ["PRESETS"]
@@ -30,21 +31,16 @@ def _language_model() -> list[Row]:
                                 tied_to=r.tied_to and nested(r.tied_to)) for r in DEEPSEEK_V3_ROWS]
 
 
-def _pairs(pairs: tuple[tuple[str, str], ...], hf: str = "", titan: str = "") -> list[Row]:
-    """A weight and a bias row for each (HF module, torchtitan module) pair, below ``hf``/``titan``."""
-    return [Row(f"{hf}{a}.{leaf}", (f"{titan}{b}.{leaf}",)) for a, b in pairs for leaf in ("weight", "bias")]
-
-
 _VISION = [
     Row("vision_tower.patch_embed.proj.weight", ("vision_encoder.patch_embed.weight",),
         hf_dims=((3,), (_PATCH,), (_PATCH,))),
     Row("vision_tower.patch_embed.proj.bias", ("vision_encoder.patch_embed.bias",)),
     Row("vision_tower.patch_embed.pos_emb.weight", ("vision_encoder.pos_embed",)),
-    *_pairs((("norm0", "norm1"), ("norm1", "norm2"), ("wo", "attn.proj"), ("mlp.fc0", "mlp.linear_fc1"),
+    *weights_and_biases((("norm0", "norm1"), ("norm1", "norm2"), ("wo", "attn.proj"), ("mlp.fc0", "mlp.linear_fc1"),
              ("mlp.fc1", "mlp.linear_fc2")), _HF, _T),
     *[Row(f"{_HF}wqkv.{leaf}", tuple(f"{_T}attn.{w}.{leaf}" for w in ("wq", "wk", "wv")), hf_fuses=True)
       for leaf in ("weight", "bias")],
-    *_pairs((("vision_tower.encoder.final_layernorm", "vision_encoder.final_norm"),
+    *weights_and_biases((("vision_tower.encoder.final_layernorm", "vision_encoder.final_norm"),
              ("mm_projector.pre_norm", "vision_encoder.projector.pre_norm"),
              ("mm_projector.proj.0", "vision_encoder.projector.linear_1"),
              ("mm_projector.proj.2", "vision_encoder.projector.linear_2"))),

@@ -12,6 +12,7 @@ blocks are numbered ``{v}``.
 from __future__ import annotations
 
 from ..table import Heads, Preset, Row
+from ._llama import renames
 
 __all__ = ["PRESETS"]
 
@@ -22,10 +23,6 @@ _TOWER = "vision?:tower"
 """The vision rows: all of them, or none (the text-only model)."""
 
 
-def _renames(pairs: tuple[tuple[str, str], ...], hf: str, titan: str, group: str | None = None) -> list[Row]:
-    return [Row(hf + a, (titan + b,), group=group) for a, b in pairs]
-
-
 _QK: tuple[tuple[str, str, Heads], ...] = (("q_proj", "wq", "n_heads"), ("k_proj", "wk", "n_kv_heads"))
 _TEXT = [
     Row(_LM + "embed_tokens.weight", ("tok_embeddings.embedding.weight",)), Row(_LM + "norm.weight", ("norm.weight",)),
@@ -33,7 +30,7 @@ _TEXT = [
     *[Row(f"{_HF}self_attn.{hf}.weight", (f"{_T}attention.qkv_linear.{t}.weight",), transform="rotary", heads=heads)
       for hf, t, heads in _QK],
     Row(_HF + "self_attn.v_proj.weight", (_T + "attention.qkv_linear.wv.weight",), heads="n_kv_heads"),
-    *_renames((("self_attn.o_proj.weight", "attention.wo.weight"), ("self_attn.gate_proj.weight",
+    *renames((("self_attn.o_proj.weight", "attention.wo.weight"), ("self_attn.gate_proj.weight",
                                                                      "attention.o_gate.weight"),
                ("mlp.gate_proj.weight", "feed_forward.w1.weight"), ("mlp.up_proj.weight", "feed_forward.w3.weight"),
                ("mlp.down_proj.weight", "feed_forward.w2.weight"), ("input_layernorm.weight", "attention_norm.weight"),
@@ -42,17 +39,17 @@ _TEXT = [
                ("post_feedforward_layernorm.weight", "post_ffn_norm.weight")), _HF, _T),
 ]
 _VISION = [
-    *_renames((("patch_embedder.patch_embedding.weight", "conv1_linear.weight"),
+    *renames((("patch_embedder.patch_embedding.weight", "conv1_linear.weight"),
                ("patch_embedder.position_embedding_table.weight", "positional_embedding_vlm"),
                *((f"{ln}.{leaf}", f"{ln}.{leaf}") for ln in ("ln_pre", "ln_post") for leaf in ("weight", "bias"))),
               "model.vision_tower.", "vision_encoder.", _TOWER),
     *[Row(f"{_VHF}attn.{hf}.{leaf}", (f"{_VT}attn.{t}.{leaf}",), transform="rotary", head_dim=_VISION_HEAD,
           group=_TOWER) for hf, t, _ in _QK for leaf in ("weight", "bias")],
-    *_renames(tuple((f"{hf}.{leaf}", f"{t}.{leaf}") for hf, t in
+    *renames(tuple((f"{hf}.{leaf}", f"{t}.{leaf}") for hf, t in
                     (("attn.v_proj", "attn.wv"), ("attn.proj", "attn.proj"), ("mlp.fc1", "mlp.linear_fc1"),
                      ("mlp.fc2", "mlp.linear_fc2"), ("norm1", "norm1"), ("norm2", "norm2"))
                     for leaf in ("weight", "bias")), _VHF, _VT, _TOWER),
-    *_renames((("vision_adapter.fc1.weight", "vision_adapter.c_fc.weight"),
+    *renames((("vision_adapter.fc1.weight", "vision_adapter.c_fc.weight"),
                ("vision_adapter.fc2.weight", "vision_adapter.c_proj.weight"),
                ("vision_projection.weight", "vision_projection.weight")), "model.", "", _TOWER),
 ]

@@ -18,22 +18,17 @@ Vision blocks are numbered ``{v}``.
 
 from __future__ import annotations
 
+from functools import partial
+
 from ..table import Buffer, Count, Preset, Row
+from ._llama import renames, weights_and_biases
 from .torchtitan import EXPERT_BIAS
 
 __all__ = ["PRESETS"]
 
 _LM, _HF, _T = "model.language_model.", "model.language_model.layers.{n}.", "layers.{n}."
+_renames = partial(renames, hf=_HF, other=_T)
 _VHF, _VT = "model.visual.blocks.{v}.", "vision_encoder.layers.{v}."
-
-
-def _renames(pairs: tuple[tuple[str, str], ...], hf: str = _HF, titan: str = _T, group: str | None = None) -> list[Row]:
-    return [Row(hf + a, (titan + b,), group=group) for a, b in pairs]
-
-
-def _pairs(pairs: tuple[tuple[str, str], ...], hf: str, titan: str) -> list[Row]:
-    """A weight and a bias row for each (HF module, torchtitan module) pair."""
-    return [Row(f"{hf}{a}.{leaf}", (f"{titan}{b}.{leaf}",)) for a, b in pairs for leaf in ("weight", "bias")]
 
 
 _KEY_ROWS: Count = ("linear_num_key_heads", "linear_key_head_dim")
@@ -58,12 +53,12 @@ _VISION = [
     Row("model.visual.patch_embed.proj.weight", ("vision_encoder.patch_embed.weight",), hf_dims=_PATCH),
     Row("model.visual.patch_embed.proj.bias", ("vision_encoder.patch_embed.bias",)),
     Row("model.visual.pos_embed.weight", ("vision_encoder.pos_embed",)),
-    *_pairs((("norm1", "norm1"), ("norm2", "norm2"), ("attn.proj", "attn.proj"), ("mlp.linear_fc1", "mlp.linear_fc1"),
-             ("mlp.linear_fc2", "mlp.linear_fc2")), _VHF, _VT),
+    *weights_and_biases((("norm1", "norm1"), ("norm2", "norm2"), ("attn.proj", "attn.proj"),
+                         ("mlp.linear_fc1", "mlp.linear_fc1"), ("mlp.linear_fc2", "mlp.linear_fc2")), _VHF, _VT),
     *[Row(f"{_VHF}attn.qkv.{leaf}", tuple(f"{_VT}attn.{w}.{leaf}" for w in ("wq", "wk", "wv")), hf_fuses=True)
       for leaf in ("weight", "bias")],
-    *_pairs((("norm", "norm"), ("linear_fc1", "linear_fc1"), ("linear_fc2", "linear_fc2")), "model.visual.merger.",
-            "vision_encoder.merger."),
+    *weights_and_biases((("norm", "norm"), ("linear_fc1", "linear_fc1"), ("linear_fc2", "linear_fc2")),
+                        "model.visual.merger.", "vision_encoder.merger."),
 ]
 _DENSE = _renames((("mlp.gate_proj.weight", "feed_forward.w1.weight"), ("mlp.up_proj.weight", "feed_forward.w3.weight"),
                    ("mlp.down_proj.weight", "feed_forward.w2.weight")))

@@ -10,23 +10,18 @@ Older torchtitan spellings are read too. ``--preset auto`` picks a table by ``co
 from __future__ import annotations
 
 from ..table import Buffer, Heads, Preset, Row, Unmapped
-from ._llama import META as _META, TITAN as _TITAN, llama_rows
+from ._llama import META as _META, TITAN as _TITAN, llama_rows, renames
 
 __all__ = ["DEEPSEEK_V3_ROWS", "EXPERT_BIAS", "PRESETS", "UNMAPPED"]
 
 _HF, _T = "model.layers.{n}.", "layers.{n}."
 
 
-def _renames(pairs: tuple[tuple[str, str], ...], group: str | None = None) -> list[Row]:
-    """Rows that rename a layer's tensor: (HF name, torchtitan name) below ``model.layers.{n}.``/``layers.{n}.``."""
-    return [Row(_HF + hf, (_T + titan,), group=group) for hf, titan in pairs]
-
-
 def _titan_common(norms: tuple[tuple[str, str], ...] = ()) -> list[Row]:
     """Embedding, final norm, output head and each layer's two norms, as every torchtitan family names them."""
     return [Row("model.embed_tokens.weight", ("tok_embeddings.weight",)), Row("model.norm.weight", ("norm.weight",)),
             Row("lm_head.weight", ("lm_head.weight", "output.weight"), tied_to="model.embed_tokens.weight"),
-            *_renames((("input_layernorm.weight", "attention_norm.weight"),
+            *renames((("input_layernorm.weight", "attention_norm.weight"),
                        ("post_attention_layernorm.weight", "ffn_norm.weight"), *norms))]
 
 
@@ -43,9 +38,9 @@ def _gqa(biases: bool = False) -> list[Row]:
 
 
 def _dense_mlp(group: str | None = "mlp:dense") -> list[Row]:
-    return _renames((("mlp.gate_proj.weight", "feed_forward.w1.weight"),
+    return renames((("mlp.gate_proj.weight", "feed_forward.w1.weight"),
                      ("mlp.up_proj.weight", "feed_forward.w3.weight"),
-                     ("mlp.down_proj.weight", "feed_forward.w2.weight")), group)
+                     ("mlp.down_proj.weight", "feed_forward.w2.weight")), group=group)
 
 
 def _experts(group: str = "mlp:moe") -> list[Row]:
@@ -55,7 +50,7 @@ def _experts(group: str = "mlp:moe") -> list[Row]:
     names = (("gate_proj", "w1_EFD"), ("up_proj", "w3_EFD"), ("down_proj", "w2_EDF"))
     return [Row(_HF + f"mlp.experts.{{e}}.{hf}.weight", (inner + titan, f"{_T}moe.experts.{titan[:2]}"),
                 stacked="e", group=group) for hf, titan in names] + \
-        _renames((("mlp.gate.weight", "moe.router.gate.weight"),), group)
+        renames((("mlp.gate.weight", "moe.router.gate.weight"),), group=group)
 
 
 _QWEN3_NORMS = (("self_attn.q_norm.weight", "attention.q_norm.weight"),
@@ -64,18 +59,18 @@ _INV_FREQ = "model.layers.{n}.self_attn.rotary_emb.inv_freq"
 EXPERT_BIAS = _T + "moe.expert_bias_E"
 """The router's load-balancing bias: a persistent float32 buffer of torchtitan's MoE, zeros at initialisation,
 that HF's Qwen3-MoE and GPT-OSS have no tensor for (DeepSeek-V3's is its ``e_score_correction_bias``)."""
-_MLA = _renames((("self_attn.kv_a_proj_with_mqa.weight", "attention.wkv_a.weight"),
+_MLA = renames((("self_attn.kv_a_proj_with_mqa.weight", "attention.wkv_a.weight"),
                  ("self_attn.kv_a_layernorm.weight", "attention.kv_norm.weight"),
                  ("self_attn.kv_b_proj.weight", "attention.wkv_b.weight"),
                  ("self_attn.o_proj.weight", "attention.wo.weight"))) + \
-    _renames((("self_attn.q_proj.weight", "attention.wq.weight"),), "q:plain") + \
-    _renames((("self_attn.q_a_proj.weight", "attention.wq_a.weight"),
+    renames((("self_attn.q_proj.weight", "attention.wq.weight"),), group="q:plain") + \
+    renames((("self_attn.q_a_proj.weight", "attention.wq_a.weight"),
               ("self_attn.q_a_layernorm.weight", "attention.q_norm.weight"),
-              ("self_attn.q_b_proj.weight", "attention.wq_b.weight")), "q:lora")
-_DEEPSEEK_MOE = _experts() + _renames((("mlp.shared_experts.gate_proj.weight", "moe.shared_experts.w1.weight"),
+              ("self_attn.q_b_proj.weight", "attention.wq_b.weight")), group="q:lora")
+_DEEPSEEK_MOE = _experts() + renames((("mlp.shared_experts.gate_proj.weight", "moe.shared_experts.w1.weight"),
                                        ("mlp.shared_experts.up_proj.weight", "moe.shared_experts.w3.weight"),
                                        ("mlp.shared_experts.down_proj.weight", "moe.shared_experts.w2.weight"),
-                                       ("mlp.gate.e_score_correction_bias", "moe.expert_bias_E")), "mlp:moe")
+                                       ("mlp.gate.e_score_correction_bias", "moe.expert_bias_E")), group="mlp:moe")
 DEEPSEEK_V3_ROWS = tuple(_titan_common() + _MLA + _dense_mlp() + _DEEPSEEK_MOE)
 """DeepSeek-V3's language model (Kimi K2's too)."""
 _OSS = _T + "moe.routed_experts.inner_experts."
@@ -84,7 +79,7 @@ _GPT_OSS = [Row(_HF + "self_attn.sinks", (_T + "attention.sinks",)),
             Row(_HF + "mlp.experts.gate_up_proj_bias", (_OSS + "mlp1_bias_EG", _OSS + "mlp1_bias")),
             Row(_HF + "mlp.experts.down_proj", (_OSS + "mlp2_weight_EDF", _OSS + "mlp2_weight"), transpose=True),
             Row(_HF + "mlp.experts.down_proj_bias", (_OSS + "mlp2_bias_ED", _OSS + "mlp2_bias")),
-            *_renames((("mlp.router.weight", "moe.router.gate.weight"), ("mlp.router.bias", "moe.router.gate.bias")))]
+            *renames((("mlp.router.weight", "moe.router.gate.weight"), ("mlp.router.bias", "moe.router.gate.bias")))]
 
 PRESETS = (
     Preset("torchtitan-llama", "torchtitan's Llama 3 (0.3 names; 0.1-0.2 names read too) <-> HF Llama, with the "
