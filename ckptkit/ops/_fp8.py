@@ -10,14 +10,10 @@ every other floating tensor (embedding, norms, router, head) is written in bf16,
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import re
-from typing import Any
 
 from ..core.dtypes import by_name
 from ..core.manifest import TensorEntry
-from ..core.plan import Bytes, FilePlan
 from ..core.reshape import quantized_fp8
 from ..errors import UsageError
 
@@ -61,24 +57,20 @@ def quantize_fp8(tensors: tuple[TensorEntry, ...]) -> tuple[tuple[TensorEntry, .
     return tuple(out), frozenset(exact), note
 
 
-def fp8_config(assets: tuple[FilePlan, ...], config: dict[str, Any] | None) -> tuple[FilePlan, ...]:
-    """``assets`` with ``config.json`` naming the FP8 quantization written.
+def fp8_config(config: dict | None, has_file: bool) -> dict:
+    """``config`` naming the FP8 quantization (``quantization_config``).
 
     Args:
-        assets: The files an export copies, ``config.json`` among them (as given or already rewritten).
-        config: ``config.json`` as read.
+        config: ``config.json`` as it will be written, or None.
+        has_file: whether the export writes a ``config.json``.
 
     Returns:
-        The assets, ``config.json`` holding ``quantization_config``.
+        The config with ``quantization_config``.
 
     Raises:
         UsageError: there is no ``config.json`` to name the quantization in.
     """
-    plan = next((p for p in assets if p.relpath == "config.json"), None)
-    if plan is None or config is None:
+    if config is None or not has_file:
         raise UsageError("--dtype fp8 names the quantization in config.json's quantization_config: pass "
                          "--hf-assets DIR with the model's config.json")
-    written = plan.parts[0].data if len(plan.parts) == 1 and isinstance(plan.parts[0], Bytes) else None
-    current = json.loads(written) if written is not None else dict(config)
-    data = (json.dumps({**current, "quantization_config": QUANTIZATION_CONFIG}, indent=2) + "\n").encode()
-    return tuple(dataclasses.replace(p, parts=(Bytes(data),)) if p is plan else p for p in assets)
+    return {**config, "quantization_config": QUANTIZATION_CONFIG}

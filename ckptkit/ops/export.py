@@ -120,9 +120,8 @@ def _without_quantization(config: dict, tensors: list[TensorEntry], cast: DType 
             f"config.json: quantization_config ({method or 'unnamed'}) left out: the weights written are not quantized")
 
 
-def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: list[TensorEntry],
-                        cast: DType | None) -> tuple[tuple[FilePlan, ...], str | None]:
-    """``config.json`` naming the floating dtype written, which ``from_pretrained(dtype="auto")`` then loads in:
+def _with_written_dtype(config: dict, tensors: list[TensorEntry], cast: DType | None) -> tuple[dict, str | None]:
+    """``config`` naming the floating dtype written, which ``from_pretrained(dtype="auto")`` then loads in:
     after a cast, and wherever the config names another dtype (verl's config says bfloat16 over fp32
     masters). ``dtype`` is transformers 5's key, ``torch_dtype`` 4.x's; both are written. A config that names
     no dtype and saw no cast is left alone: "auto" then takes the weights' own. With several floating dtypes,
@@ -130,18 +129,24 @@ def _with_written_dtype(assets: tuple[FilePlan, ...], config: dict, tensors: lis
     written = {cast or t.dtype for t in tensors if t.dtype.is_floating}
     named = {config[k] for k in ("dtype", "torch_dtype") if k in config}
     if not written or (cast is None and not named):
-        return assets, None
+        return config, None
     dtype = max(written, key=lambda d: d.itemsize).name
     if cast is None and named == {dtype}:
-        return assets, None
+        return config, None
     out = {**config, "dtype": dtype, "torch_dtype": dtype}
     text = out.get("text_config")
     if isinstance(text, dict) and ("dtype" in text or "torch_dtype" in text):
         out["text_config"] = {**text, "dtype": dtype, "torch_dtype": dtype}
-    data = (json.dumps(out, indent=2) + "\n").encode()
-    assets = tuple(FilePlan(p.relpath, (Bytes(data),)) if p.relpath == "config.json" else p for p in assets)
     said = f" (it said {', '.join(sorted(named))})" if named and named != {dtype} else ""
-    return assets, f"config.json: dtype and torch_dtype set to {dtype}, the dtype written{said}"
+    return out, f"config.json: dtype and torch_dtype set to {dtype}, the dtype written{said}"
+
+
+def _with_config(assets: tuple[FilePlan, ...], config: dict) -> tuple[FilePlan, ...]:
+    """``assets`` writing ``config`` as their ``config.json`` (added where they have none)."""
+    plan = FilePlan("config.json", (Bytes((json.dumps(config, indent=2) + "\n").encode()),))
+    if not any(p.relpath == "config.json" for p in assets):
+        return (*assets, plan)
+    return tuple(plan if p.relpath == "config.json" else p for p in assets)
 
 
 @all_ranks
@@ -221,7 +226,8 @@ def _cast_rule(dtype: str, keep_fp32: Iterable[str]) -> tuple[DType | None, tupl
 def _quantized(part: _Part) -> tuple[_Part, frozenset[str]]:
     """``part`` in DeepSeek-V3's FP8 release form (:mod:`._fp8`), and the keys written as they are."""
     tensors, quantized, note = quantize_fp8(part.tensors)
-    return dataclasses.replace(part, tensors=tensors, assets=fp8_config(part.assets, part.config),
+    config = fp8_config(part.config, any(p.relpath == "config.json" for p in part.assets))
+    return dataclasses.replace(part, tensors=tensors, assets=_with_config(part.assets, config), config=config,
                                notes=part.notes + (note,)), quantized
 
 
@@ -290,7 +296,7 @@ def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memo
         where = str(directory / "config.json")
     elif part.config is not None:
         config, left_note, where = part.config, None, "the config.json made from Megatron's arguments"
-        assets = (FilePlan("config.json", (Bytes((json.dumps(config, indent=2) + "\n").encode()),)),)
+        assets = _with_config((), config)
     else:
         return part
     tensors, tie_note = _untie(list(part.tensors), config, max_memory)
@@ -300,10 +306,9 @@ def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memo
     # A quantized model's layers are the quantizer's, which from_pretrained builds and a bare class lacks.
     class_notes = () if "quantization_config" in config else \
         check_class(config, [t.key for t in tensors], where, keep_names, part.preset)
-    if quant_note:
-        assets = tuple(FilePlan(p.relpath, (Bytes((json.dumps(config, indent=2) + "\n").encode()),))
-                       if p.relpath == "config.json" else p for p in assets)
-    assets, dtype_note = _with_written_dtype(assets, config, tensors, cast)
+    config, dtype_note = _with_written_dtype(config, tensors, cast)
+    if quant_note or dtype_note:
+        assets = _with_config(assets, config)
     notes = [n for n in (tie_note, quant_note, dtype_note) if n]
     notes += ["copied " + ", ".join(p.relpath for p in assets)] if part.hf_assets is not None else []
     notes += [left_note] if left_note else []
