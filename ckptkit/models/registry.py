@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from types import ModuleType
 
 from ..errors import UsageError
 from . import families
@@ -18,18 +19,21 @@ __all__ = ["DETECT", "MEGATRON", "MEGATRON_REFUSED", "PRESETS", "UNMAPPED", "pre
 _FIRST = ("torchtitan", "meta", "megatron")
 
 
-def _family_modules() -> list[str]:
+def _family_modules() -> list[ModuleType]:
     names = [m.name for m in pkgutil.iter_modules(families.__path__) if not m.name.startswith("_")]
-    return sorted(names, key=lambda n: (_FIRST.index(n) if n in _FIRST else len(_FIRST), n))
+    ordered = sorted(names, key=lambda n: (_FIRST.index(n) if n in _FIRST else len(_FIRST), n))
+    return [importlib.import_module(f"{families.__name__}.{name}") for name in ordered]
+
+
+_MODULES = _family_modules()
 
 
 def _load() -> dict[str, Preset]:
     found: dict[str, Preset] = {}
-    for name in _family_modules():
-        module = importlib.import_module(f"{families.__name__}.{name}")
+    for module in _MODULES:
         for p in module.PRESETS:
             if p.name in found:
-                raise AssertionError(f"preset {p.name!r} is defined twice (ckptkit/models/families/{name}.py)")
+                raise AssertionError(f"preset {p.name!r} is defined twice ({module.__file__})")
             found[p.name] = p
     return found
 
@@ -37,9 +41,7 @@ def _load() -> dict[str, Preset]:
 PRESETS: dict[str, Preset] = _load()
 """The presets by name."""
 
-UNMAPPED: tuple[Unmapped, ...] = tuple(u for name in _family_modules()
-                                       for u in getattr(importlib.import_module(f"{families.__name__}.{name}"),
-                                                        "UNMAPPED", ()))
+UNMAPPED: tuple[Unmapped, ...] = tuple(u for module in _MODULES for u in getattr(module, "UNMAPPED", ()))
 """The families a module names as not mapped (its ``UNMAPPED`` tuple): refused by name."""
 
 
@@ -55,8 +57,8 @@ MEGATRON = _by_model_type("Megatron")
 """``config.json``'s ``model_type`` -> the preset ``convert --to megatron`` uses when given none."""
 
 
-MEGATRON_REFUSED: dict[str, str] = importlib.import_module(f"{families.__name__}.megatron").REFUSED
-"""``model_type`` -> why ``convert --to megatron`` has no table for that family."""
+MEGATRON_REFUSED: dict[str, str] = {t: why for module in _MODULES for t, why in getattr(module, "REFUSED", {}).items()}
+"""``model_type`` -> why ``convert --to megatron`` has no table for that family (a module's ``REFUSED``)."""
 
 
 def preset(name: str) -> Preset:
