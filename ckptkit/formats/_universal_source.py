@@ -74,14 +74,27 @@ def _state(manifest: Manifest, head: str) -> dict[str, dict[str, Entry]]:
     return state
 
 
+_LAST: list[tuple[Manifest, Source]] = []
+"""The last manifest asked about and its answer: a conversion asks three times (options, notes, plan)."""
+
+
 def source_of(manifest: Manifest) -> Source:
-    """The parameters of ``manifest`` with their optimizer state (see the module docstring).
+    """The parameters of ``manifest`` with their optimizer state (see the module docstring); the same manifest
+    object asked about again gets the same answer without working it out again.
 
     Raises:
         UsageError: The checkpoint holds no optimizer state, or an optimizer other than Adam's kind.
         IncompleteCheckpointError: A parameter lacks a moment, its step or its weight.
         FormatError: A moment's shape is not its weight's.
     """
+    if _LAST and _LAST[0][0] is manifest:
+        return _LAST[0][1]
+    source = _source_of(manifest)
+    _LAST[:] = [(manifest, source)]
+    return source
+
+
+def _source_of(manifest: Manifest) -> Source:
     optim = next((p for p in _OPTIMIZERS if any(t.key.startswith(p + ".state.") for t in manifest.tensors)), None)
     if optim is None:
         raise UsageError(f"{manifest.root}: holds no optimizer state (optim.state.<param>.exp_avg, ...), which a "
