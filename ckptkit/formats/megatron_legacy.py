@@ -126,12 +126,13 @@ def _sizes(file: Path, args: Any) -> tuple[int, int]:
 
 def _read_rank_file(file: Path) -> Manifest:
     """A rank file given alone: the whole model where the run had one rank per model, else refused."""
-    tp, pp = _sizes(file, _load(file)["args"])
+    tree = _load(file)
+    tp, pp = _sizes(file, tree["args"])
     if tp > 1 or pp > 1:
         raise UsageError(f"{file} is one rank's file of a Megatron-LM checkpoint saved at tensor-parallel size {tp} "
                          f"and pipeline size {pp} (its args): it holds a part of each weight, not a model; pass "
                          f"the iteration directory {file.parent.parent}")
-    return _Join(file.parent.parent, {(0, 0): file}).manifest()
+    return _Join(file.parent.parent, {(0, 0): file}, {(0, 0): tree}).manifest()
 
 
 def legacy_args(root: Path) -> tuple[Path, Any] | None:
@@ -150,13 +151,15 @@ def legacy_args(root: Path) -> tuple[Path, Any] | None:
 
 
 class _Join:
-    """The global model of an iteration directory's rank files, ``files`` by (tensor rank, pipeline rank)."""
+    """The global model of an iteration directory's rank files, ``files`` by (tensor rank, pipeline rank)
+    (``trees``: those already read)."""
 
-    def __init__(self, root: Path, files: dict[tuple[int, int], Path]) -> None:
+    def __init__(self, root: Path, files: dict[tuple[int, int], Path],
+                 trees: dict[tuple[int, int], dict] | None = None) -> None:
         self.root, self.files = root, files
-        self.trees = {at: _load(f) for at, f in sorted(files.items())}
-        first = self.trees[min(self.trees)]
-        self.args = first["args"]
+        self.trees = {at: (trees or {}).get(at) or _load(f) for at, f in sorted(files.items())}
+        self.first = self.trees[min(self.trees)]
+        self.args = self.first["args"]
         self.tp, self.pp = _sizes(files[min(files)], self.args)
         self.gated = bool(getattr(self.args, "swiglu", False) or getattr(self.args, "gated_linear_unit", False))
         self.per_stage = self._layers_per_stage()
@@ -200,8 +203,7 @@ class _Join:
                     objects[name] = (objects[name][0], True)
         tensors = [self._tensor(key, by_layer) for key, by_layer in parts.items()]
         first = self.files[min(self.files)]
-        top = [plain_object((k,), self.trees[min(self.trees)][k], str(first)) for k in _KEPT
-               if k in self.trees[min(self.trees)]]
+        top = [plain_object((k,), self.first[k], str(first)) for k in _KEPT if k in self.first]
         return Manifest(Format.MEGATRON_LEGACY, str(self.root), tuple(tensors),
                         (*(o for o, _ in objects.values()), *top), self.tp * self.pp,
                         self._details(objects))
