@@ -138,6 +138,10 @@ class DcpOptions(FormatOptions):
     accelerate's ``save_state`` lays them out (:mod:`._accelerate`)."""
 
 
+def _nothing(manifest: Manifest) -> Collection[str]:
+    return ()
+
+
 class DcpIO(FormatIO):
     format = Format.SHARDED
     names = ("sharded", "megatron")  # megatron: megatron-core's files beside the DCP ones
@@ -151,21 +155,20 @@ class DcpIO(FormatIO):
                                   or accelerate.is_save_state(path))
 
     def read(self, path: Path) -> Manifest:
-        # A large checkpoint's description is millions of small objects that form no cycles: the collector
-        # would walk them again and again as they are made (a third of the time of reading 50,000 chunks).
-        with Files() as files, gc_paused():
-            if accelerate.is_save_state(path):
-                return accelerate.merged(path, [self._read((path / d).absolute(), files, None)
-                                                for _, d in accelerate.PARTS])
-            return self._read(path.absolute(), files, None)
+        return self._read_dir(path, None)
 
     def read_part(self, path: Path, wanted: Callable[[Manifest], Collection[str]]) -> Manifest:
         # The chunks' archives are most of a read; an export wants the model's alone (an AdamW checkpoint's
         # optimizer state is two thirds of its chunks). .metadata says every key, dtype and shape first.
+        return self._read_dir(path, wanted)
+
+    def _read_dir(self, path: Path, wanted: Callable[[Manifest], Collection[str]] | None) -> Manifest:
+        # A large checkpoint's description is millions of small objects that form no cycles: the collector
+        # would walk them again and again as they are made (a third of the time of reading 50,000 chunks).
         with Files() as files, gc_paused():
-            if accelerate.is_save_state(path):  # the model's directory is read for the part; the other's not
+            if accelerate.is_save_state(path):  # for a part, the model's directory is read; the other's not
                 return accelerate.merged(path, [self._read((path / d).absolute(), files,
-                                                           wanted if g == "model" else lambda _: ())
+                                                           wanted if wanted is None or g == "model" else _nothing)
                                                 for g, d in accelerate.PARTS])
             return self._read(path.absolute(), files, wanted)
 
