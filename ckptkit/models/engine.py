@@ -3,8 +3,8 @@
 Call order: :func:`apply_preset` with the tensors (each with the key it came from), the preset, the model's
 shape and the direction. It matches every key to a row (a key no row knows is refused, never passed through),
 builds the other side's tensors from byte ranges (:mod:`ckptkit.core.reshape`: splits, joins, row gathers)
-or as computed tensors (transposes, FP8 dequantization), and refuses a checkpoint that lacks a tensor of the
-model, holds a variant of a layer in part, or disagrees with the config's counts. Nothing is read.
+or as computed tensors (transposes, interleaves, FP8 dequantization), and refuses a checkpoint that lacks a
+tensor of the model, holds a variant of a layer in part, or disagrees with the config's counts. Nothing is read.
 """
 
 from __future__ import annotations

@@ -185,6 +185,9 @@ class Preset:
     layer_prefix: str | None = None
     """The prefix of the other side's layer-stacked names, after which the per-layer spelling puts the layer
     number (module docstring)."""
+    run_args: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    """(Megatron-LM argument, the values this table maps) where they differ from the common ones
+    (:data:`ckptkit.models.megatron_args.ARGS`): GPT-OSS's linear biases, attention sinks, YaRN, quick GeGLU."""
 
     def per_layer(self, singletons: bool = False) -> Preset:
         """This table in the per-layer spelling: each row stacked along ``n`` named ``<prefix>{n}.<rest>``

@@ -6,7 +6,8 @@ megatron-core runs on CPU given four patches, each applied inside the spawned ra
   ``torch.cuda.current_device`` (``strategies/state_dict_saver.py``) are redirected to the CPU; nothing else of
   Megatron's code is touched;
 - for the forward, an explicit causal attention mask is passed, and the RNG tracker's ``fork`` (a CUDA RNG
-  context) is a no-op; ``moe_utils.te_general_gemm`` is None (a MoE router reads it unguarded without TE).
+  context) is a no-op; ``moe_utils.te_general_gemm`` is None (a MoE router reads it unguarded without TE); a
+  sliding window's mask, which megatron-core makes on ``cuda``, is made on the CPU by the same formula.
 Multi-latent attention builds with two more (:func:`_spec`: plain softmax attention in place of TE's), and
 ``torch.cuda.current_device`` pointed at the CPU while its rotary embedding is made.
 """
@@ -200,7 +201,7 @@ def megatron_lm_args(family: str, tp: int) -> argparse.Namespace:
 
     fields, _ = FAMILIES[family]
     config = _config(family, tp)
-    return argparse.Namespace(
+    args = dict(
         num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
         num_attention_heads=config.num_attention_heads, group_query_attention=True,
         num_query_groups=config.num_query_groups, kv_channels=config.kv_channels, padded_vocab_size=VOCAB,
@@ -213,6 +214,10 @@ def megatron_lm_args(family: str, tp: int) -> argparse.Namespace:
         add_qkv_bias=config.add_qkv_bias, apply_query_key_layer_scaling=config.apply_query_key_layer_scaling,
         apply_layernorm_1p=False, squared_relu=False, make_vocab_size_divisible_by=VOCAB, bf16=False, fp16=False,
         **{k: v for k, v in fields.items() if k not in vars(config)})
+    if family.startswith("gpt_oss"):  # Megatron-LM's --quick-geglu, --softmax-type learnable, YaRN
+        args.update(swiglu=False, quick_geglu=True, position_embedding_type="yarn", softmax_type="learnable",
+                    glu_linear_offset=1.0, activation_func_clamp_value=7.0)
+    return argparse.Namespace(**args)
 
 
 def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool, prefix: str = "",

@@ -12,6 +12,7 @@ same bytes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -87,14 +88,15 @@ def _reference(megatron: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory) -> dict:
-    """megatron-core's GPT-OSS saved at EP=2 with its own forward; torch's reading of it; its HF export (``--preset
-    auto``, from the CLI); that export converted back, and megatron-core's load of the conversion at TP=2."""
+    """megatron-core's GPT-OSS saved at EP=2 with Megatron-LM's args of the run, and its own forward; torch's
+    reading of it; its HF export (``--preset auto``, from the CLI); that export converted back, and
+    megatron-core's load of the conversion at TP=2."""
     from click.testing import CliRunner
 
     from ckptkit.cli import cli
 
     root = tmp_path_factory.mktemp("megatron-gpt-oss")
-    ckpt, logits = saved_with_logits(root, "gpt_oss", 1, with_args=False)
+    ckpt, logits = saved_with_logits(root, "gpt_oss", 1)  # common.pt holds Megatron-LM's args of a GPT-OSS run
     _hf_config().save_pretrained(root / "assets")
     result = CliRunner().invoke(cli, ["export-hf", str(ckpt), str(root / "hf"), "--preset", "auto",
                                       "--hf-assets", str(root / "assets")])
@@ -143,3 +145,29 @@ def test_megatron_convert_to_megatron_of_gpt_oss_writes_megatrons_keys_and_expor
     ckptkit.export_hf(gpt_oss["mcore"], tmp_path / "back", preset="megatron-gpt-oss", hf_assets=gpt_oss["hf"])
     for f in gpt_oss["hf"].iterdir():
         assert (tmp_path / "back" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+@pytest.mark.parametrize("args, refused", [
+    ({"quick_geglu": False, "swiglu": False}, "quick_geglu False"),  # not gated: no gate and up rows to interleave
+    ({"softmax_type": "vanilla"}, "softmax_type 'vanilla'"),  # no sinks
+])
+def test_megatron_export_hf_of_gpt_oss_refuses_run_arguments_its_table_does_not_map(gpt_oss, tmp_path, args,
+                                                                                       refused):
+    from click.testing import CliRunner
+
+    from ckptkit.cli import cli
+
+    result = CliRunner().invoke(cli, ["export-hf", str(gpt_oss["ckpt"]), str(tmp_path / "hf"), "--preset",
+                                      "megatron-gpt-oss", "--hf-assets", str(gpt_oss["hf"]), "--megatron-args",
+                                      json.dumps(args)])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert f"--preset megatron-gpt-oss: {refused} (" in result.output
+    assert not (tmp_path / "hf").exists()
+
+
+def test_megatron_export_hf_with_a_llama_table_refuses_a_quick_geglu_run():
+    from ckptkit.models.megatron_args import RunArgs, for_run
+    from ckptkit.models.registry import PRESETS
+
+    with pytest.raises(ckptkit.UsageError, match="quick_geglu True .* a gated quick-GELU MLP"):
+        for_run(PRESETS["megatron-llama"], None, RunArgs({"quick_geglu": True}, "common.pt's args"))

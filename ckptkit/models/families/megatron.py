@@ -11,6 +11,7 @@ whose layers differ (``moe_layer_freq``: DeepSeek-V3's first dense layers), is s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..table import Preset, Row
 
@@ -155,8 +156,14 @@ def _gpt_oss() -> tuple[Row, ...]:
         row("mlp.experts.down_proj_bias", experts + "linear_fc2.bias")])
 
 
-def _preset(name: str, summary: str, rows: tuple[Row, ...], *model_types: str, mxfp4: bool = False) -> Preset:
-    return Preset(name, summary, "Megatron", rows, model_types=model_types, layer_prefix=_MG, mxfp4=mxfp4)
+def _preset(name: str, summary: str, rows: tuple[Row, ...], *model_types: str, **more: Any) -> Preset:
+    return Preset(name, summary, "Megatron", rows, model_types=model_types, layer_prefix=_MG, **more)
+
+
+_GPT_OSS_RUN = (("add_bias_linear", (True,)), ("softmax_type", ("learnable",)), ("swiglu", (False,)),
+                ("quick_geglu", (True,)), ("position_embedding_type", ("yarn", "rope")))
+"""Megatron-LM's arguments of a GPT-OSS run (``--quick-geglu``, ``--softmax-type learnable``, YaRN): its
+clamped, offset activation, sliding windows and YaRN scaling are the HF config's to state, not the weights'."""
 
 
 PRESETS = (
@@ -176,7 +183,8 @@ PRESETS = (
             _deepseek(), "deepseek_v3"),
     _preset("megatron-gpt-oss", "megatron-core GPT with q/k/v and output biases, attention sinks (learnable softmax "
             "offset) and routed experts with biases (gate/up rows <-> HF's transposed, interleaved gate_up_proj) "
-            "<-> HF GPT-OSS; MXFP4 experts dequantized on import", _gpt_oss(), "gpt_oss", mxfp4=True),
+            "<-> HF GPT-OSS; MXFP4 experts dequantized on import", _gpt_oss(), "gpt_oss", mxfp4=True,
+            run_args=_GPT_OSS_RUN),
 )
 
 REFUSED = {
