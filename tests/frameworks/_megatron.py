@@ -80,7 +80,9 @@ YARN = {"yarn_rotary_scaling_factor": 4.0, "yarn_original_max_position_embedding
 32, beta_slow 1, truncate False."""
 # Qwen2-MoE saved with singleton_local_shards: each expert on its own, a gated linear_fc1 as two tensors.
 FAMILIES["qwen2_moe_singletons"] = FAMILIES["qwen2_moe"]
-METADATA = {"qwen2_moe_singletons": {"singleton_local_shards": True}}
+# GPT-OSS saved so too.
+FAMILIES["gpt_oss_singletons"] = FAMILIES["gpt_oss"]
+METADATA = {name: {"singleton_local_shards": True} for name in ("qwen2_moe_singletons", "gpt_oss_singletons")}
 """The ``metadata`` a family's ``sharded_state_dict`` is asked with."""
 
 

@@ -20,7 +20,7 @@ import torch
 
 import ckptkit
 from _checks import assert_same_tree, load_dcp, load_hf
-from _megatron import SEQ, VOCAB, loaded, saved_with_logits, tokens
+from _megatron import SEQ, VOCAB, loaded, saved, saved_with_logits, tokens
 
 pytest.importorskip("megatron.core")
 
@@ -171,3 +171,16 @@ def test_megatron_export_hf_with_a_llama_table_refuses_a_quick_geglu_run():
 
     with pytest.raises(ckptkit.UsageError, match="quick_geglu True .* a gated quick-GELU MLP"):
         for_run(PRESETS["megatron-llama"], None, RunArgs({"quick_geglu": True}, "common.pt's args"))
+
+
+def test_megatron_export_hf_of_gpt_oss_refuses_the_singleton_local_shards_spelling_in_one_line(gpt_oss, tmp_path):
+    from click.testing import CliRunner
+
+    from ckptkit.cli import cli
+
+    ckpt = saved(tmp_path, "gpt_oss_singletons", 1, with_args=False)  # each expert on its own, fc1 as _w and _v
+    assert any(t.key.endswith("experts.experts.3.linear_fc1.weight_v") for t in ckptkit.inspect(ckpt).tensors)
+    result = CliRunner().invoke(cli, ["export-hf", str(ckpt), str(tmp_path / "hf"), "--hf-assets", str(gpt_oss["hf"])])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "the nearest, --preset megatron-gpt-oss, does not know" in result.output
+    assert not (tmp_path / "hf").exists()
