@@ -58,6 +58,7 @@ ARGS = (
     Arg("apply_layernorm_1p", (False,), "norm weights stored as weight - 1 (zero-centred gamma)"),
     Arg("quick_geglu", (False, None), "a gated quick-GELU MLP (GPT-OSS's), not SwiGLU"),
     Arg("swiglu", (True,), "linear_fc1 without the gate and up rows of SwiGLU"),
+    Arg("glu_linear_offset", (None, 0.0), "an offset added to the GLU's linear half (GPT-OSS's 1.0)"),
     Arg("squared_relu", (False,), "a squared-ReLU MLP, not SwiGLU"),
     Arg("add_bias_linear", (False,), "biases on the linear layers, which the HF classes do not hold"),
     Arg("softmax_type", ("vanilla",), "attention with sinks or an offset softmax"),

@@ -150,6 +150,7 @@ def test_megatron_convert_to_megatron_of_gpt_oss_writes_megatrons_keys_and_expor
 @pytest.mark.parametrize("args, refused", [
     ({"quick_geglu": False, "swiglu": False}, "quick_geglu False"),  # not gated: no gate and up rows to interleave
     ({"softmax_type": "vanilla"}, "softmax_type 'vanilla'"),  # no sinks
+    ({"glu_linear_offset": 0.0}, "glu_linear_offset 0.0"),  # HF's GPT-OSS adds 1 to the up projection
 ])
 def test_megatron_export_hf_of_gpt_oss_refuses_run_arguments_its_table_does_not_map(gpt_oss, tmp_path, args,
                                                                                        refused):

@@ -161,7 +161,7 @@ def _preset(name: str, summary: str, rows: tuple[Row, ...], *model_types: str, *
 
 
 _GPT_OSS_RUN = (("add_bias_linear", (True,)), ("softmax_type", ("learnable",)), ("swiglu", (False,)),
-                ("quick_geglu", (True,)), ("position_embedding_type", ("yarn", "rope")))
+                ("quick_geglu", (True,)), ("glu_linear_offset", (1.0,)), ("position_embedding_type", ("yarn", "rope")))
 """Megatron-LM's arguments of a GPT-OSS run (``--quick-geglu``, ``--softmax-type learnable``, YaRN): its
 clamped, offset activation, sliding windows and YaRN scaling are the HF config's to state, not the weights'."""
 
