@@ -737,6 +737,7 @@ def test_cli_presets_lists_every_preset_and_preset_help_points_there():
     assert rows.keys() == PRESETS.keys()
     assert "torchtitan <-> HF" in rows["torchtitan-llama"] and "q/k rows reordered (rotary)" in rows["torchtitan-llama"]
     assert "checks HF names" in rows["qwen2"]
+    assert "experts transposed; gate/up columns interleaved" in rows["megatron-gpt-oss"]
     described = json.loads(run("presets", "--json").output)
     assert [d["name"] for d in described] == list(PRESETS) and all(d["summary"] for d in described)
     text = run("export-hf", "--help").output

@@ -101,3 +101,26 @@ def test_export_back_to_hf_gives_transformers_dequantized_experts(mxfp4_release,
     back = load_hf(tmp_path / "hf")
     name = "model.layers.1.mlp.experts.down_proj"
     assert torch.equal(back[name], transformers_dequantized(quantized, name))
+
+
+def test_convert_gpt_oss_mxfp4_to_megatron_writes_dequantized_experts_as_gate_then_up_rows_and_exports_back(
+        mxfp4_release, tmp_path):
+    src, quantized = mxfp4_release
+    ckptkit.convert(src, tmp_path / "mcore", to="megatron", world_size=2, max_memory=3000)
+    got = dcp_read(tmp_path / "mcore")
+    for n in range(2):
+        hf = transformers_dequantized(quantized, f"model.layers.{n}.mlp.experts.gate_up_proj")  # [E, in, 2 x out]
+        # megatron-core's linear_fc1: [E, 2 x out, in], the gate rows (HF's even columns), then the up rows.
+        expected = torch.cat([hf[..., 0::2], hf[..., 1::2]], -1).transpose(1, 2)
+        assert torch.equal(got["decoder.layers.mlp.experts.experts.linear_fc1.weight"][n], expected), n
+        down = transformers_dequantized(quantized, f"model.layers.{n}.mlp.experts.down_proj")
+        assert torch.equal(got["decoder.layers.mlp.experts.experts.linear_fc2.weight"][n], down.transpose(1, 2)), n
+    assert not any(k.endswith(("_blocks", "_scales")) for k in got)
+    ckptkit.export_hf(tmp_path / "mcore", tmp_path / "hf", hf_assets=src, preset="megatron-gpt-oss")
+    back = load_hf(tmp_path / "hf")  # HF's interleaved gate_up_proj again, as transformers dequantizes it
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    assert torch.equal(back[name], transformers_dequantized(quantized, name))
+    from transformers import GptOssForCausalLM
+
+    _, info = GptOssForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info

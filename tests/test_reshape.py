@@ -18,6 +18,7 @@ from ckptkit.core.manifest import Chunk, TensorEntry
 from ckptkit.core.plan import FilePlan, Region
 from ckptkit.core.reshape import (
     dequantized,
+    interleaved,
     join_along,
     join_rows,
     materialize_rows,
@@ -139,6 +140,17 @@ def test_transposed_streams_in_row_blocks(tmp_path, shape):
     w = torch.randn(*shape, generator=G)
     (got,) = written(tmp_path, [transposed(sharded(tmp_path, "w", w, [2]), "wT")], cast="bfloat16", max_memory=40)
     assert torch.equal(got, w.transpose(-1, -2).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_interleaved_streams_in_row_blocks_and_in_part_through_a_transpose(tmp_path, inverse):
+    w = torch.randn(5, 6, generator=G)  # halves of 3 columns; the transpose's row blocks of 2 cross them
+    gate, up = w.chunk(2, -1)
+    expected = torch.cat([w[:, 0::2], w[:, 1::2]], -1) if inverse else torch.stack([gate, up], -1).flatten(-2)
+    entry = interleaved(sharded(tmp_path, "w", w, [2]), "i", inverse)
+    got, got_t = written(tmp_path, [entry, transposed(entry, "t")], max_memory=40)
+    assert torch.equal(got, expected) and torch.equal(got_t, expected.T)
+    assert interleaved(entry, "back", not inverse).derived is None  # the inverse of a computed interleave: its input
 
 
 def torch_reader_dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = 128):

@@ -81,13 +81,17 @@ class Derived:
     - ``"rows"``: rows ``[a, b)`` of input ``i`` for each ``(i, a, b)`` of ``ranges``, one after another (a split or
       join of computed tensors, which have no byte ranges to take);
     - ``"stack"``: the inputs stacked along a new dim 0;
+    - ``"interleave"``: the one input's last dim, two halves one after the other, as their elements taken in turn
+      (``out[..., 2i + t] = in[..., t·half + i]``: GPT-OSS's gate and up columns); ``"deinterleave"``: the
+      inverse;
     - ``"zeros"``: no inputs, every element zero (a buffer a framework's model initialises to zeros, written
       where the source has no tensor for it).
 
     :mod:`ckptkit.io.compute` computes any box of such an entry from the matching boxes of its inputs, so it
     streams in tiles bounded by the memory setting."""
 
-    op: Literal["transpose", "dequant_fp8", "dequant_mxfp4", "quant_fp8", "fp8_scale", "rows", "stack", "zeros"]
+    op: Literal["transpose", "dequant_fp8", "dequant_mxfp4", "quant_fp8", "fp8_scale", "rows", "stack", "zeros",
+                "interleave", "deinterleave"]
     inputs: tuple[TensorEntry, ...]
     block: int = 128
     ranges: tuple[tuple[int, int, int], ...] = ()

@@ -17,8 +17,9 @@ the executor stream such an entry as they stream any other, across chunk boundar
   kernel as one flat row), which moves no byte;
 - :func:`materialize_rows` turns a row gather (:attr:`TensorEntry.rows`, the rotary order) into chunks, so
   gathered tensors split and join too;
-- :func:`transposed`, :func:`dequantized` (FP8), :func:`dequantized_mxfp4`, :func:`quantized_fp8` and
-  :func:`zeros` describe computed tensors (:class:`~ckptkit.core.manifest.Derived`).
+- :func:`transposed`, :func:`interleaved` (a last dim's two halves taken in turn, or back), :func:`dequantized`
+  (FP8), :func:`dequantized_mxfp4`, :func:`quantized_fp8` and :func:`zeros` describe computed tensors
+  (:class:`~ckptkit.core.manifest.Derived`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .boxes import extent
 from .dtypes import DType
 from .manifest import Chunk, Derived, Span, TensorEntry
 
-__all__ = ["FP8_MAX", "MXFP4_BLOCK", "dequantized", "dequantized_mxfp4", "join_along", "join_rows",
+__all__ = ["FP8_MAX", "MXFP4_BLOCK", "dequantized", "dequantized_mxfp4", "interleaved", "join_along", "join_rows",
            "materialize_rows", "quantized_fp8", "reshaped", "split_along", "split_rows", "squeeze0", "stack",
            "take_rows", "transposed", "unsqueeze0", "unstack", "zeros"]
 
@@ -239,6 +240,21 @@ def transposed(entry: TensorEntry, key: str) -> TensorEntry:
         return dataclasses.replace(entry.derived.inputs[0], key=key, path=(key,))
     shape = (*entry.shape[:-2], entry.shape[-1], entry.shape[-2])
     return TensorEntry(key, (key,), entry.dtype, shape, (), derived=Derived("transpose", (entry,)))
+
+
+def interleaved(entry: TensorEntry, key: str, inverse: bool = False) -> TensorEntry:
+    """``entry``'s last dim, two halves one after the other, as their elements taken in turn (first half's
+    ``i``, second half's ``i``, ...); ``inverse``: the reverse. Computed box by box (:mod:`ckptkit.io.compute`).
+
+    Raises:
+        UsageError: the last dim is not even.
+    """
+    if not entry.shape or entry.shape[-1] % 2:
+        raise UsageError(f"{entry.key!r}: shape {list(entry.shape)}: the last dim does not hold two equal halves")
+    if entry.derived is not None and entry.derived.op == ("interleave" if inverse else "deinterleave"):
+        return dataclasses.replace(entry.derived.inputs[0], key=key, path=(key,))
+    derived = Derived("deinterleave" if inverse else "interleave", (entry,))
+    return TensorEntry(key, (key,), entry.dtype, entry.shape, (), derived=derived)
 
 
 def dequantized(weight: TensorEntry, scale: TensorEntry, key: str, dtype: DType, block: int = 128) -> TensorEntry:

@@ -12,6 +12,9 @@ tensor one row block at a time, within its memory setting, and never holds the m
   does, then cropped to the box;
 - ``quant_fp8`` and ``fp8_scale``: the rows of whole 128x128 tiles the box meets, in float32, each tile's
   largest magnitude / 448 (the scale) and the weight divided by it (the float8 values), cropped to the box;
+- ``interleave``: for the box's columns, the columns of both halves of the input they come from, taken in
+  turn and cropped; ``deinterleave``: for the part of the box in each half, the input's columns from its first
+  to its last (twice as many), every other one;
 - ``zeros``: zeros of the box's size, read from nothing;
 - ``rows`` and ``stack``: the rows of several inputs, one after another.
 
@@ -74,6 +77,10 @@ def compute_region(region: Region, read: Read) -> memoryview:
         array = _elements(Region(derived.inputs[0], *box), read).swapaxes(-1, -2)
     elif derived.op in ("rows", "stack"):
         array = _rows(region, derived, read)
+    elif derived.op == "interleave":
+        array = _interleave(region, derived.inputs[0], read)
+    elif derived.op == "deinterleave":
+        array = _deinterleave(region, derived.inputs[0], read)
     elif derived.op == "zeros":
         import numpy as np
 
@@ -128,6 +135,38 @@ def _rows(region: Region, derived: Derived, read: Read) -> Any:
                 parts.append(_elements(box, read))
         row += b - a
     return np.concatenate(parts) if parts else np.zeros(region.sizes, _opaque(region.entry.dtype.itemsize))
+
+
+def _columns(source: Any, region: Region, start: int, stop: int, read: Read) -> Any:
+    """Columns ``[start, stop)`` of ``source`` over the rest of ``region``'s box."""
+    box = Region(source, (*region.offsets[:-1], start), (*region.sizes[:-1], stop - start))
+    return _elements(box, read)
+
+
+def _interleave(region: Region, source: Any, read: Read) -> Any:
+    """Output column ``c`` is column ``(c % 2) * half + c // 2`` of the input."""
+    import numpy as np
+
+    half, c0, n = source.shape[-1] // 2, region.offsets[-1], region.sizes[-1]
+    if n == 0:
+        return np.zeros(region.sizes, _opaque(region.entry.dtype.itemsize))
+    i0, i1 = c0 // 2, (c0 + n - 1) // 2 + 1
+    pairs = np.stack([_columns(source, region, i0, i1, read),
+                      _columns(source, region, half + i0, half + i1, read)], -1)
+    return pairs.reshape(*pairs.shape[:-2], -1)[..., c0 - 2 * i0:c0 - 2 * i0 + n]
+
+
+def _deinterleave(region: Region, source: Any, read: Read) -> Any:
+    """Output column ``t * half + i`` is column ``2i + t`` of the input."""
+    import numpy as np
+
+    half, c0, n = source.shape[-1] // 2, region.offsets[-1], region.sizes[-1]
+    parts = [np.zeros((*region.sizes[:-1], 0), _opaque(region.entry.dtype.itemsize))]
+    for t in (0, 1):
+        a, b = max(c0, t * half) - t * half, min(c0 + n, (t + 1) * half) - t * half
+        if a < b:
+            parts.append(_columns(source, region, 2 * a, 2 * b, read)[..., t::2])
+    return np.concatenate(parts, -1)
 
 
 def _swap(t: tuple[int, ...]) -> tuple[int, ...]:

@@ -3,8 +3,8 @@
 Call order: :func:`apply_preset` with the tensors (each with the key it came from), the preset, the model's
 shape and the direction. It matches every key to a row (a key no row knows is refused, never passed through),
 builds the other side's tensors from byte ranges (:mod:`ckptkit.core.reshape`: splits, joins, row gathers)
-or as computed tensors (transposes, FP8 dequantization), and refuses a checkpoint that lacks a tensor of the
-model, holds a variant of a layer in part, or disagrees with the config's counts. Nothing is read.
+or as computed tensors (transposes, interleaves, FP8 dequantization), and refuses a checkpoint that lacks a
+tensor of the model, holds a variant of a layer in part, or disagrees with the config's counts. Nothing is read.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ..core.manifest import TensorEntry
 from ..core.reshape import (
     dequantized,
     dequantized_mxfp4,
+    interleaved,
     join_along,
     join_rows,
     reshaped,
@@ -298,6 +299,8 @@ class _Builder:
                     self._check_heads(row, piece)
                 if row.transpose:  # after the unstacking: a computed tensor is not cut into byte ranges
                     piece = transposed(piece, piece.key)
+                if row.interleave:
+                    piece = interleaved(piece, piece.key)
                 parts = self._split(row, piece, names) if len(names) > 1 else [_renamed(piece, names[0])]
                 out += [Source(s.origin, self._gather(row, part, True, i)) for i, part in enumerate(parts)]
         return out + [self._fuse(row, dict(binding), parts) for (row, binding), parts in fused.items()]
@@ -374,10 +377,10 @@ class _Builder:
                 self._check_heads(row, part)
             parts = [self._gather(row, part, False, i) for i, part in enumerate(parts)]
             stacked.append(self._fused(row, parts, name) if len(parts) > 1 else parts[0])
-        if row.transpose:  # before the stacking: a computed tensor is not joined by byte ranges
+        if row.interleave:
+            stacked = [interleaved(e, name, inverse=True) for e in stacked]
+        if row.transpose:  # before the stacking, which stacks computed tensors as one computed tensor
             stacked = [transposed(e, name) for e in stacked]
-            if row.stacked:
-                raise UsageError(f"--preset {self.p.name}: {name!r}: a transposed row is not stacked on import")
         entry = _stack_nested(name, stacked, counts) if row.stacked else stacked[0]
         if row.hf_dims:
             entry = reshaped(entry, name, (int(math.prod(entry.shape[1:])),))

@@ -44,6 +44,9 @@ class Arg:
     count), and the preset's table must map them exactly then."""
     when: str | None = None
     """Checked only where this argument is set (the router's, in a model with experts)."""
+    also: str | None = None
+    """Another argument that gives the model the ``row`` tensors too (``add_bias_linear``: every linear layer's
+    bias, ``linear_qkv``'s included)."""
 
 
 ARGS = (
@@ -53,7 +56,9 @@ ARGS = (
     Arg("rotary_percent", (1.0,), means="rotary embeddings over part of each head only"),
     Arg("normalization", ("RMSNorm",), "another norm than RMSNorm (LayerNorm has biases and centres)"),
     Arg("apply_layernorm_1p", (False,), "norm weights stored as weight - 1 (zero-centred gamma)"),
+    Arg("quick_geglu", (False, None), "a gated quick-GELU MLP (GPT-OSS's), not SwiGLU"),
     Arg("swiglu", (True,), "linear_fc1 without the gate and up rows of SwiGLU"),
+    Arg("glu_linear_offset", (None, 0.0), "an offset added to the GLU's linear half (GPT-OSS's 1.0)"),
     Arg("squared_relu", (False,), "a squared-ReLU MLP, not SwiGLU"),
     Arg("add_bias_linear", (False,), "biases on the linear layers, which the HF classes do not hold"),
     Arg("softmax_type", ("vanilla",), "attention with sinks or an offset softmax"),
@@ -65,13 +70,14 @@ ARGS = (
         when="num_experts"),
     Arg("moe_router_topk_scaling_factor", (None, 1.0), "routing weights scaled by a factor", when="num_experts"),
     Arg("mtp_num_layers", (None, 0), "multi-token prediction layers"),
-    Arg("add_qkv_bias", row="self_attention.linear_qkv.bias"),
+    Arg("add_qkv_bias", row="self_attention.linear_qkv.bias", also="add_bias_linear"),
     Arg("qk_layernorm", row="self_attention.q_layernorm.weight"),
     Arg("multi_latent_attention", row="self_attention.linear_kv_down_proj.weight"),
     Arg("num_experts", row="mlp.experts.experts.linear_fc1.weight"),
     Arg("moe_shared_expert_intermediate_size", row="mlp.shared_experts.linear_fc1.weight"),
 )
-"""The arguments a Megatron preset reads, in the order they are checked."""
+"""The arguments a Megatron preset reads, in the order they are checked; a preset's ``run_args`` replace the
+values accepted."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,7 @@ def _from_transformer_config(config: dict) -> dict[str, Any]:
     if "gated_linear_unit" in config:
         out["swiglu"] = bool(config["gated_linear_unit"]) and activation == "silu"
         out["squared_relu"] = activation == "squared_relu"
+        out["quick_geglu"] = bool(config["gated_linear_unit"]) and activation == "quick_gelu"
     if "share_embeddings_and_output_weights" in config:
         out["untie_embeddings_and_output_weights"] = not config["share_embeddings_and_output_weights"]
     groups = config.get("num_query_groups")
@@ -149,18 +156,19 @@ def for_run(p: Preset, shape: ModelShape | None, args: RunArgs | None) -> tuple[
         counts = hf_fields(args.values)
         shape = model_shape(counts, args.source, counts.get("tie_word_embeddings"))
     notes: list[str] = []
+    accepted = dict(p.run_args)
     for arg in ARGS:
         if arg.name not in args.values or (arg.when and not args.get(arg.when)):
             continue
         value = args.get(arg.name)
         if arg.row is not None:
-            _check_row(p, arg, value, args)
+            _check_row(p, arg, value or (args.get(arg.also) if arg.also else None), args)
             continue
         how = next((how for v, how in arg.adjust if v == value), None)
         if how is not None:
             p, shape, note = _ADJUST[how](p, shape, arg, value, args)
             notes += [note] if note else []
-        elif value not in arg.accepted:
+        elif value not in accepted.get(arg.name, arg.accepted):
             raise UsageError(f"--preset {p.name}: {arg.name} {value!r} ({args.source}) means {arg.means}; the preset's "
                              "table does not map that model")
     return p, shape, tuple(notes)

@@ -26,6 +26,9 @@ The table format. A row names one tensor of the other side and the HF tensor(s) 
   ``transform_parts`` names) on the way to HF and inverted on the way back; ``heads`` checks the rows against
   the config's head count.
 - ``transpose``: the other side holds the transpose (last two dims) of HF's tensor; computed tile by tile.
+- ``interleave``: HF's last dim takes in turn the elements of the two halves that the other side holds one after
+  the other (GPT-OSS's experts: gate and up columns interleaved in HF, gate rows then up rows in megatron-core's
+  ``linear_fc1``); on the way to HF after any transpose, on the way back before it; computed box by box.
 - ``hf_fuses``: the reverse of a tuple ``hf``: HF's one tensor is the other side's tensors, all of ``other``
   in order, one after another along dim ``fuse_dim`` (0; or 1 under a leading expert dim); ``split`` gives
   their sizes (None: equal). Kimi's and Qwen3.5's vision ``qkv``; Qwen3.5's ``gate_up_proj`` ``[E, 2F, D]``.
@@ -109,6 +112,7 @@ class Row:
     split: tuple[Count, ...] | None = None
     groups: str | None = None
     transpose: bool = False
+    interleave: bool = False
     group: str | None = None
     read_only: bool = False
     hf_fuses: bool = False
@@ -127,7 +131,8 @@ class Row:
     @property
     def plain(self) -> bool:
         """A rename, perhaps with a row gather: one tensor each side, same shape."""
-        return not (self.stacked or isinstance(self.hf, tuple) or self.transpose or self.hf_fuses or self.hf_dims)
+        return not (self.stacked or isinstance(self.hf, tuple) or self.transpose or self.interleave or self.hf_fuses
+                    or self.hf_dims)
 
     @property
     def stack_axes(self) -> tuple[str, ...]:
@@ -180,6 +185,9 @@ class Preset:
     layer_prefix: str | None = None
     """The prefix of the other side's layer-stacked names, after which the per-layer spelling puts the layer
     number (module docstring)."""
+    run_args: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    """(Megatron-LM argument, the values this table maps) where they differ from the common ones
+    (:data:`ckptkit.models.megatron_args.ARGS`): GPT-OSS's linear biases, attention sinks, YaRN, quick GeGLU."""
 
     def per_layer(self, singletons: bool = False) -> Preset:
         """This table in the per-layer spelling: each row stacked along ``n`` named ``<prefix>{n}.<rest>``

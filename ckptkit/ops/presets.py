@@ -25,6 +25,8 @@ def describe(p: Preset) -> dict[str, Any]:
         does.append("fused QKV and gate/up split")
     if any(r.transpose for r in p.rows):
         does.append("experts transposed")
+    if any(r.interleave for r in p.rows):
+        does.append("gate/up columns interleaved")
     if p.fp8:
         does.append("FP8 dequantized (from HF)")
     if p.mxfp4:

@@ -6,7 +6,8 @@ megatron-core runs on CPU given four patches, each applied inside the spawned ra
   ``torch.cuda.current_device`` (``strategies/state_dict_saver.py``) are redirected to the CPU; nothing else of
   Megatron's code is touched;
 - for the forward, an explicit causal attention mask is passed, and the RNG tracker's ``fork`` (a CUDA RNG
-  context) is a no-op; ``moe_utils.te_general_gemm`` is None (a MoE router reads it unguarded without TE).
+  context) is a no-op; ``moe_utils.te_general_gemm`` is None (a MoE router reads it unguarded without TE); a
+  sliding window's mask, which megatron-core makes on ``cuda``, is made on the CPU by the same formula.
 Multi-latent attention builds with two more (:func:`_spec`: plain softmax attention in place of TE's), and
 ``torch.cuda.current_device`` pointed at the CPU while its rotary embedding is made.
 """
@@ -59,9 +60,29 @@ FAMILIES.update({
 })
 # DeepSeek-V3 with q projected at once (DeepSeek-V2-Lite's linear_q_proj), no low rank.
 FAMILIES["deepseek_v3_q"] = ({**FAMILIES["deepseek_v3"][0], "q_lora_rank": None}, {})
+# GPT-OSS: q/k/v and output biases, each head's attention sink (a learnable softmax offset), a sliding window on
+# every other layer (window_size (3, 0): HF's sliding_window 4, the key itself and 3 before it), YaRN rotary
+# embeddings (YARN), and MoE layers (4 experts over 2 ranks, EP=2) with router and expert biases and the
+# clamped SwiGLU: quick_gelu(min(gate, 7)) * (clamp(up, -7, 7) + 1).
+FAMILIES["gpt_oss"] = ({**_MOE, "expert_model_parallel_size": 2, "add_bias_linear": True,
+                        "activation_func": "quick_gelu", "glu_linear_offset": 1.0, "activation_func_clamp_value": 7.0,
+                        "softmax_type": "learnable", "window_size": (3, 0), "window_attn_skip_freq": 2},
+                       {"num_experts": 4})
+# GPT-OSS at TP=2 (no expert parallelism), to load what was saved at EP=2; megatron-core takes MoE biases only
+# with experts whole on each rank (expert_tensor_parallel_size 1).
+FAMILIES["gpt_oss_tp"] = ({**{k: v for k, v in FAMILIES["gpt_oss"][0].items() if k != "expert_model_parallel_size"},
+                           "expert_tensor_parallel_size": 1}, {"num_experts": 4})
+YARN = {"yarn_rotary_scaling_factor": 4.0, "yarn_original_max_position_embeddings": 4, "yarn_beta_fast": 32.0,
+        "yarn_beta_slow": 1.0, "yarn_mscale": 1.0, "yarn_mscale_all_dim": 0.0,
+        "yarn_correction_range_round_to_int": False}
+"""The YaRN fields megatron-core's GPTModel reads from its config (``getattr``) for ``position_embedding_type``
+``yarn``; HF's ``rope_parameters`` of the same rotation: factor 4, original_max_position_embeddings 4, beta_fast
+32, beta_slow 1, truncate False."""
 # Qwen2-MoE saved with singleton_local_shards: each expert on its own, a gated linear_fc1 as two tensors.
 FAMILIES["qwen2_moe_singletons"] = FAMILIES["qwen2_moe"]
-METADATA = {"qwen2_moe_singletons": {"singleton_local_shards": True}}
+# GPT-OSS saved so too.
+FAMILIES["gpt_oss_singletons"] = FAMILIES["gpt_oss"]
+METADATA = {name: {"singleton_local_shards": True} for name in ("qwen2_moe_singletons", "gpt_oss_singletons")}
 """The ``metadata`` a family's ``sharded_state_dict`` is asked with."""
 
 
@@ -78,7 +99,15 @@ def _config(family: str, tp: int):
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False)
     cls = MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig
-    return cls(**{**base, **fields})
+    if fields.get("activation_func") == "quick_gelu":
+        from megatron.core.activations import quick_gelu
+
+        fields = {**fields, "activation_func": quick_gelu}
+    config = cls(**{**base, **fields})
+    if family.startswith("gpt_oss"):
+        for name, value in YARN.items():
+            setattr(config, name, value)
+    return config
 
 
 class _Attention(torch.nn.Module):
@@ -127,7 +156,8 @@ def build(family: str, tp: int, seed: int = 0):
     try:
         model = GPTModel(config=config, vocab_size=VOCAB, max_sequence_length=SEQ * 2,
                          transformer_layer_spec=_spec(family, config), share_embeddings_and_output_weights=False,
-                         position_embedding_type="rope", rotary_base=10000)
+                         position_embedding_type="yarn" if family.startswith("gpt_oss") else "rope",
+                         rotary_base=10000)
     finally:
         torch.cuda.current_device = current  # type: ignore[assignment]
     # Every weight random, norms included: a mapping that swapped two norms would not show with ones.
@@ -142,8 +172,10 @@ def _init(rank: int, world: int, tp: int, family: str) -> None:
     from megatron.core import parallel_state
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    ep = FAMILIES[family][0].get("expert_model_parallel_size", 1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    fields = FAMILIES[family][0]
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             expert_model_parallel_size=fields.get("expert_model_parallel_size", 1),
+                                             expert_tensor_parallel_size=fields.get("expert_tensor_parallel_size"))
 
 
 def _done() -> None:
@@ -171,7 +203,7 @@ def megatron_lm_args(family: str, tp: int) -> argparse.Namespace:
 
     fields, _ = FAMILIES[family]
     config = _config(family, tp)
-    return argparse.Namespace(
+    args = dict(
         num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
         num_attention_heads=config.num_attention_heads, group_query_attention=True,
         num_query_groups=config.num_query_groups, kv_channels=config.kv_channels, padded_vocab_size=VOCAB,
@@ -184,6 +216,10 @@ def megatron_lm_args(family: str, tp: int) -> argparse.Namespace:
         add_qkv_bias=config.add_qkv_bias, apply_query_key_layer_scaling=config.apply_query_key_layer_scaling,
         apply_layernorm_1p=False, squared_relu=False, make_vocab_size_divisible_by=VOCAB, bf16=False, fp16=False,
         **{k: v for k, v in fields.items() if k not in vars(config)})
+    if family.startswith("gpt_oss"):  # Megatron-LM's --quick-geglu, --softmax-type learnable, YaRN
+        args.update(swiglu=False, quick_geglu=True, position_embedding_type="yarn", softmax_type="learnable",
+                    glu_linear_offset=1.0, activation_func_clamp_value=7.0)
+    return argparse.Namespace(**args)
 
 
 def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool, prefix: str = "",
@@ -231,10 +267,15 @@ def tokens() -> torch.Tensor:
 
 @contextlib.contextmanager
 def _cpu_forward():
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random
     from megatron.core.transformer.moe import moe_utils
 
     moe_utils.te_general_gemm = None  # the router reads it unguarded without Transformer Engine
+    window = fused_softmax.get_sliding_window_causal_mask
+    # A sliding window's mask is made on "cuda": the same mask, made on the CPU.
+    fused_softmax.get_sliding_window_causal_mask = lambda sq, sk, w: ~torch.ones(sq, sk, dtype=torch.bool).triu(
+        sk - sq - w[0]).tril(sk - sq + w[1])
     tracker = random.get_cuda_rng_tracker()
     fork, current = tracker.fork, torch.cuda.current_device
     tracker.fork = lambda *a, **k: contextlib.nullcontext()  # a CUDA RNG context, with no dropout to seed
@@ -244,6 +285,7 @@ def _cpu_forward():
         yield
     finally:
         tracker.fork, torch.cuda.current_device = fork, current
+        fused_softmax.get_sliding_window_causal_mask = window
 
 
 def load(rank: int, world: int, family: str, tp: int, ckpt: str, forward: bool, result: str) -> None:

@@ -337,6 +337,17 @@ def test_nemo2_export_hf_takes_the_config_from_context_model_yaml(nemo2, tmp_pat
     assert any(f"made from {root / 'context' / 'model.yaml'}" in n for n in report.notes), report.notes
 
 
+def test_nemo2_model_yaml_with_a_gated_quick_gelu_is_refused_by_a_swiglu_table(nemo2, tmp_path):
+    root = tmp_path / "nemo2"
+    shutil.copytree(nemo2[0], root)
+    yaml = root / "context" / "model.yaml"
+    yaml.write_text(yaml.read_text().replace("torch.nn.functional.silu", "megatron.core.activations.quick_gelu"))
+    code, out = _run("export-hf", root, tmp_path / "hf", "--preset", "megatron-llama")
+    assert code == 2 and out.count("\n") == 1, out
+    assert "--preset megatron-llama: quick_geglu True (" in out and "a gated quick-GELU MLP" in out, out
+    assert not (tmp_path / "hf").exists()
+
+
 def test_nemo2_model_yaml_that_says_interleaved_is_applied(nemo2, tmp_path):
     root = tmp_path / "nemo2"
     shutil.copytree(nemo2[0], root)

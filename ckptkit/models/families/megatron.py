@@ -11,6 +11,7 @@ whose layers differ (``moe_layer_freq``: DeepSeek-V3's first dense layers), is s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..table import Preset, Row
 
@@ -135,8 +136,34 @@ def _deepseek() -> tuple[Row, ...]:
     return tuple(_common() + _mla() + [norm] + moe + _swiglu(_HF + "mlp.", _MLP, group="mlp:dense"))
 
 
-def _preset(name: str, summary: str, rows: tuple[Row, ...], *model_types: str) -> Preset:
-    return Preset(name, summary, "Megatron", rows, model_types=model_types, layer_prefix=_MG)
+def _gpt_oss() -> tuple[Row, ...]:
+    """GPT-OSS: q/k/v and output biases, each head's attention sink (megatron-core's learnable softmax offset);
+    every layer MoE, with a router bias and experts with biases. HF holds each layer's experts in one tensor,
+    ``gate_up_proj`` ``[experts, hidden, 2 x ffn]`` with gate and up columns interleaved: megatron-core's
+    ``linear_fc1`` ``[experts, 2 x ffn, hidden]`` (gate rows, then up rows) transposed and interleaved."""
+    experts = _MLP + "experts.experts."
+
+    def row(hf: str, other: str, transpose: bool = False, interleave: bool = False) -> Row:
+        return Row(_HF + hf, (other,), stacked="n", transpose=transpose, interleave=interleave)
+
+    return tuple(_common() + _gqa(False, True) + _post_attention_norm() + [
+        row("self_attn.o_proj.bias", _ATTN + "linear_proj.bias"),
+        row("self_attn.sinks", _ATTN + "core_attention.softmax_offset"),
+        row("mlp.router.weight", _MLP + "router.weight"), row("mlp.router.bias", _MLP + "router.bias"),
+        row("mlp.experts.gate_up_proj", experts + "linear_fc1.weight", transpose=True, interleave=True),
+        row("mlp.experts.gate_up_proj_bias", experts + "linear_fc1.bias", interleave=True),
+        row("mlp.experts.down_proj", experts + "linear_fc2.weight", transpose=True),
+        row("mlp.experts.down_proj_bias", experts + "linear_fc2.bias")])
+
+
+def _preset(name: str, summary: str, rows: tuple[Row, ...], *model_types: str, **more: Any) -> Preset:
+    return Preset(name, summary, "Megatron", rows, model_types=model_types, layer_prefix=_MG, **more)
+
+
+_GPT_OSS_RUN = (("add_bias_linear", (True,)), ("softmax_type", ("learnable",)), ("swiglu", (False,)),
+                ("quick_geglu", (True,)), ("glu_linear_offset", (1.0,)), ("position_embedding_type", ("yarn", "rope")))
+"""Megatron-LM's arguments of a GPT-OSS run (``--quick-geglu``, ``--softmax-type learnable``, YaRN): its
+clamped, offset activation, sliding windows and YaRN scaling are the HF config's to state, not the weights'."""
 
 
 PRESETS = (
@@ -154,12 +181,13 @@ PRESETS = (
     _preset("megatron-deepseek-v3", "megatron-core GPT with multi-latent attention, dense then MoE layers (per-layer "
             "keys), shared experts and the router's expert bias <-> HF DeepSeek-V3",
             _deepseek(), "deepseek_v3"),
+    _preset("megatron-gpt-oss", "megatron-core GPT with q/k/v and output biases, attention sinks (learnable softmax "
+            "offset) and routed experts with biases (gate/up rows <-> HF's transposed, interleaved gate_up_proj) "
+            "<-> HF GPT-OSS; MXFP4 experts dequantized on import", _gpt_oss(), "gpt_oss", mxfp4=True,
+            run_args=_GPT_OSS_RUN),
 )
 
 REFUSED = {
-    "gpt_oss": "GPT-OSS has no Megatron table: HF interleaves its experts' gate and up columns in a transposed "
-               "[experts, hidden, 2 x ffn] tensor, which the tables cannot map to megatron-core's stacked "
-               "linear_fc1 rows",
     **dict.fromkeys(("gemma3", "gemma3_text"), "Gemma 3 has no Megatron table: megatron-core 0.16.1 has no layer "
                     "with its extra norms and embedding scaling (Megatron-Bridge adds its own)"),
 }
