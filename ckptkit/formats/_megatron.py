@@ -165,22 +165,24 @@ def hf_fields(fields: dict) -> dict:
     return config
 
 
-_LINEAR = re.compile(r"(decoder\.layers\.(\d+\.)?.*\.linear_\w+)\.weight")
-_EXPERTS = ".experts.experts."
+_LINEAR = re.compile(r"(decoder\.layers\.(\d+\.)?.*\.linear_\w+?)\.weight(_w)?")
+_EXPERTS = re.compile(r"\.experts\.experts\.(\d+\.)?")
 
 
 def extra_states(tensors: Sequence[TensorEntry]) -> list[ObjectEntry]:
     """The ``_extra_state`` entries megatron-core's loader asks for beside ``tensors`` (named as in a
     ``torch_dist`` checkpoint): one per linear layer of each layer (and expert), as ``ShardedObject``s keyed
     ``<module>._extra_state/shard_<index>_<count>`` with the layer (``n``) or layer and expert (``n.e``) index of
-    a layer-stacked tensor; of a per-layer one (``decoder.layers.0.``), the expert index, or ``0_1``.
-    Their value is what megatron-core saves for a layer with no FP8 state."""
+    a layer-stacked tensor; of a per-layer one (``decoder.layers.0.``), the expert index, or ``0_1``, as of one
+    expert's own (``singleton_local_shards``; a gated ``linear_fc1`` there is ``weight_w`` and ``weight_v``, one
+    module). Their value is what megatron-core saves for a layer with no FP8 state."""
     out = []
     for t in tensors:
         m = _LINEAR.fullmatch(t.key)
         if m is None:
             continue
-        stacked = (0 if m.group(2) else 1) + (1 if _EXPERTS in t.key else 0)
+        experts = _EXPERTS.search(t.key)  # stacked, or (singleton_local_shards) one expert's own
+        stacked = (0 if m.group(2) else 1) + (1 if experts and not experts.group(1) else 0)
         dims = tuple(t.shape[:stacked]) or (1,)
         count = ".".join(map(str, dims))
         for index in itertools.product(*map(range, dims)):

@@ -81,6 +81,8 @@ ARGS = (
     Arg("multi_latent_attention", row="self_attention.linear_kv_down_proj.weight"),
     Arg("num_experts", row="mlp.experts.experts.linear_fc1.weight"),
     Arg("moe_shared_expert_intermediate_size", row="mlp.shared_experts.linear_fc1.weight"),
+    # Last: the rows checked above are named in the layer-stacked spelling this changes.
+    Arg("singleton_local_shards", (False,), "neither true nor false", adjust=((True, "singletons"),)),
 )
 """The arguments a Megatron preset reads, in the order they are checked."""
 
@@ -256,4 +258,15 @@ def _tied(p: Preset, shape: ModelShape | None, arg: Arg, value: Any, args: RunAr
     return p, dataclasses.replace(shape, tied=tied), None
 
 
-_ADJUST = {"rotary": _rotary, "tied": _tied, "untied": _tied}
+def _singletons(p: Preset, shape: ModelShape | None, arg: Arg, value: Any, args: RunArgs
+                ) -> tuple[Preset, ModelShape | None, str | None]:
+    """``singleton_local_shards``, the flag megatron-core's ``sharded_state_dict`` takes in its metadata: every
+    layer's tensors per layer, each expert's its own, a gated ``linear_fc1`` as two (:meth:`Preset.per_layer`)."""
+    if p.layer_prefix is None:
+        raise UsageError(f"--preset {p.name}: singleton_local_shards True ({args.source}), but the preset's table has "
+                         "no layer-stacked names to spell so")
+    return (p.per_layer(singletons=True), shape, f"singleton_local_shards True ({args.source}): each layer, expert "
+            "and gated linear_fc1 half a tensor of its own, as megatron-core saves with that flag")
+
+
+_ADJUST = {"rotary": _rotary, "tied": _tied, "untied": _tied, "singletons": _singletons}
