@@ -80,14 +80,20 @@ def test_megatron_0_19_inspect_reads_the_common_state_inside_the_dcp_files(saved
     assert dict(manifest.details)["common_state"].startswith("megatron-core's common state: 3 entries (args, ")
 
 
-def test_megatron_0_19_export_hf_takes_args_from_the_common_state_and_matches_megatrons_forward(saved, tmp_path):
+@pytest.fixture(scope="module")
+def exported(saved, tmp) -> tuple[Path, ckptkit.Report]:
+    """The checkpoint exported with no --hf-assets and --preset auto: the args say it all."""
+    return tmp / "hf", ckptkit.export_hf(saved[0], tmp / "hf")
+
+
+def test_megatron_0_19_export_hf_takes_args_from_the_common_state_and_matches_megatrons_forward(saved, exported):
     import transformers
 
-    ckpt, megatron_logits = saved
-    report = ckptkit.export_hf(ckpt, tmp_path / "hf")  # no --hf-assets, --preset auto: the args say it all
+    megatron_logits = saved[1]
+    hf, report = exported
     assert any("made from" in n and "common_state/shard_0_1's args" in n for n in report.notes), report.notes
     assert any("rotary_interleaved True" in n for n in report.notes), report.notes
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(hf, output_loading_info=True,
                                                                    dtype=torch.float32)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     from _megatron import tokens
@@ -123,6 +129,16 @@ def test_megatron_0_19_reshard_keeps_the_common_state_and_megatron_0_19_loads_it
     ckptkit.export_hf(ckpt, tmp_path / "hf-source")
     assert_same_tree(load_hf(tmp_path / "hf"), load_hf(tmp_path / "hf-source"))
     assert (tmp_path / "hf" / "config.json").read_bytes() == (tmp_path / "hf-source" / "config.json").read_bytes()
+
+
+def test_megatron_0_19_loads_convert_to_megatron_output_with_its_common_pt(saved, exported, tmp_path):
+    ckptkit.convert(exported[0], tmp_path / "mcore", to="megatron", world_size=2,
+                    megatron_args={"rotary_interleaved": True})
+    assert (tmp_path / "mcore" / "common.pt").is_file()  # the layout both 0.16 and 0.19 load
+    result = _in_0_19(f"m.loaded(Path({str(tmp_path)!r}), 'llama_interleaved', 2, Path({str(tmp_path / 'mcore')!r}), "
+                      "forward=True)", tmp_path / "loaded.pt")
+    assert torch.equal(result["logits"], saved[1])
+    assert result["common"] == {"checkpoint_version": 3.0, "iteration": 0}
 
 
 def test_megatron_0_19_metadata_json_without_any_common_state_exits_2(tmp_path):
