@@ -121,6 +121,7 @@ def test_megatron_0_19_reshard_keeps_the_common_state_and_megatron_0_19_loads_it
     assert sorted(p.name for p in (tmp_path / "r3").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "metadata.json"]
     assert (tmp_path / "r3" / "metadata.json").read_bytes() == (ckpt / "metadata.json").read_bytes()
+    assert ckptkit.verify(ckpt, tmp_path / "r3").ok  # every tensor and common entry, ckptkit's reading of both
     result = _in_0_19(f"m.loaded(Path({str(tmp_path)!r}), 'llama_interleaved', 2, Path({str(tmp_path / 'r3')!r}), "
                       "forward=True)", tmp_path / "loaded.pt")
     assert torch.equal(result["logits"], megatron_logits)
