@@ -44,8 +44,8 @@ from ..errors import FormatError
 from .base import cast_for, regions_in
 
 __all__ = ["COMMON", "COMMON_GLOBALS", "COMMON_STATE", "COMMON_STATE_KEY", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS",
-           "common_parts", "config_bytes", "config_of_args", "extra_states",
-           "hf_fields", "in_dcp", "is_megatron", "read_common", "read_config"]
+           "common_parts", "config_bytes", "config_of_args", "extra_states", "hf_fields", "in_dcp", "is_megatron",
+           "read_common", "read_config"]
 
 COMMON = "common.pt"
 CONFIG = "metadata.json"
