@@ -14,6 +14,11 @@ Megatron reshards at load time) as DCP, and beside them:
 the sharded keys; ckptkit reads them the same way, as entries marked ``sidecar="common.pt"``, so that a FULL
 output holds what megatron's own load returns and a DCP output writes them back into ``common.pt``.
 
+megatron-core 0.19 writes no ``common.pt``: the same dict is a ``ShardedObject`` keyed ``common_state`` inside the
+DCP files (the bytes entry ``common_state/shard_0_1``, a ``torch.save`` of ``[dict]``), and ``metadata.json``
+no longer names a common backend. Its loader still takes a ``common.pt`` where there is one. ckptkit reads the
+object's entries as ``common.pt``'s, marked ``sidecar="common_state"``, and writes them back the way they came.
+
 Megatron also stores its save plans in ``.metadata`` (``Metadata.all_local_plans``, torch's ``SavePlan``
 records): :data:`PLAN_GLOBALS` admits them as plain records for the DCP reader, which ignores them.
 """
@@ -39,8 +44,9 @@ from ..errors import FormatError
 from ._run_args import RUN_ARGS_GLOBALS
 from .base import cast_for, regions_in
 
-__all__ = ["COMMON", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS", "args_config", "common_parts",
-           "config_of_args", "extra_states", "hf_fields", "is_megatron", "read_common", "read_config"]
+__all__ = ["COMMON", "COMMON_STATE", "COMMON_STATE_KEY", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS",
+           "common_parts", "config_bytes", "config_of_args", "extra_states", "hf_fields", "in_dcp", "is_megatron",
+           "read_common", "read_config"]
 
 COMMON = "common.pt"
 CONFIG = "metadata.json"
@@ -49,6 +55,11 @@ _CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "commo
 CONFIG_BYTES = json.dumps(_CONFIG).encode()
 """``metadata.json`` as megatron-core 0.16 writes it for ``torch_dist`` (``json.dump`` of its
 ``CheckpointingConfig``)."""
+COMMON_STATE = "common_state"
+"""The sidecar mark of megatron-core 0.19's common state, kept inside the DCP files."""
+COMMON_STATE_KEY = "common_state/shard_0_1"
+"""Its DCP key: the ``ShardedObject``'s key, index and count."""
+_CONFIG_0_19 = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
 _PLANNER = "torch.distributed.checkpoint.planner"
 _WRITE_ITEM_TYPES = {"TENSOR": 1, "SHARD": 2, "BYTE_IO": 3}
@@ -86,32 +97,40 @@ def read_config(root: Path) -> str | None:
     return f"megatron-core torch_dist (version {config.get('sharded_backend_version')!r:.20})"
 
 
-def read_common(root: Path) -> tuple[list[TensorEntry], list[ObjectEntry], str]:
-    """``root/common.pt``'s entries at the top level, as ``dist_checkpointing.load`` merges them, marked
-    ``sidecar="common.pt"``; and a line for ``inspect``.
+def read_common(root: Path, objects: Sequence[ObjectEntry]) -> tuple[list[TensorEntry], list[ObjectEntry], str,
+                                                                      str]:
+    """The common state's entries at the top level, as ``dist_checkpointing.load`` merges them: ``root/common.pt``'s,
+    marked ``sidecar="common.pt"``, else those of the ``common_state`` object among the DCP ``objects`` (read
+    from ``root``), marked ``sidecar="common_state"``; and the mark and a line for ``inspect``.
 
     Raises:
-        FormatError: ``common.pt`` is missing, damaged, or not a dict.
+        FormatError: there is neither, or one is damaged or holds no dict.
         UnsafeCheckpointError: its pickle names a class outside the allow-list.
     """
     path = root / COMMON
-    if not path.is_file():
-        # megatron-core 0.19 keeps the common state as a ``common_state`` ShardedObject inside the DCP files.
-        newer = " (megatron-core 0.19 keeps it in a common_state object, which ckptkit does not read yet)" if any(
-            root.glob("*.distcp")) else ""
-        raise FormatError(f"{root}: {CONFIG} names a megatron-core checkpoint, but {COMMON} is missing{newer}")
-    tree = read_archive(str(path), extra_globals=RUN_ARGS_GLOBALS)
+    if path.is_file():
+        tree, mark = read_archive(str(path), extra_globals=RUN_ARGS_GLOBALS), COMMON
+    else:
+        blob = next((o.blob for o in objects if o.key == COMMON_STATE_KEY and o.blob is not None), None)
+        if blob is None:
+            raise FormatError(f"{root}: {CONFIG} names a megatron-core checkpoint, but there is neither {COMMON} "
+                              f"nor the {COMMON_STATE_KEY!r} entry megatron-core 0.19 keeps its common state in")
+        where = f"{blob.file}: {COMMON_STATE_KEY!r}"
+        held = read_archive(blob.file, blob.offset, blob.length, where=where, extra_globals=RUN_ARGS_GLOBALS)
+        if not (isinstance(held, list) and len(held) == 1):  # torch.save of the ShardedObject's [data]
+            raise FormatError(f"{where}: megatron-core saves a list of one dict there, found {held!r:.60}")
+        tree, path, mark = held[0], Path(where), COMMON_STATE
     if not isinstance(tree, dict):
         raise FormatError(f"{path}: megatron-core's common state is a dict, found {type(tree).__name__}")
     tensors: list[TensorEntry] = []
-    objects: list[ObjectEntry] = []
+    entries: list[ObjectEntry] = []
     for p, leaf in flatten(tree, lambda v: isinstance(v, TensorRef)) if tree else ():
         if isinstance(leaf, TensorRef):
-            tensors.append(dataclasses.replace(leaf.as_entry(p), sidecar=COMMON))
+            tensors.append(dataclasses.replace(leaf.as_entry(p), sidecar=mark))
         else:
-            objects.append(ObjectEntry(key_of(p), p, leaf, sidecar=COMMON))
+            entries.append(ObjectEntry(key_of(p), p, leaf, sidecar=mark))
     names = ", ".join(sorted(map(str, tree))[:8]) or "empty"
-    return tensors, objects, f"megatron-core's common state: {len(tree)} entries ({names})"
+    return tensors, entries, mark, f"megatron-core's common state: {len(tree)} entries ({names})"
 
 
 _ARGS = {  # Megatron-LM's argument -> HF config.json's field, for the head and layer counts a preset needs
@@ -119,18 +138,6 @@ _ARGS = {  # Megatron-LM's argument -> HF config.json's field, for the head and 
     "kv_channels": "head_dim", "ffn_hidden_size": "intermediate_size", "num_experts": "num_experts",
     "moe_ffn_hidden_size": "moe_intermediate_size", "padded_vocab_size": "vocab_size",
 }
-
-
-def args_config(root: Path) -> dict | None:
-    """The model's counts from ``common.pt``'s ``args`` (Megatron-LM's run arguments), under HF ``config.json``'s
-    field names; None where ``root`` is no megatron-core checkpoint or its common state holds no ``args``.
-
-    Raises:
-        FormatError, UnsafeCheckpointError: as :func:`read_common`.
-    """
-    if read_config(root) is None:
-        return None
-    return config_of_args(next((o.value for o in read_common(root)[1] if o.path == ("args",)), None))
 
 
 def config_of_args(args: Any) -> dict | None:
@@ -152,22 +159,24 @@ def hf_fields(fields: dict) -> dict:
     return config
 
 
-_LINEAR = re.compile(r"(decoder\.layers\.(\d+\.)?.*\.linear_\w+)\.weight")
-_EXPERTS = ".experts.experts."
+_LINEAR = re.compile(r"(decoder\.layers\.(\d+\.)?.*\.linear_\w+?)\.weight(_w)?")
+_EXPERTS = re.compile(r"\.experts\.experts\.(\d+\.)?")
 
 
 def extra_states(tensors: Sequence[TensorEntry]) -> list[ObjectEntry]:
     """The ``_extra_state`` entries megatron-core's loader asks for beside ``tensors`` (named as in a
     ``torch_dist`` checkpoint): one per linear layer of each layer (and expert), as ``ShardedObject``s keyed
     ``<module>._extra_state/shard_<index>_<count>`` with the layer (``n``) or layer and expert (``n.e``) index of
-    a layer-stacked tensor; of a per-layer one (``decoder.layers.0.``), the expert index, or ``0_1``.
-    Their value is what megatron-core saves for a layer with no FP8 state."""
+    a layer-stacked tensor; of a per-layer one (``decoder.layers.0.``), the expert index, or ``0_1``, as of one
+    expert's own (``singleton_local_shards``; a gated ``linear_fc1`` there is ``weight_w`` and ``weight_v``, one
+    module). Their value is what megatron-core saves for a layer with no FP8 state."""
     out = []
     for t in tensors:
         m = _LINEAR.fullmatch(t.key)
         if m is None:
             continue
-        stacked = (0 if m.group(2) else 1) + (1 if _EXPERTS in t.key else 0)
+        experts = _EXPERTS.search(t.key)  # stacked, or (singleton_local_shards) one expert's own
+        stacked = (0 if m.group(2) else 1) + (1 if experts and not experts.group(1) else 0)
         dims = tuple(t.shape[:stacked]) or (1,)
         count = ".".join(map(str, dims))
         for index in itertools.product(*map(range, dims)):
@@ -178,11 +187,26 @@ def extra_states(tensors: Sequence[TensorEntry]) -> list[ObjectEntry]:
 
 def is_megatron(manifest: Manifest) -> bool:
     """Whether ``manifest`` was read from a megatron-core ``torch_dist`` checkpoint."""
-    return any(k == CONFIG for k, _ in manifest.details) or any(e.sidecar == COMMON for e in manifest.entries)
+    return any(k == CONFIG for k, _ in manifest.details) or any(e.sidecar in (COMMON, COMMON_STATE)
+                                                                 for e in manifest.entries)
+
+
+def in_dcp(manifest: Manifest) -> bool:
+    """Whether ``manifest``'s common state came from inside the DCP files (megatron-core 0.19), where it goes back."""
+    return any(e.sidecar == COMMON_STATE for e in manifest.entries) or any(
+        k == COMMON_STATE for k, _ in manifest.details)
+
+
+def config_bytes(manifest: Manifest) -> bytes:
+    """``metadata.json`` as the megatron-core that wrote ``manifest``'s layout writes it."""
+    return json.dumps(_CONFIG_0_19).encode() if in_dcp(manifest) else CONFIG_BYTES
 
 
 def common_parts(manifest: Manifest, cast: DType | None) -> tuple[Part, ...]:
-    """``common.pt``: the entries read from one, nested again (an empty dict where there were none)."""
-    items = [(t.path, Region.whole(t, cast_for(t.dtype, cast))) for t in manifest.tensors if t.sidecar == COMMON]
-    items += [(o.path, regions_in(o.value, cast)) for o in manifest.objects if o.sidecar == COMMON]
-    return archive_parts(unflatten(items) if items else {})
+    """The common state: the entries read from one, nested again (an empty dict where there were none); as
+    ``common.pt`` holds it, or as megatron-core 0.19's ``common_state`` object does (``[dict]``)."""
+    mark = COMMON_STATE if in_dcp(manifest) else COMMON
+    items = [(t.path, Region.whole(t, cast_for(t.dtype, cast))) for t in manifest.tensors if t.sidecar == mark]
+    items += [(o.path, regions_in(o.value, cast)) for o in manifest.objects if o.sidecar == mark]
+    tree = unflatten(items) if items else {}
+    return archive_parts([tree] if mark == COMMON_STATE else tree)

@@ -192,10 +192,10 @@ class DcpIO(FormatIO):
             raise FormatError(f"{meta_path}: malformed DCP metadata at {where} ({type(e).__name__}: {e})") from None
         if backend is None:
             return manifest
-        tensors, objects, note = megatron.read_common(root)
-        return dataclasses.replace(manifest, tensors=manifest.tensors + tuple(tensors),
-                                   objects=manifest.objects + tuple(objects),
-                                   details=(*manifest.details, (megatron.CONFIG, backend), (megatron.COMMON, note)))
+        tensors, objects, mark, note = megatron.read_common(root, manifest.objects)
+        kept = tuple(o for o in manifest.objects if mark != megatron.COMMON_STATE or o.key != megatron.COMMON_STATE_KEY)
+        return dataclasses.replace(manifest, tensors=manifest.tensors + tuple(tensors), objects=kept + tuple(objects),
+                                   details=(*manifest.details, (megatron.CONFIG, backend), (mark, note)))
 
     def _interpret(self, root: Path, md: Any, files: Files, at: list[str],
                    wanted: Callable[[Manifest], Collection[str]] | None, whole: bool) -> Manifest:
@@ -299,14 +299,20 @@ class DcpIO(FormatIO):
                                           else archive_parts(regions_in(o.value, options.cast))))
                  for o in objects]
         entries: list[TensorEntry | ObjectEntry] = [*(t for t in manifest.tensors if not t.sidecar), *objects]
-        metadata = MetadataPickle().dumps(tensors, blobs, {**{e.key: dcp_path(e.path) for e in entries}, **empty})
+        paths = {**{e.key: dcp_path(e.path) for e in entries}, **empty}
+        if options.megatron and megatron.in_dcp(manifest):  # megatron-core 0.19's common state, an object of rank 0
+            common = megatron.common_parts(manifest, options.cast)
+            blobs.append(ObjectRecord(megatron.COMMON_STATE_KEY, *put(0, common)))
+            paths[megatron.COMMON_STATE_KEY] = (megatron.COMMON_STATE_KEY,)
+        metadata = MetadataPickle().dumps(tensors, blobs, paths)
         files = [FilePlan(f"__{r}_0.distcp", tuple(parts[r])) for r in range(n)]
         files.append(FilePlan(METADATA, (Bytes(metadata),)))
         if any(e.sidecar == META for e in manifest.entries) or options.meta_groups is not None:
             files.append(FilePlan(META, meta_parts(manifest, options.meta_groups, options.cast)))
         if options.megatron:
-            files.append(FilePlan(megatron.COMMON, megatron.common_parts(manifest, options.cast)))
-            files.append(FilePlan(megatron.CONFIG, (Bytes(megatron.CONFIG_BYTES),)))
+            if not megatron.in_dcp(manifest):
+                files.append(FilePlan(megatron.COMMON, megatron.common_parts(manifest, options.cast)))
+            files.append(FilePlan(megatron.CONFIG, (Bytes(megatron.config_bytes(manifest)),)))
         return WritePlan(tuple(files), commit=METADATA)
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from ..core.dtypes import DType
 from ..errors import FormatError, UsageError
-from ..formats._megatron import COMMON, args_config, config_of_args, hf_fields
+from ..formats._megatron import COMMON, COMMON_STATE, config_of_args, hf_fields
 from ..formats.megatron_legacy import legacy_args
 from .mapping import read_json
-from .megatron_args import run_args
+from .megatron_args import args_config, run_args
 from .table import ModelShape, Preset, model_shape
 
 __all__ = ["INPUT_EMBEDDINGS", "TIE_DEFAULTS", "ModelConfig", "check_single_file", "find_config", "keep_in_fp32",
@@ -111,9 +111,10 @@ def check_single_file(p: Preset, src: Path) -> None:
 
 def find_config(src: Path, hf_assets: Path | str | None) -> ModelConfig | None:
     """The model's config: ``hf_assets/config.json``; else the source's own (an HF directory's
-    ``config.json``); else a megatron-core checkpoint's ``args`` in its ``common.pt`` (or a Megatron-LM legacy
-    checkpoint's, in its rank files), or a NeMo 2 checkpoint's ``context/model.yaml``, under HF's field names;
-    else Meta's ``params.json`` beside a ``consolidated.00.pth`` or in its directory."""
+    ``config.json``); else a megatron-core checkpoint's ``args`` in its common state (``common.pt``, or 0.19's
+    ``common_state`` object; a Megatron-LM legacy checkpoint's, in its rank files), or a NeMo 2 checkpoint's
+    ``context/model.yaml``, under HF's field names; else Meta's ``params.json`` beside a ``consolidated.00.pth``
+    or in its directory."""
     src = Path(src)
     home = src if src.is_dir() else src.parent
     candidates = [Path(hf_assets) / "config.json"] if hf_assets is not None else []
@@ -123,7 +124,7 @@ def find_config(src: Path, hf_assets: Path | str | None) -> ModelConfig | None:
         return ModelConfig(path, read_model_config(path))
     args = args_config(src) if src.is_dir() else None  # a megatron-core checkpoint's own run arguments
     if args is not None:
-        return ModelConfig(src / COMMON, args)
+        return ModelConfig(src / (COMMON if (src / COMMON).is_file() else COMMON_STATE), args)  # 0.19: in the DCP
     nemo = run_args(src) if src.is_dir() else None  # NeMo 2's context/model.yaml above its weights/
     if nemo is not None:
         return ModelConfig(Path(nemo.source), hf_fields(nemo.values))

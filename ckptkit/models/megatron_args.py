@@ -3,11 +3,12 @@ each.
 
 A Megatron preset's table maps the weights of one configuration: rotary embeddings over whole heads that
 rotate each head's two halves, RMSNorm, SwiGLU, no linear biases. Megatron-LM keeps its arguments in the
-checkpoint (``common.pt``'s ``args``); NeMo 2 keeps the model's megatron-core ``TransformerConfig`` in
-``context/model.yaml``. :func:`run_args` reads either under Megatron-LM's names, and :func:`for_run` checks them
-against :data:`ARGS`: a value the table maps as it is passes; one it maps after an adjustment (the rotary row
-order of ``rotary_interleaved``) changes the preset; any other is refused in one line naming the argument, its
-value and what it changes. An argument the run does not state is not checked.
+checkpoint (``args`` in ``common.pt``, or in megatron-core 0.19's ``common_state`` object); NeMo 2 keeps the
+model's megatron-core ``TransformerConfig`` in ``context/model.yaml``. :func:`run_args` reads either under
+Megatron-LM's names, and :func:`for_run` checks them against :data:`ARGS`: a value the table maps as it is
+passes; one it maps after an adjustment (the rotary row order of ``rotary_interleaved``) changes the preset; any
+other is refused in one line naming the argument, its value and what it changes. An argument the run does not
+state is not checked.
 """
 
 from __future__ import annotations
@@ -17,12 +18,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..core.manifest import ObjectEntry
 from ..errors import UsageError
-from ..formats._megatron import COMMON, hf_fields, read_common, read_config
+from ..formats._megatron import (
+    COMMON,
+    COMMON_STATE,
+    COMMON_STATE_KEY,
+    config_of_args,
+    hf_fields,
+    read_common,
+    read_config,
+)
 from ..formats._nemo import CONTEXT, MODEL_YAML, nemo2_root, read_model_yaml
+from ..formats.dcp import DcpIO
 from .table import ModelShape, Preset, Row, model_shape
 
-__all__ = ["ARGS", "MEGATRON_SIDE", "Arg", "RunArgs", "for_run", "run_args"]
+__all__ = ["ARGS", "MEGATRON_SIDE", "Arg", "RunArgs", "args_config", "common_objects", "for_run", "run_args"]
 
 MEGATRON_SIDE = "Megatron"
 """A Megatron preset's ``other_side``."""
@@ -75,6 +86,8 @@ ARGS = (
     Arg("multi_latent_attention", row="self_attention.linear_kv_down_proj.weight"),
     Arg("num_experts", row="mlp.experts.experts.linear_fc1.weight"),
     Arg("moe_shared_expert_intermediate_size", row="mlp.shared_experts.linear_fc1.weight"),
+    # Last: the rows checked above are named in the layer-stacked spelling this changes.
+    Arg("singleton_local_shards", (False,), "neither true nor false", adjust=((True, "singletons"),)),
 )
 """The arguments a Megatron preset reads, in the order they are checked; a preset's ``run_args`` replace the
 values accepted."""
@@ -121,6 +134,33 @@ def _from_transformer_config(config: dict) -> dict[str, Any]:
     return out
 
 
+def common_objects(root: Path) -> tuple[str, list[ObjectEntry]]:
+    """The common state's non-tensor entries of the megatron-core checkpoint ``root``
+    (:func:`ckptkit.formats._megatron.read_common`), and where they were read, for a reader that wants its run
+    arguments alone. ``common.pt`` is read by itself; a megatron-core 0.19 checkpoint's ``.metadata`` first, to
+    find the object.
+
+    Raises:
+        FormatError, UnsafeCheckpointError: the common state cannot be read.
+    """
+    if (root / COMMON).is_file():
+        return str(root / COMMON), read_common(root, ())[1]
+    manifest = DcpIO().read_part(root, lambda _: ())
+    return f"{root}'s {COMMON_STATE_KEY}", [o for o in manifest.objects if o.sidecar == COMMON_STATE]
+
+
+def args_config(root: Path) -> dict | None:
+    """The model's counts from the ``args`` (Megatron-LM's run arguments) in the common state of ``root``, under
+    HF ``config.json``'s field names; None where ``root`` is no megatron-core checkpoint or holds no ``args``.
+
+    Raises:
+        FormatError, UnsafeCheckpointError: as :func:`common_objects`.
+    """
+    if read_config(root) is None:
+        return None
+    return config_of_args(next((o.value for o in common_objects(root)[1] if o.path == ("args",)), None))
+
+
 def run_args(src: Path | None, given: dict[str, Any] | None = None) -> RunArgs | None:
     """The run's arguments of the Megatron checkpoint ``src``: Megatron-LM's ``args`` in its ``common.pt``, else
     NeMo 2's ``context/model.yaml`` above its ``weights/``; ``given`` (``--megatron-args``) added over them.
@@ -131,9 +171,10 @@ def run_args(src: Path | None, given: dict[str, Any] | None = None) -> RunArgs |
     """
     found: RunArgs | None = None
     if src is not None and src.is_dir() and read_config(src) is not None:
-        args = next((o.value for o in read_common(src)[1] if o.path == ("args",)), None)
+        where, common = common_objects(src)
+        args = next((o.value for o in common if o.path == ("args",)), None)
         if args is not None and hasattr(args, "__dict__") and hasattr(args, "num_layers"):
-            found = RunArgs(dict(vars(args)), f"{src / COMMON}'s args")
+            found = RunArgs(dict(vars(args)), f"{where}'s args")
         elif (root := nemo2_root(src)) is not None and (config := read_model_yaml(root)) is not None:
             found = RunArgs(_from_transformer_config(config), str(root / CONTEXT / MODEL_YAML))
     if given:
@@ -225,4 +266,15 @@ def _tied(p: Preset, shape: ModelShape | None, arg: Arg, value: Any, args: RunAr
     return p, dataclasses.replace(shape, tied=tied), None
 
 
-_ADJUST = {"rotary": _rotary, "tied": _tied, "untied": _tied}
+def _singletons(p: Preset, shape: ModelShape | None, arg: Arg, value: Any, args: RunArgs
+                ) -> tuple[Preset, ModelShape | None, str | None]:
+    """``singleton_local_shards``, the flag megatron-core's ``sharded_state_dict`` takes in its metadata: every
+    layer's tensors per layer, each expert's its own, a gated ``linear_fc1`` as two (:meth:`Preset.per_layer`)."""
+    if p.layer_prefix is None:
+        raise UsageError(f"--preset {p.name}: singleton_local_shards True ({args.source}), but the preset's table has "
+                         "no layer-stacked names to spell so")
+    return (p.per_layer(singletons=True), shape, f"singleton_local_shards True ({args.source}): each layer, expert "
+            "and gated linear_fc1 half a tensor of its own, as megatron-core saves with that flag")
+
+
+_ADJUST = {"rotary": _rotary, "tied": _tied, "untied": _tied, "singletons": _singletons}

@@ -243,7 +243,7 @@ def save(rank: int, world: int, family: str, tp: int, out: str, with_args: bool,
                                 sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
     _stop_writer_manager()
     if logits is not None:  # the ranks' replicated norms differ until they load the one copy saved
-        _load_into(model, out, prefix)
+        _load_into(model, out, prefix, METADATA.get(family))
         result = _forward(model, tp)
         if rank == 0:
             torch.save(result, logits)
@@ -295,7 +295,7 @@ def load(rank: int, world: int, family: str, tp: int, ckpt: str, forward: bool, 
 
     _init(rank, world, tp, family)
     model = build(family, tp, seed=1)  # weights unlike the saved ones: a tensor not loaded shows
-    common = _load_into(model, ckpt)
+    common = _load_into(model, ckpt, metadata=METADATA.get(family))
     out: dict[str, Any] = {"params": _local(model), "common": common}
     if forward:
         out["logits"] = _forward(model, tp)
@@ -303,12 +303,13 @@ def load(rank: int, world: int, family: str, tp: int, ckpt: str, forward: bool, 
     _done()
 
 
-def _load_into(model, ckpt: str, prefix: str = "") -> dict[str, Any]:
-    """megatron-core's own ``dist_checkpointing.load`` of ``ckpt`` (its keys under ``prefix``) into ``model``;
-    returns the entries of ``common.pt`` its load merged in beside the model's."""
+def _load_into(model, ckpt: str, prefix: str = "", metadata: dict | None = None) -> dict[str, Any]:
+    """megatron-core's own ``dist_checkpointing.load`` of ``ckpt`` (its keys under ``prefix``, spelled as
+    ``sharded_state_dict`` spells them given ``metadata``) into ``model``; returns the entries of the common state
+    its load merged in beside the model's."""
     from megatron.core import dist_checkpointing
 
-    state = dist_checkpointing.load(model.sharded_state_dict(prefix=prefix), ckpt)
+    state = dist_checkpointing.load(model.sharded_state_dict(prefix=prefix, metadata=metadata), ckpt)
     state = {k.removeprefix(prefix): v for k, v in state.items()}
     common = {k: state.pop(k) for k in list(state) if k not in model.state_dict()}  # common.pt's, merged in
     model.load_state_dict(state)

@@ -253,15 +253,37 @@ def _joined(singletons: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**out, **{k: torch.stack([found[e] for e in sorted(found)]) for k, found in experts.items()}}
 
 
-def test_megatron_export_hf_reads_the_singleton_local_shards_spelling(tmp):
+@pytest.fixture(scope="module")
+def singletons(tmp) -> dict:
+    """Qwen2-MoE saved by megatron-core with ``singleton_local_shards`` (read by torch), and its HF export."""
     ckpt = saved(tmp, "qwen2_moe_singletons", 2, with_args=False)
-    oracle = load_dcp(ckpt, tmp / "singletons.pt")
-    assert "decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight_v" in oracle
     assets = tmp / "singletons-assets"
     _hf_config("qwen2_moe").save_pretrained(assets)
     ckptkit.export_hf(ckpt, tmp / "singletons-hf", preset="megatron-qwen2-moe", hf_assets=assets)
-    assert_same_tree(load_hf(tmp / "singletons-hf"), _reference("qwen2_moe", _joined(oracle)))
-    _hf_model("qwen2_moe", tmp / "singletons-hf")
+    return {"ckpt": ckpt, "oracle": load_dcp(ckpt, tmp / "singletons.pt"), "hf": tmp / "singletons-hf"}
+
+
+def test_megatron_export_hf_reads_the_singleton_local_shards_spelling(singletons):
+    assert "decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight_v" in singletons["oracle"]
+    assert_same_tree(load_hf(singletons["hf"]), _reference("qwen2_moe", _joined(singletons["oracle"])))
+    _hf_model("qwen2_moe", singletons["hf"])
+
+
+def test_megatron_convert_to_megatron_writes_the_singleton_local_shards_spelling_when_asked(singletons, tmp_path):
+    report = ckptkit.convert(singletons["hf"], tmp_path / "mcore", to="megatron", world_size=2,
+                             megatron_args={"singleton_local_shards": True})
+    assert any(n.startswith("singleton_local_shards True (--megatron-args)") for n in report.notes), report.notes
+    ours, theirs = ckptkit.inspect(tmp_path / "mcore"), ckptkit.inspect(singletons["ckpt"])
+    assert {t.key: t.shape for t in ours.tensors} == {t.key: t.shape for t in theirs.tensors}
+    assert {o.key for o in ours.objects} == {o.key for o in theirs.objects} | {"checkpoint_version", "iteration"}
+    # megatron-core's own load of a model asked for that spelling: every parameter, and transformers' logits.
+    result = loaded(tmp_path, "qwen2_moe_singletons", 1, tmp_path / "mcore", forward=True)
+    expected = _joined(singletons["oracle"])
+    assert set(result["params"]) == set(expected)
+    assert_same_tree(result["params"], expected)
+    with torch.no_grad():
+        logits = _hf_model("qwen2_moe", singletons["hf"])(tokens()).logits
+    assert (logits - result["logits"]).abs().max().item() < 1e-5
 
 
 def test_megatron_export_hf_refuses_keys_that_mix_stacked_and_per_layer_spellings(tmp_path):
