@@ -10,6 +10,7 @@ from ..core.manifest import Manifest, ObjectEntry, TensorEntry
 from ..errors import UsageError
 from ..formats import FormatIO
 from ..formats._megatron import COMMON, extra_states
+from ..formats._megatron_distopt import has_buckets, split_buckets
 from ..formats.dcp import check_blobs
 from ..models.detect import check_family, detect_family
 from ..models.engine import NameTable, listed
@@ -60,8 +61,13 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
     # leaves out are decoded all the same (write() decodes only those it writes): convert reads everything,
     # and refuses a checkpoint torch cannot load.
     check_blobs(manifest)
+    split: tuple[str, ...] = ()
+    if mapping and not io.hf_model and to != TO_MEGATRON and has_buckets(manifest):
+        # Megatron's DistributedOptimizer state, as per-parameter state the carrier maps with the weights.
+        manifest = split_buckets(manifest)
+        split = tuple(f"{k}: {v}" for k, v in manifest.details[-2:])
     sel = select_model(manifest)
-    tensors, notes, changes = sel.tensors, sel.notes, Changes()
+    tensors, notes, changes = sel.tensors, sel.notes + split, Changes()
     state: tuple[Entry, ...] = ()
     mapped_by = None
     if mapping:
