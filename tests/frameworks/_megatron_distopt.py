@@ -28,6 +28,8 @@ import _megatron as meg
 
 LR, WD, BETAS, EPS, CLIP = 1e-2, 0.1, (0.9, 0.95), 1e-8, 0.3
 GLOBAL, SAVED, STEPS = 4, 3, 6
+BUCKET = 6000
+"""Elements per bucket: the 22,688 parameters fill several, so that the split crosses bucket boundaries."""
 
 
 class _CudaOnCpu(TorchFunctionMode):
@@ -125,7 +127,8 @@ def megatron_run(rank: int, world: int, out: str) -> None:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     with _CudaOnCpu():
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=BUCKET),
+            model)
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
             clip_grad=CLIP, use_distributed_optimizer=True), [ddp])
