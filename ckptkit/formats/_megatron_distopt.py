@@ -14,11 +14,15 @@ their fields). Where each parameter lies in a bucket follows ``_ParamAndGradBuff
   padding (to ``lcm(dp, 128)``): bucket ``k`` holds ``per_bucket_numel_unpadded[k]`` elements from its first
   parameter's start to its last one's end, and ``per_bucket_numel[k]`` with the padding.
 
-The model's parameter order is not recorded as such; the checkpoint's model tensors are listed in the order
-the model's ``sharded_state_dict`` gave them (its modules' order), a layer-stacked tensor once for all layers.
-That order, expanded layer by layer, is checked against what the buckets record: every bucket's unpadded
+The model's parameter order is not recorded as such. Two orders are tried, and the first that lays out
+every bucket as saved is taken: the order the checkpoint lists its model tensors in (the model's
+``sharded_state_dict`` order, a layer-stacked tensor once for all layers, expanded layer by layer), and
+megatron-core's ``GPTModel`` module order with the local spec (:data:`_LAYER`), for a fully parallel save
+(Megatron-LM's default), which lists each rank's tensors in turn. "As saved" means every bucket's unpadded
 size, and every chunk megatron-core saved (one per parameter, padding run or rank boundary) lying within one
-parameter or one padding run. A checkpoint where they disagree is refused rather than read in a guessed order.
+parameter or one padding run. A checkpoint neither order fits is refused rather than read in a guessed
+order. Two parameters of the same size in swapped places (a layer's two norms) fit either way: the orders
+tried are the model's own, not searched for.
 
 Each parameter's state is then a byte range of its bucket's tensor, as chunks of the parameter's shape (a
 layer-stacked tensor's layers side by side): nothing is read. The ``param`` state (the fp32 main parameters)
@@ -104,28 +108,88 @@ def _refuse_layouts(manifest: Manifest, buckets: dict[tuple[int, int, int], dict
                           "expert-parallel buffers, which ckptkit does not split")
 
 
-def _order(manifest: Manifest) -> list[_Param]:
-    """The model's parameters in ``named_parameters()`` order: the checkpoint's model tensors in their saved
-    order, each layer-stacked run of them expanded layer by layer where the first of the run stood."""
-    model = [t for t in manifest.tensors if not t.key.startswith("optimizer.") and t.sidecar is None]
+def _listed(model: list[TensorEntry]) -> list[_Param]:
+    """The model's parameters in the order the checkpoint lists its tensors, each layer-stacked run of them
+    expanded layer by layer where the first of the run stood."""
     stacked = [t for t in model if _STACKED.match(t.key)]
-    layers = {t.shape[0] for t in stacked}
-    if len(layers) > 1:
-        raise FormatError(f"{manifest.root}: layer-stacked tensors of {sorted(layers)} layers; the parameter order "
-                          "of the DistributedOptimizer's buckets cannot be recovered from them")
     ids = {id(t) for t in stacked}
     out: list[_Param] = []
     for t in model:
-        if id(t) in ids:
-            if t is stacked[0]:
-                out += [_Param(s.key, i, s.shape[1:]) for i in range(layers.pop()) for s in stacked]
-        else:
+        if id(t) not in ids:
             out.append(_Param(t.key, None, t.shape))
+        elif t is stacked[0]:
+            out += [_Param(s.key, i, s.shape[1:]) for i in range(t.shape[0]) for s in stacked]
     return out
 
 
-def _layout(manifest: Manifest, params: list[_Param], unpadded: list[int]) -> list[list[tuple[_Param, int]]]:
-    """Each bucket's parameters with their start in it, laid out as ``_ParamAndGradBuffer`` does."""
+_TOP = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.", "decoder.final_layernorm.",
+        "output_layer.")
+_LAYER = tuple(f"{module}.{p}" for module, params in (
+    ("input_layernorm", ("weight", "bias")), ("self_attention.linear_qkv", ("layer_norm_weight", "layer_norm_bias")),
+    ("self_attention.linear_proj", ("weight", "bias")), ("self_attention.linear_qkv", ("weight", "bias")),
+    ("self_attention.q_layernorm", ("weight", "bias")), ("self_attention.k_layernorm", ("weight", "bias")),
+    ("pre_mlp_layernorm", ("weight", "bias")), ("mlp.linear_fc1", ("layer_norm_weight", "layer_norm_bias")),
+    ("mlp.linear_fc1", ("weight", "bias")), ("mlp.linear_fc2", ("weight", "bias"))) for p in params)
+"""A dense GPT layer's parameters in megatron-core's module order with the local spec (the norms are separate
+modules, saved under the names the fused TE layers give them), as ``TransformerLayer`` and ``SelfAttention``
+register them: ``input_layernorm``, ``linear_proj`` (made by ``Attention``), ``linear_qkv``, the q/k norms,
+``pre_mlp_layernorm``, the MLP."""
+
+
+def _module_order(params: list[_Param]) -> list[_Param] | None:
+    """``params`` in megatron-core's ``GPTModel`` order (:data:`_TOP`, layers in order, :data:`_LAYER` within
+    one); None where a name is not in these tables."""
+    ranks = []
+    for p in params:
+        top = next((i for i, t in enumerate(_TOP) if p.key.startswith(t)), None)
+        if top is None:
+            return None
+        layer, rest = p.layer or 0, p.key[len(_TOP[top]):]
+        if _TOP[top] == "decoder.layers." and p.layer is None:
+            index, _, rest = rest.partition(".")
+            layer = int(index) if index.isdigit() else -1
+        table = _LAYER if _TOP[top] == "decoder.layers." else ("weight", "bias")
+        if rest not in table:
+            return None
+        ranks.append((top, layer, table.index(rest)))
+    return [p for _, p in sorted(zip(ranks, params, strict=True), key=lambda rp: rp[0])]
+
+
+def _order(manifest: Manifest, buckets: list[dict[str, TensorEntry]], unpadded: list[int]
+           ) -> list[list[tuple[_Param, int]]]:
+    """Each bucket's parameters with their start in it. The parameter order is not saved as such: the order the
+    checkpoint lists its tensors in (the model's sharded state dict's, unless a fully parallel save listed each
+    rank's in turn), then megatron-core's ``GPTModel`` order, whichever lays out every bucket as saved.
+
+    Raises:
+        FormatError: neither does.
+    """
+    model = [t for t in manifest.tensors if not t.key.startswith("optimizer.") and t.sidecar is None]
+    layers = sorted({t.shape[0] for t in model if _STACKED.match(t.key)})
+    if len(layers) > 1:
+        raise FormatError(f"{manifest.root}: layer-stacked tensors of {layers} layers; the parameter order of the "
+                          "DistributedOptimizer's buckets cannot be recovered from them")
+    listed = _listed(model)
+    reasons = []
+    for name, params in (("the order the checkpoint lists its tensors in", listed),
+                         ("megatron-core's GPTModel order (local spec)", _module_order(listed))):
+        if params is None:
+            reasons.append(f"{name}: it has tensors outside its tables")
+            continue
+        placed = _layout(params, unpadded)
+        why = placed if isinstance(placed, str) else next(
+            (w for k, b in enumerate(placed) for t in buckets[k].values() if (w := _check_chunks(t, b))), None)
+        if why is None:
+            return placed  # type: ignore[return-value]
+        reasons.append(f"{name}: {why}")
+    raise FormatError(f"{manifest.root}: the model's parameter order (its named_parameters(), which the "
+                      f"DistributedOptimizer's buckets follow) cannot be recovered from this checkpoint: "
+                      + "; ".join(reasons))
+
+
+def _layout(params: list[_Param], unpadded: list[int]) -> list[list[tuple[_Param, int]]] | str:
+    """Each bucket's parameters with their start in it, laid out as ``_ParamAndGradBuffer`` does; or why they
+    do not fill the buckets."""
     out: list[list[tuple[_Param, int]]] = [[]]
     at = 0
     for p in reversed(params):
@@ -140,15 +204,13 @@ def _layout(manifest: Manifest, params: list[_Param], unpadded: list[int]) -> li
         elif at > unpadded[len(out) - 1]:
             break
     if out[-1] or len(out) != len(unpadded) + 1 or sum(map(len, out)) != len(params):
-        raise FormatError(f"{manifest.root}: the model's {len(params)} parameters, in the order the checkpoint "
-                          f"lists them, do not fill the DistributedOptimizer's buckets of {unpadded} elements; "
-                          "the parameter order the buckets follow cannot be recovered from this checkpoint")
+        return f"its {len(params)} parameters do not fill buckets of {unpadded} elements"
     return out[:-1]
 
 
-def _check_chunks(manifest: Manifest, bucket: TensorEntry, placed: list[tuple[_Param, int]]) -> None:
-    """Every chunk megatron-core saved of ``bucket`` must lie within one parameter or one padding run: a
-    parameter order other than the one it saved shows as a chunk across a parameter's edge."""
+def _check_chunks(bucket: TensorEntry, placed: list[tuple[_Param, int]]) -> str | None:
+    """Why ``bucket``'s chunks do not fit ``placed``: every chunk megatron-core saved lies within one parameter
+    or one padding run, so a parameter order other than the one it saved shows as a chunk across an edge."""
     starts = [a for _, a in placed]
     for c in bucket.chunks:
         a, n = c.offsets[0], c.sizes[0]
@@ -156,9 +218,8 @@ def _check_chunks(manifest: Manifest, bucket: TensorEntry, placed: list[tuple[_P
         end = placed[i][1] + placed[i][0].numel if i >= 0 else 0
         limit = end if a < end else starts[i + 1] if i + 1 < len(starts) else bucket.shape[0]
         if a + n > limit:
-            raise FormatError(f"{manifest.root}: {bucket.key!r} holds a chunk at [{a}, {a + n}) across the edge of "
-                              f"a parameter at {limit}, in the layout the checkpoint's parameter order gives; the "
-                              "order the buckets follow cannot be recovered from this checkpoint")
+            return f"{bucket.key!r} holds a chunk at [{a}, {a + n}) across a parameter's edge at {limit}"
+    return None
 
 
 def _state_chunks(bucket: TensorEntry, p: _Param, start: int, chunks: list[Chunk]) -> None:
@@ -177,6 +238,26 @@ def _state_chunks(bucket: TensorEntry, p: _Param, start: int, chunks: list[Chunk
             n = math.prod(sizes) * itemsize
             chunks.append(Chunk((*lead, *offsets), (*one, *sizes), Span(c.span.file, offset, n)))
             offset += n
+
+
+def _moments(manifest: Manifest, buckets: list[dict[str, TensorEntry]], layout: list[list[tuple[_Param, int]]],
+             slot: str) -> list[TensorEntry]:
+    """State ``slot`` of every model tensor (of its shape), from the byte ranges of the buckets that hold it."""
+    pieces: dict[str, list[Chunk]] = {}
+    for k, placed in enumerate(layout):
+        bucket = buckets[k].get(slot)
+        if bucket is None:
+            raise FormatError(f"{manifest.root}: bucket {k} has no {slot!r} state, which another bucket has")
+        for p, start in placed:
+            _state_chunks(bucket, p, start, pieces.setdefault(p.key, []))
+    shapes = {t.key: t.shape for t in manifest.tensors}
+    out = []
+    for key, chunks in pieces.items():
+        path = (SECTION, "state", key, slot)
+        entry = TensorEntry(f"{SECTION}.state.{key}.{slot}", path, buckets[0][slot].dtype, shapes[key], tuple(chunks))
+        entry.validate()
+        out.append(entry)
+    return out
 
 
 def _groups(manifest: Manifest, params: list[_Param]) -> tuple[list[dict], float]:
@@ -233,26 +314,15 @@ def split_buckets(manifest: Manifest) -> Manifest:
     if not isinstance(unpadded, list) or len(unpadded) != len(buckets):
         raise FormatError(f"{manifest.root}: per_bucket_numel_unpadded {per_buffer!r:.80} does not list the "
                           f"{len(buckets)} buckets saved")
-    params = _order(manifest)
-    layout = _layout(manifest, params, unpadded)
-    full = {t.key: t.shape for t in manifest.tensors}
+    if sorted(buckets) != [(0, 0, k) for k in range(len(unpadded))] or any(
+            t.shape != (unpadded[k],) for (_, _, k), states in buckets.items() for t in states.values()):
+        raise FormatError(f"{manifest.root}: the DistributedOptimizer's buckets {sorted(k for *_, k in buckets)} are "
+                          f"not 1-D tensors of the {unpadded} elements per_bucket_numel_unpadded lists")
+    layout = _order(manifest, [buckets[0, 0, k] for k in range(len(unpadded))], unpadded)
+    params = [p for placed in reversed(layout) for p, _ in reversed(placed)]  # named_parameters() order
     slots = sorted({s for b in buckets.values() for s in b if s not in _LEFT_OUT_SLOTS})
-    tensors: list[TensorEntry] = []
-    for slot in slots:
-        pieces: dict[str, list[Chunk]] = {}
-        for k, placed in enumerate(layout):
-            bucket = buckets[0, 0, k].get(slot)
-            if bucket is None or bucket.shape != (unpadded[k],) or len(bucket.shape) != 1:
-                raise FormatError(f"{manifest.root}: bucket {k} has no 1-D {slot!r} of {unpadded[k]} elements")
-            _check_chunks(manifest, bucket, placed)
-            for p, start in placed:
-                _state_chunks(bucket, p, start, pieces.setdefault(p.key, []))
-        dtype = buckets[0, 0, 0][slot].dtype
-        for key, chunks in pieces.items():
-            path = (SECTION, "state", key, slot)
-            entry = TensorEntry(f"{SECTION}.state.{key}.{slot}", path, dtype, full[key], tuple(chunks))
-            entry.validate()
-            tensors.append(entry)
+    tensors = [t for slot in slots for t in _moments(manifest, [buckets[0, 0, k] for k in range(len(layout))], layout,
+                                                     slot)]
     groups, step = _groups(manifest, params)
     # torch's optimizers keep the step per parameter; Megatron keeps it in the param groups.
     objects = [ObjectEntry(f"{SECTION}.state.{k}.step", (SECTION, "state", k, "step"), step)

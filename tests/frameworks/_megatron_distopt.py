@@ -109,9 +109,9 @@ def _optimizer_states(opt, model) -> dict[str, list[tuple]]:
 
 
 def megatron_run(rank: int, world: int, out: str) -> None:
-    """6 steps, saving after step 3 (``<out>/step-3``); rank 0 writes ``<out>/expected.pt``: the losses, the final
-    weights (HF names) and logits of :func:`_megatron.tokens`; every rank ``<out>/states{rank}.pt``: its part
-    of the optimizer's per-parameter state at the save."""
+    """6 steps, saving after step 3 (``<out>/step-3`` fully parallel, ``<out>/step-3-plain`` not); rank 0 writes
+    ``<out>/expected.pt``: the losses, the final weights (HF names) and logits of :func:`_megatron.tokens`; every
+    rank ``<out>/states{rank}.pt``: its part of the optimizer's per-parameter state at the save."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -124,8 +124,8 @@ def megatron_run(rank: int, world: int, out: str) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    with _CudaOnCpu():
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # CUDA shim 1: the grad buffers' device
+    with _CudaOnCpu():  # CUDA shim 2: the optimizer's device="cuda" scalars and its Tensor.type() check
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=BUCKET),
             model)
@@ -148,7 +148,8 @@ def megatron_run(rank: int, world: int, out: str) -> None:
                 assert opt.step()[0]
                 losses.append(_mean(loss, world))
                 if step == SAVED:
-                    _save(model, opt, f"{out}/step-{SAVED}")
+                    _save(model, opt, f"{out}/step-{SAVED}", fully_parallel=True)
+                    _save(model, opt, f"{out}/step-{SAVED}-plain", fully_parallel=False)
                     torch.save(_optimizer_states(opt.chained_optimizers[0], model), f"{out}/states{rank}.pt")
             logits = meg._forward(model, 1)
     if rank == 0:
@@ -157,17 +158,23 @@ def megatron_run(rank: int, world: int, out: str) -> None:
     meg._done()
 
 
-def _save(model, opt, path: str) -> None:
-    """As Megatron-LM saves: the model's and the optimizer's sharded state dicts, and ``iteration``."""
-    from megatron.core import dist_checkpointing
+def _save(model, opt, path: str, fully_parallel: bool) -> None:
+    """As Megatron-LM saves: the model's and the optimizer's sharded state dicts, and ``iteration``;
+    ``fully_parallel``: each data-parallel rank writes a share of the tensors (Megatron-LM's default,
+    ``--ckpt-fully-parallel-save``), which lists them in the checkpoint rank by rank, not in the model's order."""
+    from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     os.makedirs(path, exist_ok=True)
     msd = model.sharded_state_dict()
     osd = opt.sharded_state_dict(msd, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     with meg._cpu_save():
-        dist_checkpointing.save({**msd, "optimizer": osd, "iteration": SAVED}, path,
-                                sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
+        strategy = get_default_save_sharded_strategy("torch_dist")
+        if fully_parallel:
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            strategy = FullyParallelSaveStrategyWrapper(strategy, group)
+        dist_checkpointing.save({**msd, "optimizer": osd, "iteration": SAVED}, path, sharded_strategy=strategy)
     meg._stop_writer_manager()
 
 

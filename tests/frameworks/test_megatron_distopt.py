@@ -38,8 +38,9 @@ def runs(tmp_path_factory) -> tuple[Path, dict, dict]:
     out = tmp_path_factory.mktemp("megatron-distopt")
     spawn(md.megatron_run, 2, str(out))
     md.hf_config().save_pretrained(out / "assets")
-    ckptkit.convert(out / "step-3", out / "hf", to="sharded", world_size=3, preset="megatron-llama",
-                    hf_assets=out / "assets")
+    for src, dst in (("step-3", "hf"), ("step-3-plain", "hf-plain")):
+        ckptkit.convert(out / src, out / dst, to="sharded", world_size=3, preset="megatron-llama",
+                        hf_assets=out / "assets")
     spawn(md.resume, 2, str(out / "hf"), str(out))
     return out, torch.load(out / "expected.pt", weights_only=True), torch.load(out / "resumed.pt", weights_only=True)
 
@@ -74,9 +75,10 @@ def _megatron_states(out: Path) -> dict[str, dict[str, torch.Tensor]]:
     return hf
 
 
-def test_convert_splits_the_buckets_into_megatron_cores_own_per_parameter_state(runs):
+@pytest.mark.parametrize("saved", ["hf", "hf-plain"], ids=["fully-parallel-save", "plain-save"])
+def test_convert_splits_the_buckets_into_megatron_cores_own_per_parameter_state(runs, saved):
     out, _, _ = runs
-    converted = _dcp_tensors(out / "hf")
+    converted = _dcp_tensors(out / saved)
     oracle = _megatron_states(out)
     assert len(oracle) == 21
     for name, slots in oracle.items():
@@ -143,15 +145,17 @@ def test_split_refuses_another_sharding_type_by_name(runs):
 
 
 def test_split_refuses_when_the_parameter_order_cannot_be_recovered(runs):
+    # The fully parallel save lists its tensors rank by rank: only megatron-core's module order fits its buckets.
     m = read(runs[0] / "step-3")
-    qkv = next(t for t in m.tensors if t.key.endswith("linear_qkv.weight"))
-    # The tensors listed in another order than the model's: linear_qkv before linear_proj.
-    order = sorted(m.tensors, key=lambda t: (t is not qkv))
-    with pytest.raises(ckptkit.CheckpointError, match="cannot be recovered from this checkpoint"):
-        split_buckets(_edited(m, tensors=tuple(order)))
+    renamed = tuple(dataclasses.replace(t, key=t.key.replace("linear_proj.", "linear_out."), path=None)
+                    if t.key.endswith("linear_proj.weight") else t for t in m.tensors)
+    with pytest.raises(ckptkit.CheckpointError, match=r"the model's parameter order \(its named_parameters\(\).*cannot "
+                       r"be recovered from this checkpoint: the order the checkpoint lists its tensors in: .*; "
+                       r"megatron-core's GPTModel order \(local spec\): it has tensors outside its tables"):
+        split_buckets(_edited(m, tensors=renamed))
     # A model tensor missing: the buckets hold a parameter the checkpoint does not list.
     without = tuple(t for t in m.tensors if t.key != "output_layer.weight")
-    with pytest.raises(ckptkit.CheckpointError, match=r"14 parameters.*do not fill .* buckets of \[8256, 9344, 5248\]"):
+    with pytest.raises(ckptkit.CheckpointError, match=r"its 14 parameters do not fill buckets of \[8256, 9344, 5248\]"):
         split_buckets(_edited(m, tensors=without))
 
 
