@@ -331,8 +331,13 @@ def split_buckets(manifest: Manifest) -> Manifest:
                 for path, v in flatten(groups, lambda v: False, (SECTION, "param_groups"))]
     kept_t = [t for t in manifest.tensors if not t.key.startswith(PREFIX)]
     kept_o = [o for o in manifest.objects if not o.key.startswith(PREFIX) and o.key != _SHARDING]
+    names = {t.key: t.dtype.name for t in manifest.tensors}
+    weights = {names[p.key] for p in params}
+    # For float32 weights megatron-core's main parameters are views of them; otherwise the weights are rounded.
+    same = "they are the float32 weights" if weights == {"float32"} else (
+        f"the {'/'.join(sorted(weights))} weights written are their rounded copy")
     left = ("left out", f"the DistributedOptimizer's fp32 main parameters ({', '.join(_LEFT_OUT_SLOTS)} state of "
-                        f"its buckets), which torch's AdamW does not keep")
+                        f"its buckets), which torch's AdamW does not keep: {same}")
     details = (*manifest.details, ("optimizer", f"DistributedOptimizer buckets ({len(layout)}) split into "
                                                 f"{', '.join(slots)} of {len(params)} parameters"), left)
     return Manifest(manifest.format, manifest.root, (*kept_t, *tensors), (*kept_o, *objects), manifest.world_size,
