@@ -273,6 +273,9 @@ def _groups(manifest: Manifest, params: list[_Param]) -> tuple[list[dict], float
     plain = {"lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
     odd = [f"{k}={g.get(k)!r}" for g in groups for k, v in plain.items()
            if g.get(k) != v or type(g.get(k)) is not type(v)]
+    args = next((object_value(o) for o in manifest.objects if o.path == ("args",)), None)
+    if getattr(args, "apply_wd_to_qk_layernorm", False):  # Megatron-LM's args: q/k norms join the decayed group
+        odd.append("apply_wd_to_qk_layernorm=True")
     if odd or sorted(mults, key=str) not in ([0.0, 1.0], [1.0], [0.0]):
         raise FormatError(f"{manifest.root}: param groups with wd_mult {mults} {' '.join(odd)}: which parameter is "
                           "in which group is not saved, and only megatron-core's default grouping (1-D parameters "

@@ -170,3 +170,14 @@ def test_split_refuses_param_groups_other_than_megatron_cores_default(runs):
     objects = [dataclasses.replace(o, value=saved, blob=None) if o.key == key else o for o in m.objects]
     with pytest.raises(ckptkit.CheckpointError, match=r"lr_mult=0\.5: which parameter is in which group is not saved"):
         split_buckets(_edited(m, objects=tuple(objects)))
+
+
+def test_split_refuses_the_groups_of_a_run_that_decays_qk_layernorms(runs):
+    import argparse
+
+    from ckptkit.core.manifest import ObjectEntry
+
+    m = read(runs[0] / "step-3")
+    args = ObjectEntry("args", ("args",), argparse.Namespace(apply_wd_to_qk_layernorm=True), sidecar="common.pt")
+    with pytest.raises(ckptkit.CheckpointError, match="apply_wd_to_qk_layernorm=True: which parameter is in which"):
+        split_buckets(_edited(m, objects=(*m.objects, args)))
