@@ -222,14 +222,18 @@ def _check_chunks(bucket: TensorEntry, placed: list[tuple[_Param, int]]) -> str 
     return None
 
 
-def _state_chunks(bucket: TensorEntry, p: _Param, start: int, chunks: list[Chunk]) -> None:
-    """Append to ``chunks`` the chunks of ``p``'s state: elements ``[start, start + numel)`` of ``bucket``, as
-    boxes of ``p``'s shape (behind its layer's index in a layer-stacked tensor)."""
+def _state_chunks(bucket: TensorEntry, ordered: list[Chunk], p: _Param, start: int, chunks: list[Chunk]) -> None:
+    """Append to ``chunks`` the chunks of ``p``'s state: elements ``[start, start + numel)`` of ``bucket``
+    (whose chunks are ``ordered`` by offset), as boxes of ``p``'s shape (behind its layer's index in a
+    layer-stacked tensor)."""
     itemsize = bucket.dtype.itemsize
     stop = start + p.numel
     lead = () if p.layer is None else (p.layer,)
     one = () if p.layer is None else (1,)
-    for c in bucket.chunks:
+    first = max(bisect.bisect_right(ordered, start, key=lambda c: c.offsets[0]) - 1, 0)
+    for c in ordered[first:]:
+        if c.offsets[0] >= stop:
+            break
         a, b = max(start, c.offsets[0]), min(stop, c.offsets[0] + c.sizes[0])
         if a >= b:
             continue
@@ -248,8 +252,9 @@ def _moments(manifest: Manifest, buckets: list[dict[str, TensorEntry]], layout: 
         bucket = buckets[k].get(slot)
         if bucket is None:
             raise FormatError(f"{manifest.root}: bucket {k} has no {slot!r} state, which another bucket has")
+        ordered = sorted(bucket.chunks, key=lambda c: c.offsets[0])
         for p, start in placed:
-            _state_chunks(bucket, p, start, pieces.setdefault(p.key, []))
+            _state_chunks(bucket, ordered, p, start, pieces.setdefault(p.key, []))
     shapes = {t.key: t.shape for t in manifest.tensors}
     out = []
     for key, chunks in pieces.items():
