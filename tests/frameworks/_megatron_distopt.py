@@ -226,3 +226,63 @@ def resume(rank: int, world: int, ckpt: str, out: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def megatron_resume(rank: int, world: int, ckpt: str, out: str) -> None:
+    """Steps 4-6 in megatron-core from ``ckpt`` (``convert --to megatron`` of the run's conversion): its own
+    ``dist_checkpointing.load`` of the model and of the DistributedOptimizer (``dp_reshardable``, one bucket);
+    rank 0 writes ``<out>/megatron-resumed.pt``: the losses, the final weights (HF names) and logits; every rank
+    ``<out>/loaded{rank}.pt``: its part of the optimizer's per-parameter state as loaded."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel()
+    model = meg.build("llama", 1, seed=3)  # weights unlike the saved ones: a tensor not loaded shows
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # CUDA shim 1, as in megatron_run
+    with _CudaOnCpu():  # CUDA shim 2, as in megatron_run
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+        opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
+            clip_grad=CLIP, use_distributed_optimizer=True), [ddp])
+        OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=100,
+                                lr_decay_style="constant", start_wd=WD, end_wd=WD, wd_incr_steps=100,
+                                wd_incr_style="constant")
+        # Without TE or apex, state_dict() reads the step from the optimizer's state: megatron-core's own dummy
+        # step makes it (the load then overwrites every state and the step).
+        opt.chained_optimizers[0]._init_optimizer_states_with_dummy_values()
+        msd = model.sharded_state_dict()
+        osd = opt.sharded_state_dict(msd, is_loading=True,
+                                     metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+        state = dist_checkpointing.load({**msd, "optimizer": osd}, ckpt)
+        model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
+        with torch.no_grad():  # float32 main parameters are views of the model's, which require grad
+            opt.load_state_dict(state["optimizer"])
+        # megatron-core 0.16.1 with torch's AdamW (no TE, no apex) loads each parameter's step from the state the
+        # dummy step above made (1), one tensor shared by all, not the saved one; it does so for its own
+        # checkpoints too. The saved step is in the param groups it loaded: put it back, one tensor each.
+        inner = opt.chained_optimizers[0].optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param]["step"] = torch.tensor(float(group["step"]))
+        torch.save(_optimizer_states(opt.chained_optimizers[0], model), f"{out}/loaded{rank}.pt")
+        mask = torch.ones(meg.SEQ, meg.SEQ, dtype=torch.bool).triu(1)[None, None]
+        losses = []
+        with meg._cpu_forward():
+            for step in range(SAVED + 1, STEPS + 1):
+                ids = batch(step, rank, world)
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                loss = _loss(ddp(ids, torch.arange(meg.SEQ)[None].expand_as(ids), mask), ids)
+                loss.backward()
+                ddp.finish_grad_sync()
+                assert opt.step()[0]
+                losses.append(_mean(loss, world))
+            logits = meg._forward(model, 1)
+    if rank == 0:
+        weights = {k: v for n, p in model.named_parameters() for k, v in to_hf(n, p.detach().clone()).items()}
+        torch.save({"losses": losses, "model": weights, "logits": logits}, f"{out}/megatron-resumed.pt")
+    meg._done()

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import ckptkit
+from ckptkit.core.dtypes import by_name
 from ckptkit.core.manifest import Manifest
 from ckptkit.formats import read
 from ckptkit.formats._megatron_distopt import split_buckets
@@ -57,12 +58,13 @@ def _dcp_tensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _megatron_states(out: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """megatron-core's per-parameter state at the save, every rank's range put in place, under HF names."""
+def _megatron_states(out: Path, prefix: str = "states") -> dict[str, dict[str, torch.Tensor]]:
+    """megatron-core's per-parameter state (``<prefix><rank>.pt``), every rank's range put in place, under HF
+    names."""
     whole: dict[str, dict[str, torch.Tensor]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for rank in range(2):
-        for name, (shape, start, end, states) in torch.load(out / f"states{rank}.pt", weights_only=True).items():
+        for name, (shape, start, end, states) in torch.load(out / f"{prefix}{rank}.pt", weights_only=True).items():
             shapes[name] = shape
             for slot, value in states.items():
                 numel = int(torch.tensor(shape).prod())
@@ -181,3 +183,44 @@ def test_split_refuses_the_groups_of_a_run_that_decays_qk_layernorms(runs):
     args = ObjectEntry("args", ("args",), argparse.Namespace(apply_wd_to_qk_layernorm=True), sidecar="common.pt")
     with pytest.raises(ckptkit.CheckpointError, match="apply_wd_to_qk_layernorm=True: which parameter is in which"):
         split_buckets(_edited(m, objects=(*m.objects, args)))
+
+
+
+@pytest.fixture(scope="module")
+def joined(runs) -> tuple[Path, dict]:
+    """The run's conversion converted back with ``--to megatron``, and megatron-core's own resume of it."""
+    out = runs[0]
+    report = ckptkit.convert(out / "hf", out / "megatron", to="megatron", hf_assets=out / "assets")
+    assert any("joined into megatron-core's DistributedOptimizer bucket" in n for n in report.notes), report.notes
+    spawn(md.megatron_resume, 2, str(out / "megatron"), str(out))
+    return out, torch.load(out / "megatron-resumed.pt", weights_only=True)
+
+
+def test_convert_to_megatron_joins_the_state_megatron_cores_own_load_restores(joined):
+    out, _ = joined
+    loaded, saved = _megatron_states(out, "loaded"), _megatron_states(out)
+    assert loaded.keys() == saved.keys()
+    for name, slots in saved.items():
+        for slot in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded[name][slot], slots[slot]), (name, slot)
+
+
+def test_convert_to_megatron_resumes_in_megatron_core_on_the_trajectory(runs, joined):
+    _, expected, _ = runs
+    _, resumed = joined
+    assert resumed["losses"] == pytest.approx(expected["losses"][md.SAVED:], abs=NOISE)
+    worst = max((resumed["model"][k] - expected["model"][k]).abs().max().item() for k in expected["model"])
+    assert worst < NOISE, worst
+    assert (resumed["logits"] - expected["logits"]).abs().max().item() < NOISE
+
+
+def test_convert_to_megatron_refuses_to_join_a_model_outside_megatron_cores_tables(joined):
+    from ckptkit.formats._megatron_distopt_join import join_buckets
+
+    model = tuple(t for t in read(joined[0] / "megatron").tensors if not t.key.startswith("optimizer."))
+    odd = tuple(dataclasses.replace(t, key=t.key.replace("linear_proj", "linear_out")) for t in model)
+    with pytest.raises(ckptkit.CheckpointError, match="not all in megatron-core's GPTModel tables .* parameter order"):
+        join_buckets(odd, (), "optimizer")
+    halves = tuple(dataclasses.replace(t, dtype=by_name("bfloat16")) for t in model)
+    with pytest.raises(ckptkit.CheckpointError, match="weights are not all float32"):
+        join_buckets(halves, (), "optimizer")
