@@ -90,7 +90,7 @@ def _groups(groups: dict[int, dict[str, Any]], params: list[_Param], step: float
             raise FormatError(f"param group {index}: expected the names of its parameters, found {names!r:.60}")
         kinds = {len(p.shape) == 1 or p.key.endswith(".bias") for p in params if p.key in names}
         missing = [f for f in _MEGATRON_GROUP if f not in fields]
-        if len(kinds) != 1 or missing:
+        if len(kinds) != 1 or missing or out[int(next(iter(kinds), False))] is not None:
             raise FormatError(f"param group {index} ({', '.join(names[:3])}, ...): megatron-core puts 1-D parameters "
                               "and biases in a group of their own and needs the group's "
                               f"{', '.join(missing) or 'parameters to follow that rule'}")
