@@ -80,9 +80,9 @@ def _bucket(key: str, tensors: dict[str, TensorEntry], placed: list[tuple[_Param
     return entry
 
 
-def _groups(groups: dict[int, dict[str, Any]], params: list[_Param], step: float) -> list[dict]:
-    """The param groups as megatron-core's ``DistributedOptimizer.state_dict`` saves them (no ``params``, the
-    step in each), in megatron-core's order: the decayed group, then the group of 1-D parameters and biases."""
+def _groups(groups: dict[int, dict[str, Any]], params: list[_Param]) -> list[dict]:
+    """The param groups as megatron-core's ``DistributedOptimizer.state_dict`` saves them (no ``params``; the
+    caller adds the step), in megatron-core's order: the decayed group, then the group of 1-D parameters and biases."""
     out: list[dict | None] = [None, None]
     for index, fields in sorted(groups.items()):
         names = fields.get("params")
@@ -94,7 +94,7 @@ def _groups(groups: dict[int, dict[str, Any]], params: list[_Param], step: float
             raise FormatError(f"param group {index} ({', '.join(names[:3])}, ...): megatron-core puts 1-D parameters "
                               "and biases in a group of their own and needs the group's "
                               f"{', '.join(missing) or 'parameters to follow that rule'}")
-        out[int(kinds.pop())] = {**{k: v for k, v in fields.items() if k != "params"}, "step": step}
+        out[int(kinds.pop())] = {k: v for k, v in fields.items() if k != "params"}
     return [g for g in out if g is not None]
 
 
@@ -134,18 +134,20 @@ def join_buckets(model: tuple[TensorEntry, ...], state: tuple[TensorEntry | Obje
             if slot in _SLOTS and isinstance(e, TensorEntry):
                 moments[slot][key] = e
             elif slot == "step":
-                value = object_value(e) if isinstance(e, ObjectEntry) else None
-                steps.add(float(value) if isinstance(value, (int, float)) else None)
+                value = object_value(e) if isinstance(e, ObjectEntry) else "a tensor, not read while planning"
+                steps.add(float(value) if isinstance(value, (int, float)) else str(value)[:40])
             else:
                 raise FormatError(f"{e.key}: megatron-core's DistributedOptimizer keeps exp_avg, exp_avg_sq and step")
         elif rest.startswith("param_groups.") and isinstance(e, ObjectEntry):
             index, field = rest[len("param_groups."):].split(".", 1)
             groups.setdefault(int(index), {})[field] = object_value(e)
+    saved_groups = _groups(groups, params)
     lacking = [p.key for p in params for s in _SLOTS if p.key not in moments[s]]
-    if lacking or len(steps) != 1 or None in steps:
+    if lacking or len(steps) != 1 or not all(isinstance(v, float) for v in steps):
         raise FormatError(f"convert --to megatron: optimizer state for {', '.join(lacking[:3]) or 'every tensor'} "
                           f"(exp_avg, exp_avg_sq and one numeric step) is not all there "
                           f"(steps {sorted(map(str, steps))})")
+    step = float(steps.pop())
     placed, at = [], 0
     for p in reversed(params):
         at = -(-at // _ALIGN) * _ALIGN
@@ -158,7 +160,7 @@ def join_buckets(model: tuple[TensorEntry, ...], state: tuple[TensorEntry | Obje
     numel = {(f32, f32): [at]}
     padded = {(f32, f32): [-(-at // 128) * 128]}  # megatron-core checks the unpadded sizes only
     objects = tuple(ObjectEntry(f"{PREFIX}dp_group_idx_0.{k}/shard_0_1", (f"{PREFIX}dp_group_idx_0.{k}/shard_0_1",), v)
-                    for k, v in (("optimizer", [{"param_groups": _groups(groups, params, float(steps.pop()))}]),
+                    for k, v in (("optimizer", [{"param_groups": [{**g, "step": step} for g in saved_groups]}]),
                                  ("per_bucket_numel", [[padded]]), ("per_bucket_numel_unpadded", [[numel]])))
     sharding = ObjectEntry("optimizer.param_state_sharding_type", ("optimizer", "param_state_sharding_type"),
                            "dp_reshardable", sidecar=COMMON)

@@ -224,3 +224,20 @@ def test_convert_to_megatron_refuses_to_join_a_model_outside_megatron_cores_tabl
     halves = tuple(dataclasses.replace(t, dtype=by_name("bfloat16")) for t in model)
     with pytest.raises(ckptkit.CheckpointError, match="weights are not all float32"):
         join_buckets(halves, (), "optimizer")
+
+
+def test_convert_to_megatron_refuses_plain_torch_param_groups_by_the_fields_megatron_core_needs(runs, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(md.hf_config())
+    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() > 1]},
+                             {"params": [p for p in model.parameters() if p.dim() == 1], "weight_decay": 0.0}])
+    model(md.batch(1, 0, 1)).logits.sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "fsdp"), no_dist=True)
+    with pytest.raises(ckptkit.CheckpointError, match=r"param group 0 .* needs the group's wd_mult, lr_mult, "
+                                                      r"is_expert_parallel, is_decoupled_lr"):
+        ckptkit.convert(tmp_path / "fsdp", tmp_path / "megatron", to="megatron", hf_assets=runs[0] / "assets")
