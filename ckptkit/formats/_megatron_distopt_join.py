@@ -98,6 +98,29 @@ def _groups(groups: dict[int, dict[str, Any]], params: list[_Param]) -> list[dic
     return [g for g in out if g is not None]
 
 
+def _parsed(state: tuple[TensorEntry | ObjectEntry, ...], section: str
+            ) -> tuple[dict[str, dict[str, TensorEntry]], dict[int, dict[str, Any]], set[Any]]:
+    """The moments by slot and tensor, the param groups' fields by index, and the steps of ``state``."""
+    moments: dict[str, dict[str, TensorEntry]] = {s: {} for s in _SLOTS}
+    groups: dict[int, dict[str, Any]] = {}
+    steps: set[Any] = set()
+    for e in state:
+        rest = e.key[len(section) + 1:]
+        if rest.startswith("state."):
+            key, slot = rest[len("state."):].rsplit(".", 1)
+            if slot in _SLOTS and isinstance(e, TensorEntry):
+                moments[slot][key] = e
+            elif slot == "step":
+                value = object_value(e) if isinstance(e, ObjectEntry) else "a tensor, not read while planning"
+                steps.add(float(value) if isinstance(value, (int, float)) else str(value)[:40])
+            else:
+                raise FormatError(f"{e.key}: megatron-core's DistributedOptimizer keeps exp_avg, exp_avg_sq and step")
+        elif rest.startswith("param_groups.") and isinstance(e, ObjectEntry):
+            index, field = rest[len("param_groups."):].split(".", 1)
+            groups.setdefault(int(index), {})[field] = object_value(e)
+    return moments, groups, steps
+
+
 def join_buckets(model: tuple[TensorEntry, ...], state: tuple[TensorEntry | ObjectEntry, ...], section: str
                  ) -> tuple[tuple[TensorEntry, ...], tuple[ObjectEntry, ...]]:
     """The buckets, their objects and ``common.pt``'s sharding type of the per-parameter optimizer state
@@ -124,23 +147,7 @@ def join_buckets(model: tuple[TensorEntry, ...], state: tuple[TensorEntry | Obje
     if {t.dtype.name for t in model} != {"float32"}:
         raise FormatError("convert --to megatron with optimizer state: the weights are not all float32, and the "
                           "DistributedOptimizer's fp32 main parameters are taken from them")
-    moments: dict[str, dict[str, TensorEntry]] = {s: {} for s in _SLOTS}
-    groups: dict[int, dict[str, Any]] = {}
-    steps: set[Any] = set()
-    for e in state:
-        rest = e.key[len(section) + 1:]
-        if rest.startswith("state."):
-            key, slot = rest[len("state."):].rsplit(".", 1)
-            if slot in _SLOTS and isinstance(e, TensorEntry):
-                moments[slot][key] = e
-            elif slot == "step":
-                value = object_value(e) if isinstance(e, ObjectEntry) else "a tensor, not read while planning"
-                steps.add(float(value) if isinstance(value, (int, float)) else str(value)[:40])
-            else:
-                raise FormatError(f"{e.key}: megatron-core's DistributedOptimizer keeps exp_avg, exp_avg_sq and step")
-        elif rest.startswith("param_groups.") and isinstance(e, ObjectEntry):
-            index, field = rest[len("param_groups."):].split(".", 1)
-            groups.setdefault(int(index), {})[field] = object_value(e)
+    moments, groups, steps = _parsed(state, section)
     saved_groups = _groups(groups, params)
     lacking = [p.key for p in params for s in _SLOTS if p.key not in moments[s]]
     if lacking or len(steps) != 1 or not all(isinstance(v, float) for v in steps):
