@@ -10,6 +10,8 @@ from ..core.manifest import Manifest, ObjectEntry, TensorEntry
 from ..errors import UsageError
 from ..formats import FormatIO
 from ..formats._megatron import COMMON, extra_states
+from ..formats._megatron_distopt import has_buckets, split_buckets
+from ..formats._megatron_distopt_join import join_buckets
 from ..formats.dcp import check_blobs
 from ..models.detect import check_family, detect_family
 from ..models.engine import NameTable, listed
@@ -20,9 +22,9 @@ from ..models.megatron_args import MEGATRON_SIDE, for_run, run_args
 from ..models.registry import MEGATRON, MEGATRON_REFUSED, PRESETS, preset
 from ..models.table import ModelShape, Preset
 from ..models.unmapped import refuse_unmapped
-from ._optimizer import Entry, carry_training_state
+from ._optimizer import Entry, MapFn, carry_training_state
 from .report import Changes
-from .select import select_model
+from .select import ModelSelection, optimizer_sections, select_model
 
 __all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "Resolved", "check_class", "check_megatron_args", "key_mapping_for",
            "map_model", "megatron_preset", "model_part", "resolve_mapping"]
@@ -60,8 +62,13 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
     # leaves out are decoded all the same (write() decodes only those it writes): convert reads everything,
     # and refuses a checkpoint torch cannot load.
     check_blobs(manifest)
+    split: tuple[str, ...] = ()
+    if mapping and not io.hf_model and to != TO_MEGATRON and has_buckets(manifest):
+        # Megatron's DistributedOptimizer state, as per-parameter state the carrier maps with the weights.
+        manifest = split_buckets(manifest)
+        split = tuple(f"{k}: {v}" for k, v in manifest.details[-2:])
     sel = select_model(manifest)
-    tensors, notes, changes = sel.tensors, sel.notes, Changes()
+    tensors, notes, changes = sel.tensors, sel.notes + split, Changes()
     state: tuple[Entry, ...] = ()
     mapped_by = None
     if mapping:
@@ -76,6 +83,10 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
             state = carried.entries
             left = tuple(d for d in sel.left_out if d.split(" (", 1)[0] not in carried.groups)
             notes = dataclasses.replace(sel, left_out=left).notes + notes[len(sel.notes):] + carried.notes
+        elif to == TO_MEGATRON and len(optimizer_sections(manifest)) == 1 and not has_buckets(manifest):
+            state, joined = _joined(manifest, sel, mapped, lambda ts: r.map(ts, to_hf))
+            left = tuple(d for d in sel.left_out if d.split(" (", 1)[0] != optimizer_sections(manifest)[0])
+            notes = dataclasses.replace(sel, left_out=left).notes + notes[len(sel.notes):] + joined
     if io.hf_model and isinstance(hf_assets, (str, os.PathLike)):  # a URL's assets are not read for this
         config = find_config(Path(src), hf_assets)
         if config is not None and config.is_hf:
@@ -88,6 +99,19 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
     tensors += tuple(e for e in state if isinstance(e, TensorEntry))
     objects += tuple(e for e in state if isinstance(e, ObjectEntry))
     return Manifest(manifest.format, manifest.root, tensors, objects), changes, notes
+
+
+def _joined(manifest: Manifest, sel: ModelSelection, mapped: MappedKeys, map_fn: MapFn
+            ) -> tuple[tuple[Entry, ...], tuple[str, ...]]:
+    """The optimizer state of ``manifest`` carried to megatron-core's names and joined into its
+    DistributedOptimizer's buckets, which megatron-core's ``dp_reshardable`` load reads; notes for the report."""
+    (section,) = optimizer_sections(manifest)
+    carried = carry_training_state(manifest, sel, mapped, map_fn, False)
+    mine = tuple(e for e in carried.entries if e.key.startswith(section + "."))
+    tensors, objects = join_buckets(mapped.tensors, mine, section)
+    return (*tensors, *objects), (f"optimizer {section!r} joined into megatron-core's DistributedOptimizer bucket "
+                                  "(dp_reshardable, one bucket, the local spec's parameter order): load it with "
+                                  "metadata={'distrib_optim_sharding_type': 'dp_reshardable'}",)
 
 
 def _into_titan(mapping: KeyMapping, mapped: MappedKeys) -> bool:

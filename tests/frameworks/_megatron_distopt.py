@@ -1,0 +1,288 @@
+"""A megatron-core run with its ``DistributedOptimizer`` on 2 gloo CPU ranks (data parallel), saved as
+Megatron-LM saves it with ``distrib_optim_sharding_type="dp_reshardable"``, and the same run resumed from
+ckptkit's HF-named conversion in plain FSDP2 with transformers' Llama and torch's AdamW.
+
+The model is :mod:`_megatron`'s tiny Llama (float32 parameters, local spec, TP=1), trained 6 steps of one
+global batch (4 sequences, 2 per rank) with Megatron's Adam (torch's ``AdamW`` underneath), clipping at
+:data:`CLIP`, and its ``OptimizerParamScheduler`` holding the learning rate and weight decay constant (which
+sets each group's ``weight_decay`` to ``WD * wd_mult``: 1-D parameters take none). It saves after step 3.
+
+megatron-core's DistributedOptimizer runs on CPU given two shims, inside these ranks only:
+- ``torch.cuda.current_device`` returns ``"cpu"``: the grad buffers are allocated on it;
+- :class:`_CudaOnCpu`, a torch function mode: the optimizer makes its scalars with ``device="cuda"`` (sent
+  to the CPU here) and checks each parameter's ``Tensor.type()`` against ``torch.cuda.*Tensor`` names (which
+  a CPU tensor's name is reported as).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import _megatron as meg
+
+LR, WD, BETAS, EPS, CLIP = 1e-2, 0.1, (0.9, 0.95), 1e-8, 0.3
+GLOBAL, SAVED, STEPS = 4, 3, 6
+BUCKET = 6000
+"""Elements per bucket: the 22,688 parameters fill several, so that the split crosses bucket boundaries."""
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    """``device="cuda"`` made on the CPU, ``.cuda()`` a no-op, and ``Tensor.type()`` named as a CUDA tensor's."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def hf_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=meg.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=meg.SEQ * 2,
+                       rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def batch(step: int, rank: int, world: int) -> torch.Tensor:
+    ids = torch.randint(0, meg.VOCAB, (GLOBAL, meg.SEQ), generator=torch.Generator().manual_seed(1000 + step))
+    return ids[rank * GLOBAL // world:(rank + 1) * GLOBAL // world]
+
+
+def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, meg.VOCAB), ids[:, 1:].reshape(-1))
+
+
+def _mean(loss: torch.Tensor, world: int) -> float:
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / world
+
+
+def to_hf(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A Megatron Llama parameter (or a state of its shape) under HF's names: ``linear_qkv`` split per query
+    group into q, k and v rows, ``linear_fc1`` into gate and up."""
+    layer = name.split(".")[2] if name.startswith("decoder.layers.") else None
+    simple = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "output_layer.weight": "lm_head.weight",
+              "decoder.final_layernorm.weight": "model.norm.weight"}
+    if name in simple:
+        return {simple[name]: value}
+    rest = name.split(".", 3)[3]
+    prefix = f"model.layers.{layer}."
+    if rest == "self_attention.linear_qkv.weight":
+        grouped = value.reshape(2, 4, 8, -1)  # [groups, 2 q heads + k + v, head_dim, hidden]
+        return {prefix + "self_attn.q_proj.weight": grouped[:, :2].reshape(32, -1),
+                prefix + "self_attn.k_proj.weight": grouped[:, 2].reshape(16, -1),
+                prefix + "self_attn.v_proj.weight": grouped[:, 3].reshape(16, -1)}
+    if rest == "mlp.linear_fc1.weight":
+        gate, up = value.chunk(2)
+        return {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up}
+    names = {"input_layernorm.weight": "input_layernorm.weight", "pre_mlp_layernorm.weight":
+             "post_attention_layernorm.weight", "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+             "mlp.linear_fc2.weight": "mlp.down_proj.weight"}
+    return {prefix + names[rest]: value}
+
+
+def _optimizer_states(opt, model) -> dict[str, list[tuple]]:
+    """This rank's part of megatron-core's own per-parameter state: for each parameter (by name) it owns elements
+    of, its shape, the range of its flattened elements the rank owns, and the optimizer's states of them
+    (``param``: the fp32 main parameter; ``exp_avg``, ``exp_avg_sq``)."""
+    out = {}
+    for name, param in model.named_parameters():
+        if param not in opt.model_param_gbuf_map:
+            continue
+        owned = opt._get_model_param_range_map(param)["param"]
+        states = opt._get_main_param_and_optimizer_states(param)
+        out[name] = (tuple(param.shape), owned.start, owned.end,
+                     {k: states[k].detach().clone() for k in ("param", "exp_avg", "exp_avg_sq")})
+    return out
+
+
+def megatron_run(rank: int, world: int, out: str) -> None:
+    """6 steps, saving after step 3 (``<out>/step-3`` fully parallel, ``<out>/step-3-plain`` not); rank 0 writes
+    ``<out>/expected.pt``: the losses, the final weights (HF names) and logits of :func:`_megatron.tokens`; every
+    rank ``<out>/states{rank}.pt``: its part of the optimizer's per-parameter state at the save."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel()
+    model = meg.build("llama", 1)
+    g = torch.Generator().manual_seed(5)  # the same weights on both data-parallel ranks
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # CUDA shim 1: the grad buffers' device
+    with _CudaOnCpu():  # CUDA shim 2: the optimizer's device="cuda" scalars and its Tensor.type() check
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=BUCKET),
+            model)
+        opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
+            clip_grad=CLIP, use_distributed_optimizer=True), [ddp])
+        OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=100,
+                                lr_decay_style="constant", start_wd=WD, end_wd=WD, wd_incr_steps=100,
+                                wd_incr_style="constant")
+        mask = torch.ones(meg.SEQ, meg.SEQ, dtype=torch.bool).triu(1)[None, None]
+        losses = []
+        with meg._cpu_forward():
+            for step in range(1, STEPS + 1):
+                ids = batch(step, rank, world)
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                loss = _loss(ddp(ids, torch.arange(meg.SEQ)[None].expand_as(ids), mask), ids)
+                loss.backward()
+                ddp.finish_grad_sync()
+                assert opt.step()[0]
+                losses.append(_mean(loss, world))
+                if step == SAVED:
+                    _save(model, opt, f"{out}/step-{SAVED}", fully_parallel=True)
+                    _save(model, opt, f"{out}/step-{SAVED}-plain", fully_parallel=False)
+                    torch.save(_optimizer_states(opt.chained_optimizers[0], model), f"{out}/states{rank}.pt")
+            logits = meg._forward(model, 1)
+    if rank == 0:
+        weights = {k: v for n, p in model.named_parameters() for k, v in to_hf(n, p.detach().clone()).items()}
+        torch.save({"losses": losses, "model": weights, "logits": logits}, f"{out}/expected.pt")
+    meg._done()
+
+
+def _save(model, opt, path: str, fully_parallel: bool) -> None:
+    """As Megatron-LM saves: the model's and the optimizer's sharded state dicts, and ``iteration``;
+    ``fully_parallel``: each data-parallel rank writes a share of the tensors (Megatron-LM's default,
+    ``--ckpt-fully-parallel-save``), which lists them in the checkpoint rank by rank, not in the model's order."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    os.makedirs(path, exist_ok=True)
+    msd = model.sharded_state_dict()
+    osd = opt.sharded_state_dict(msd, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    with meg._cpu_save():
+        strategy = get_default_save_sharded_strategy("torch_dist")
+        if fully_parallel:
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            strategy = FullyParallelSaveStrategyWrapper(strategy, group)
+        dist_checkpointing.save({**msd, "optimizer": osd, "iteration": SAVED}, path, sharded_strategy=strategy)
+    meg._stop_writer_manager()
+
+
+def resume(rank: int, world: int, ckpt: str, out: str) -> None:
+    """Steps 4-6 in plain FSDP2 from ``ckpt`` (HF names, model and optimizer) with torch's AdamW set up as
+    Megatron's was; and a control with the same weights and a fresh AdamW. Rank 0 writes ``<out>/resumed.pt``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict[str, Any] = {}
+    try:
+        for case in ("resumed", "fresh optimizer"):
+            torch.manual_seed(99)
+            hf = LlamaForCausalLM(hf_config())
+            for layer in hf.model.layers:
+                fully_shard(layer)
+            fully_shard(hf)
+            decay = [p for p in hf.parameters() if p.dim() > 1]  # Megatron's groups: 1-D parameters take no decay
+            opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD},
+                                     {"params": [p for p in hf.parameters() if p.dim() == 1], "weight_decay": 0.0}],
+                                    lr=LR, betas=BETAS, eps=EPS)
+            msd, osd = get_state_dict(hf, opt)
+            if case == "resumed":
+                dcp.load({**msd, "optimizer": osd}, checkpoint_id=ckpt)
+                set_state_dict(hf, opt, model_state_dict=msd, optim_state_dict=osd)
+            else:
+                dcp.load(msd, checkpoint_id=ckpt)
+                set_model_state_dict(hf, msd)
+            losses = []
+            for step in range(SAVED + 1, STEPS + 1):
+                ids = batch(step, rank, world)
+                loss = _loss(hf(ids).logits, ids)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP)
+                opt.step()
+                opt.zero_grad()
+                losses.append(_mean(loss, world))
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            weights = get_model_state_dict(hf, options=StateDictOptions(full_state_dict=True))
+            with torch.no_grad():
+                logits = hf(meg.tokens()).logits
+            results[case] = {"losses": losses, "model": weights, "logits": logits}
+        if rank == 0:
+            torch.save(results, f"{out}/resumed.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def megatron_resume(rank: int, world: int, ckpt: str, out: str) -> None:
+    """Steps 4-6 in megatron-core from ``ckpt`` (``convert --to megatron`` of the run's conversion): its own
+    ``dist_checkpointing.load`` of the model and of the DistributedOptimizer (``dp_reshardable``, one bucket);
+    rank 0 writes ``<out>/megatron-resumed.pt``: the losses, the final weights (HF names) and logits; every rank
+    ``<out>/loaded{rank}.pt``: its part of the optimizer's per-parameter state as loaded."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel()
+    model = meg.build("llama", 1, seed=3)  # weights unlike the saved ones: a tensor not loaded shows
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # CUDA shim 1, as in megatron_run
+    with _CudaOnCpu():  # CUDA shim 2, as in megatron_run
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+        opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
+            clip_grad=CLIP, use_distributed_optimizer=True), [ddp])
+        OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=100,
+                                lr_decay_style="constant", start_wd=WD, end_wd=WD, wd_incr_steps=100,
+                                wd_incr_style="constant")
+        # Without TE or apex, state_dict() reads the step from the optimizer's state: megatron-core's own dummy
+        # step makes it (the load then overwrites every state and the step).
+        opt.chained_optimizers[0]._init_optimizer_states_with_dummy_values()
+        msd = model.sharded_state_dict()
+        osd = opt.sharded_state_dict(msd, is_loading=True,
+                                     metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+        state = dist_checkpointing.load({**msd, "optimizer": osd}, ckpt)
+        model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
+        with torch.no_grad():  # float32 main parameters are views of the model's, which require grad
+            opt.load_state_dict(state["optimizer"])
+        # megatron-core 0.16.1 with torch's AdamW (no TE, no apex) loads each parameter's step from the state the
+        # dummy step above made (1), one tensor shared by all, not the saved one; it does so for its own
+        # checkpoints too. The saved step is in the param groups it loaded: put it back, one tensor each.
+        inner = opt.chained_optimizers[0].optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param]["step"] = torch.tensor(float(group["step"]))
+        torch.save(_optimizer_states(opt.chained_optimizers[0], model), f"{out}/loaded{rank}.pt")
+        mask = torch.ones(meg.SEQ, meg.SEQ, dtype=torch.bool).triu(1)[None, None]
+        losses = []
+        with meg._cpu_forward():
+            for step in range(SAVED + 1, STEPS + 1):
+                ids = batch(step, rank, world)
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                loss = _loss(ddp(ids, torch.arange(meg.SEQ)[None].expand_as(ids), mask), ids)
+                loss.backward()
+                ddp.finish_grad_sync()
+                assert opt.step()[0]
+                losses.append(_mean(loss, world))
+            logits = meg._forward(model, 1)
+    if rank == 0:
+        weights = {k: v for n, p in model.named_parameters() for k, v in to_hf(n, p.detach().clone()).items()}
+        torch.save({"losses": losses, "model": weights, "logits": logits}, f"{out}/megatron-resumed.pt")
+    meg._done()
