@@ -150,13 +150,17 @@ print("loaded")
 
 
 def test_installed_wheel_casts_saves_and_loads_in_a_torch_only_environment(installed, tmp_path):
-    """One-process paths need nothing beyond torch: a cast export (the one path that computes on bytes), and
-    ckptkit.save / ckptkit.load of a model with its optimizer, sharded and full."""
+    """ckptkit.save / ckptkit.load of a model with its optimizer need nothing beyond torch, sharded and full; a
+    cast export computes in numpy (a declared dependency): with it, the bits torch's own cast gives; without
+    it, one line naming numpy and how to get it, and exit 2."""
     bin_ = installed / "bin"
     assert "No module named 'numpy'" in _run([bin_ / "python", "-c", "import numpy"], tmp_path, code=1).stderr
     state = {"model.embed.weight": torch.randn(16, 8), "model.norm.weight": torch.rand(8), "steps": torch.arange(5)}
     torch.save(state, tmp_path / "model.pt")
-    _run([bin_ / "ckptkit", "export-hf", "model.pt", "hf", "--dtype", "bf16", "-q"], tmp_path)
+    refused = _run([bin_ / "ckptkit", "export-hf", "model.pt", "refused", "--dtype", "bf16", "-q"], tmp_path, code=2)
+    assert refused.stderr.count("\n") == 1 and "pip install numpy" in refused.stderr, refused.stderr
+    assert not (tmp_path / "refused").exists()
+    _run([bin_ / "ckptkit", "export-hf", "model.pt", "hf", "--dtype", "bf16", "-q"], tmp_path, path=installed / "numpy")
     written = load_file(tmp_path / "hf" / "model.safetensors")
     assert written.keys() == {"model.embed.weight", "model.norm.weight", "steps"}
     for key, tensor in state.items():

@@ -6,16 +6,21 @@ as fast here. numpy has no bfloat16 or float8 types, so those travel as their bi
 every conversion goes through float32 as torch's do:
 
 - a float8 byte to float32 through a table of its 256 values (float8 formats are all exact in float32);
-- float32 to bfloat16 by rounding to nearest even, a NaN becoming ``0xFFFF`` (torch's vectorized CPU cast; its
-  scalar loop, which casts the few elements past the last full vector, writes ``0x7FC0``);
+- float32 to bfloat16 by rounding to nearest even, a NaN becoming ``0xFFFF`` (as torch's CPU cast writes it);
 - float32 to float8 e4m3fn as torch's CPU cast does: to nearest even, magnitudes under 2^-6 as subnormals,
   those beyond 448 (infinities too) saturated to 448, a NaN to ``0x7F`` with its sign;
-- float16 and float64 as numpy casts them, float64 to float16 through float32 as torch does.
+- float16 and float64 as numpy casts them, but NaNs into float16 as x86's conversion (torch's) makes them, and
+  float64 to float16 through float32 as torch does. (A float16 NaN widened keeps its payload; torch's own
+  widening writes it one way or another depending on where the element falls in its vector loop.)
 """
 
 from __future__ import annotations
 
-import numpy as np
+try:
+    import numpy as np
+except ModuleNotFoundError as e:  # installed without its dependencies, into an environment that lacks it
+    raise ModuleNotFoundError("casts and (de)quantization compute with numpy, a dependency of ckptkit that is not "
+                              "installed here: pip install numpy", name="numpy") from e
 
 __all__ = ["DECODES", "ENCODES", "convert", "decode_table", "e4m3", "encode", "held", "to_float32"]
 
@@ -80,7 +85,12 @@ def encode(values: np.ndarray, name: str) -> np.ndarray:
     if name == "float32":
         return values.view(np.uint32)
     with np.errstate(over="ignore"):  # beyond float16's range is its infinity, as in torch
-        return values.astype(_BITS[name])
+        out = values.astype(_BITS[name])
+    nan = np.isnan(values) if name == "float16" else None
+    if nan is not None and nan.any():  # x86's conversion, which torch's is: quiet, the payload's top bits kept
+        bits = values.view(np.uint32)[nan]
+        out.view(np.uint16)[nan] = ((bits >> 16) & 0x8000) | 0x7E00 | ((bits >> 13) & 0x3FF)
+    return out
 
 
 def convert(data: np.ndarray, src: str, dst: str) -> np.ndarray:
