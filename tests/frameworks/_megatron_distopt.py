@@ -114,8 +114,6 @@ def megatron_run(rank: int, world: int, out: str) -> None:
     rank ``<out>/states{rank}.pt``: its part of the optimizer's per-parameter state at the save."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel()
@@ -129,33 +127,53 @@ def megatron_run(rank: int, world: int, out: str) -> None:
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=BUCKET),
             model)
-        opt = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
-            clip_grad=CLIP, use_distributed_optimizer=True), [ddp])
-        OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=100,
-                                lr_decay_style="constant", start_wd=WD, end_wd=WD, wd_incr_steps=100,
-                                wd_incr_style="constant")
-        mask = torch.ones(meg.SEQ, meg.SEQ, dtype=torch.bool).triu(1)[None, None]
-        losses = []
-        with meg._cpu_forward():
-            for step in range(1, STEPS + 1):
-                ids = batch(step, rank, world)
-                ddp.zero_grad_buffer()
-                opt.zero_grad()
-                loss = _loss(ddp(ids, torch.arange(meg.SEQ)[None].expand_as(ids), mask), ids)
-                loss.backward()
-                ddp.finish_grad_sync()
-                assert opt.step()[0]
-                losses.append(_mean(loss, world))
-                if step == SAVED:
-                    _save(model, opt, f"{out}/step-{SAVED}", fully_parallel=True)
-                    _save(model, opt, f"{out}/step-{SAVED}-plain", fully_parallel=False)
-                    torch.save(_optimizer_states(opt.chained_optimizers[0], model), f"{out}/states{rank}.pt")
-            logits = meg._forward(model, 1)
+        opt = _optimizer(ddp)
+
+        def saved(step: int) -> None:
+            if step == SAVED:
+                _save(model, opt, f"{out}/step-{SAVED}", fully_parallel=True)
+                _save(model, opt, f"{out}/step-{SAVED}-plain", fully_parallel=False)
+                torch.save(_optimizer_states(opt.chained_optimizers[0], model), f"{out}/states{rank}.pt")
+
+        _train(rank, world, model, ddp, opt, range(1, STEPS + 1), f"{out}/expected.pt", saved)
+    meg._done()
+
+
+def _optimizer(ddp):
+    """megatron-core's DistributedOptimizer (Adam) over ``ddp``, with the settings the resumes match, and its
+    constant learning-rate and weight-decay schedule."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
+        clip_grad=CLIP, use_distributed_optimizer=True), [ddp])
+    OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=100,
+                            lr_decay_style="constant", start_wd=WD, end_wd=WD, wd_incr_steps=100,
+                            wd_incr_style="constant")
+    return opt
+
+
+def _train(rank: int, world: int, model, ddp, opt, steps: range, result: str, after=lambda step: None) -> None:
+    """Megatron's training steps ``steps`` on this rank's batches (``after(step)`` once each is done); rank 0
+    saves the losses, the weights under HF names and the logits to ``result``."""
+    mask = torch.ones(meg.SEQ, meg.SEQ, dtype=torch.bool).triu(1)[None, None]
+    losses = []
+    with meg._cpu_forward():
+        for step in steps:
+            ids = batch(step, rank, world)
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            loss = _loss(ddp(ids, torch.arange(meg.SEQ)[None].expand_as(ids), mask), ids)
+            loss.backward()
+            ddp.finish_grad_sync()
+            assert opt.step()[0]
+            losses.append(_mean(loss, world))
+            after(step)
+        logits = meg._forward(model, 1)
     if rank == 0:
         weights = {k: v for n, p in model.named_parameters() for k, v in to_hf(n, p.detach().clone()).items()}
-        torch.save({"losses": losses, "model": weights, "logits": logits}, f"{out}/expected.pt")
-    meg._done()
+        torch.save({"losses": losses, "model": weights, "logits": logits}, result)
 
 
 def _save(model, opt, path: str, fully_parallel: bool) -> None:
@@ -235,8 +253,6 @@ def megatron_resume(rank: int, world: int, ckpt: str, out: str) -> None:
     ``<out>/loaded{rank}.pt``: its part of the optimizer's per-parameter state as loaded."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel()
@@ -245,12 +261,7 @@ def megatron_resume(rank: int, world: int, ckpt: str, out: str) -> None:
     with _CudaOnCpu():  # CUDA shim 2, as in megatron_run
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
-        opt = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
-            clip_grad=CLIP, use_distributed_optimizer=True), [ddp])
-        OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=100,
-                                lr_decay_style="constant", start_wd=WD, end_wd=WD, wd_incr_steps=100,
-                                wd_incr_style="constant")
+        opt = _optimizer(ddp)
         # Without TE or apex, state_dict() reads the step from the optimizer's state: megatron-core's own dummy
         # step makes it (the load then overwrites every state and the step).
         opt.chained_optimizers[0]._init_optimizer_states_with_dummy_values()
@@ -269,20 +280,5 @@ def megatron_resume(rank: int, world: int, ckpt: str, out: str) -> None:
             for param in group["params"]:
                 inner.state[param]["step"] = torch.tensor(float(group["step"]))
         torch.save(_optimizer_states(opt.chained_optimizers[0], model), f"{out}/loaded{rank}.pt")
-        mask = torch.ones(meg.SEQ, meg.SEQ, dtype=torch.bool).triu(1)[None, None]
-        losses = []
-        with meg._cpu_forward():
-            for step in range(SAVED + 1, STEPS + 1):
-                ids = batch(step, rank, world)
-                ddp.zero_grad_buffer()
-                opt.zero_grad()
-                loss = _loss(ddp(ids, torch.arange(meg.SEQ)[None].expand_as(ids), mask), ids)
-                loss.backward()
-                ddp.finish_grad_sync()
-                assert opt.step()[0]
-                losses.append(_mean(loss, world))
-            logits = meg._forward(model, 1)
-    if rank == 0:
-        weights = {k: v for n, p in model.named_parameters() for k, v in to_hf(n, p.detach().clone()).items()}
-        torch.save({"losses": losses, "model": weights, "logits": logits}, f"{out}/megatron-resumed.pt")
+        _train(rank, world, model, ddp, opt, range(SAVED + 1, STEPS + 1), f"{out}/megatron-resumed.pt")
     meg._done()
