@@ -12,6 +12,7 @@ written as they are. An argument the config needs and the run does not state is 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from ..core.manifest import TensorEntry
@@ -21,7 +22,8 @@ from .table import Preset
 
 __all__ = ["ARCHITECTURES", "hf_config"]
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 """The families whose config.json is made here (``model_type`` -> transformers' class)."""
 
 _FIELDS = (  # (config.json's field, Megatron-LM's argument): stated by every run
@@ -31,6 +33,9 @@ _FIELDS = (  # (config.json's field, Megatron-LM's argument): stated by every ru
 )
 _MOE_FIELDS = (("num_experts", "num_experts"), ("num_experts_per_tok", "moe_router_topk"),
                ("moe_intermediate_size", "moe_ffn_hidden_size"))
+_MIXTRAL_FIELDS = (("num_local_experts", "num_experts"), ("num_experts_per_tok", "moe_router_topk"),
+                   ("intermediate_size", "moe_ffn_hidden_size"))
+"""Mixtral's: its ``intermediate_size`` is an expert's (it has no dense MLP)."""
 _EMBEDDING = "model.embed_tokens.weight"
 _ROPE_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """megatron-core's Llama 3 rope scaling, whose constants Megatron-LM does not expose as arguments."""
@@ -92,12 +97,13 @@ def hf_config(args: RunArgs, p: Preset, tensors: Sequence[TensorEntry]) -> tuple
     config.update(rope_parameters=rope, rope_theta=rope["rope_theta"], hidden_act="silu",
                   attention_bias=bool(args.get("add_qkv_bias")), attention_dropout=0.0)
     config.update({"mlp_bias": False} if model_type == "llama" else {})
-    if model_type == "qwen3_moe":
-        config.update(_moe(args))
+    moe = {"qwen3_moe": _MOE_FIELDS, "mixtral": _MIXTRAL_FIELDS}.get(model_type, ())
+    if moe:
+        config.update(_moe(args, moe, renormalized=model_type == "mixtral"))
     dtype = _dtype(args)
     config.update({"dtype": dtype, "torch_dtype": dtype} if dtype else {})
-    said = ", ".join(f"{field} <- {name}" for field, name in (*_FIELDS, *(_MOE_FIELDS if model_type == "qwen3_moe"
-                                                                           else ())))
+    stated = [f for f in _FIELDS if f[0] not in dict(moe)] + [_stated(args, f) for f in moe]
+    said = ", ".join(f"{field} <- {name}" for field, name in stated)
     note = (f"config.json ({model_type}) made from {args.source}: {said}, num_key_value_heads <- num_query_groups, "
             "head_dim <- kv_channels, rope_theta <- rotary_base, tie_word_embeddings <- not "
             f"untie_embeddings_and_output_weights; vocab_size {config['vocab_size']} <- the rows of {_EMBEDDING} "
@@ -105,13 +111,26 @@ def hf_config(args: RunArgs, p: Preset, tensors: Sequence[TensorEntry]) -> tuple
     return config, note
 
 
-def _moe(args: RunArgs) -> dict[str, Any]:
-    """Qwen3-MoE's routing fields: every layer an MoE layer; top-k probabilities renormalized unless Megatron's
-    router took the softmax over all experts first (``moe_router_pre_softmax``)."""
+def _stated(args: RunArgs, pair: tuple[str, str]) -> tuple[str, str]:
+    """(field, argument): Megatron-LM leaves ``moe_ffn_hidden_size`` unset when it is ``ffn_hidden_size``."""
+    field, name = pair
+    return (field, "ffn_hidden_size") if name == "moe_ffn_hidden_size" and args.get(name) is None else pair
+
+
+def _moe(args: RunArgs, fields: tuple[tuple[str, str], ...], renormalized: bool) -> dict[str, Any]:
+    """A MoE family's routing fields: every layer an MoE layer; top-k probabilities renormalized unless
+    Megatron's router took the softmax over all experts first (``moe_router_pre_softmax``), which Qwen3-MoE
+    says with ``norm_topk_prob`` and Mixtral (always renormalized, ``renormalized``) cannot say."""
     freq = args.get("moe_layer_freq")
     if freq not in (None, 1) and not (isinstance(freq, list) and all(f == 1 for f in freq)):
         raise UsageError(f"moe_layer_freq {freq!r:.60} ({args.source}): dense layers among the MoE ones are not in "
                          "the generated config.json; pass --hf-assets DIR with the model's config.json")
-    out = {field: _required(args, name, field) for field, name in _MOE_FIELDS}
+    out = {field: _required(args, name, field) for field, name in map(partial(_stated, args), fields)}
+    if renormalized:
+        if args.get("moe_router_pre_softmax"):
+            raise UsageError(f"moe_router_pre_softmax True ({args.source}): Mixtral renormalizes its top-k "
+                             "probabilities, which that router does not; pass --hf-assets DIR with the model's "
+                             "config.json")
+        return out
     return {**out, "norm_topk_prob": not args.get("moe_router_pre_softmax"), "decoder_sparse_step": 1,
             "mlp_only_layers": []}

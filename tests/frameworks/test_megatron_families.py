@@ -20,7 +20,7 @@ import torch
 
 import ckptkit
 from _checks import assert_same_tree, load_dcp, load_hf
-from _megatron import SEQ, VOCAB, loaded, saved, tokens
+from _megatron import SEQ, VOCAB, loaded, megatron_lm_args, saved, tokens
 
 pytest.importorskip("megatron.core")
 
@@ -179,6 +179,26 @@ def test_megatron_forward_of_each_converted_family_gives_transformers_logits(fam
         logits = model(tokens()).logits
     difference = (logits - family["loaded"]["logits"]).abs().max().item()
     print(f"{family['name']}: largest logit difference, transformers vs megatron-core: {difference:.3g}")
+    assert difference < 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mixtral"], indirect=True)
+def test_megatron_export_hf_without_assets_makes_the_familys_config_from_megatron_args(family, tmp_path):
+    """No --hf-assets: the config.json comes from Megatron-LM's arguments (given here as --megatron-args, the
+    checkpoint holding none), and transformers' class loads the export with nothing missing and gives
+    megatron-core's logits."""
+    import json
+
+    name = family["name"]
+    args = {k: v for k, v in vars(megatron_lm_args(name, 2)).items() if isinstance(v, (bool, int, float, str))}
+    report = ckptkit.export_hf(family["ckpt"], tmp_path / "hf", preset=PRESETS[name], megatron_args=args)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == name and any(n.startswith(f"config.json ({name}) made from --megatron-args")
+                                                for n in report.notes), report.notes
+    with torch.no_grad():
+        logits = _hf_model(name, tmp_path / "hf")(tokens()).logits
+    difference = (logits - family["loaded"]["logits"]).abs().max().item()
+    print(f"{name}, config.json from Megatron's arguments: largest logit difference vs megatron-core: {difference:.3g}")
     assert difference < 1e-5
 
 
