@@ -202,8 +202,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets,
                        megatron_args)
-    part = _with_assets(part, storage_of(options), cast, options.max_memory, keep_names=mapping.preset is None,
-                        quantizing=fp8)
+    part = _with_assets(part, storage_of(options), cast, options.max_memory, mapping.preset is None, fp8)
     part, quantized = _quantized(part) if fp8 else (part, frozenset[str]())
     layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size), quantized)
     casts = tuple((t.key, to.name) for t in part.tensors if (to := layout.cast_of(t)) is not None)
