@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from ..core.manifest import Derived, TensorEntry
@@ -175,16 +174,15 @@ def _swap(t: tuple[int, ...]) -> tuple[int, ...]:
 
 def _array(region: Region, read: Read) -> Any:
     """The region's bytes as a numpy array of its shape, as :mod:`.floats` holds its dtype (float8 as bytes)."""
-    import numpy as np
-
     from .floats import ENCODES, held
 
     name = region.entry.dtype.name
-    if name not in ENCODES and name != "uint8" and not name.startswith("float8"):
-        raise FormatError(f"{region.entry.key!r}: {name} is not a dtype FP8 (de)quantization reads "
-                          f"({', '.join(ENCODES)}, float8)")
-    data = read(region)
-    return (held(data, name) if name in ENCODES else np.frombuffer(data, np.uint8)).reshape(region.sizes)
+    if name in ENCODES:
+        return held(read(region), name).reshape(region.sizes)
+    if name == "uint8" or name.startswith("float8"):
+        return _elements(region, read)
+    raise FormatError(f"{region.entry.key!r}: {name} is not a dtype FP8 (de)quantization reads "
+                      f"({', '.join(ENCODES)}, float8)")
 
 
 def _dequantized(region: Region, derived: Derived, read: Read) -> Any:
@@ -250,11 +248,11 @@ def _fp8(region: Region, derived: Derived, read: Read) -> Any:
         box = Region(weight, (top, left), (bottom - top, right - left))
         key = (weight, tile, left, right)
         if scales:
-            out[tile - r0] = _scales_of(key, partial(_array, box, read), b)[c0 - left // b:c0 - left // b + nc]
+            out[tile - r0] = _scales_of(key, box, read, b)[c0 - left // b:c0 - left // b + nc]
             continue
         band = _array(box, read)
         a, z = max(top, r0), min(bottom, r0 + nr)
-        scale = _scales_of(key, partial(_same, band), b)
+        scale = _scales_of(key, box, read, b, band)
         values = quantize(band[a - top:z - top, :c0 - left + nc], weight.dtype.name, scale, b)
         out[a - r0:z - r0] = values[:, c0 - left:]
     return out
@@ -266,20 +264,16 @@ values, and computing them again would read the weight twice."""
 _SCALES_KEPT = 4096
 
 
-def _same(value: Any) -> Any:
-    return value
-
-
-def _scales_of(key: tuple[TensorEntry, int, int, int], band: Callable[[], Any], b: int) -> Any:
-    """The tile scales of band ``key`` (weight, band, first and end column), computed from ``band()`` unless
-    kept from before."""
+def _scales_of(key: tuple[TensorEntry, int, int, int], box: Region, read: Read, b: int, band: Any = None) -> Any:
+    """The tile scales of band ``key`` (weight, band, first and end column) unless kept from before, computed
+    from ``band`` (``box``'s bytes), read where not given."""
     from .fp8 import tile_scales
 
     scale = _SCALES.get(key)
     if scale is None:
         if len(_SCALES) >= _SCALES_KEPT:  # a few KB a weight: dropped once many weights have passed
             _SCALES.clear()
-        scale = _SCALES[key] = tile_scales(band(), key[0].dtype.name, b)
+        scale = _SCALES[key] = tile_scales(_array(box, read) if band is None else band, key[0].dtype.name, b)
     return scale
 
 
