@@ -45,7 +45,7 @@ from ..core.tree import flatten
 from ..errors import FormatError
 from .base import object_value, plain_object
 
-__all__ = ["SECTION", "has_buckets", "split_buckets"]
+__all__ = ["SECTION", "aligned", "has_buckets", "split_buckets"]
 
 PREFIX = "optimizer.distributed."
 SECTION = "optimizer"
@@ -55,6 +55,11 @@ _SHARDING = "optimizer.param_state_sharding_type"
 _PARAM_ALIGN = 64  # _pad_start_of_param_if_needed
 _STACKED = re.compile(r"decoder\.layers\.(?!\d)")
 _LEFT_OUT_SLOTS = ("param",)
+
+
+def aligned(at: int) -> int:
+    """Where a parameter placed after element ``at`` of a bucket starts (``_pad_start_of_param_if_needed``)."""
+    return -(-at // _PARAM_ALIGN) * _PARAM_ALIGN
 
 
 def has_buckets(manifest: Manifest) -> bool:
@@ -195,7 +200,7 @@ def _layout(params: list[_Param], unpadded: list[int]) -> list[list[tuple[_Param
     for p in reversed(params):
         if len(out) > len(unpadded):
             break
-        at = -(-at // _PARAM_ALIGN) * _PARAM_ALIGN
+        at = aligned(at)
         out[-1].append((p, at))
         at += p.numel
         if at == unpadded[len(out) - 1]:

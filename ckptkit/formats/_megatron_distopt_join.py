@@ -19,12 +19,11 @@ from ..core.dtypes import by_name
 from ..core.manifest import Chunk, ObjectEntry, Span, TensorEntry
 from ..errors import FormatError
 from ._megatron import COMMON
-from ._megatron_distopt import PREFIX, _listed, _module_order, _Param
+from ._megatron_distopt import PREFIX, _listed, _module_order, _Param, aligned
 from .base import object_value
 
 __all__ = ["join_buckets"]
 
-_ALIGN = 64
 _SLOTS = ("exp_avg", "exp_avg_sq")
 _MEGATRON_GROUP = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
@@ -157,7 +156,7 @@ def join_buckets(model: tuple[TensorEntry, ...], state: tuple[TensorEntry | Obje
     step = float(steps.pop())
     placed, at = [], 0
     for p in reversed(params):
-        at = -(-at // _ALIGN) * _ALIGN
+        at = aligned(at)
         placed.append((p, at))
         at += p.numel
     name = f"{PREFIX}dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0"
