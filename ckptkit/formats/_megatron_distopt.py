@@ -80,6 +80,11 @@ class _Param:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def undecayed(self) -> bool:
+        """In megatron-core's default grouping, in the group without weight decay: 1-D parameters and biases."""
+        return len(self.shape) == 1 or self.key.endswith(".bias")
+
 
 def _object(manifest: Manifest, name: str) -> Any:
     """The value of ShardedObject ``optimizer.distributed.dp_group_idx_0.<name>`` (megatron-core saves it as a
@@ -292,8 +297,7 @@ def _groups(manifest: Manifest, params: list[_Param]) -> tuple[list[dict], float
                           "and biases apart, wd_mult 0) can be recovered")
     members: list[list[str]] = [[] for _ in groups]
     for p in params:
-        no_wd = len(p.shape) == 1 or p.key.endswith(".bias")
-        match = [i for i, m in enumerate(mults) if (m == 0.0) == no_wd] or list(range(len(groups)))[:1]
+        match = [i for i, m in enumerate(mults) if (m == 0.0) == p.undecayed] or list(range(len(groups)))[:1]
         if p.key not in members[match[0]]:
             members[match[0]].append(p.key)
     out = [{**{k: v for k, v in g.items() if k != "step"}, "params": m} for g, m in zip(groups, members, strict=True)]

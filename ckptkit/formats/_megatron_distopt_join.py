@@ -87,7 +87,7 @@ def _groups(groups: dict[int, dict[str, Any]], params: list[_Param]) -> list[dic
         names = fields.get("params")
         if not isinstance(names, list) or not names:
             raise FormatError(f"param group {index}: expected the names of its parameters, found {names!r:.60}")
-        kinds = {len(p.shape) == 1 or p.key.endswith(".bias") for p in params if p.key in names}
+        kinds = {p.undecayed for p in params if p.key in names}
         missing = [f for f in _MEGATRON_GROUP if f not in fields]
         if len(kinds) != 1 or missing or out[int(next(iter(kinds), False))] is not None:
             raise FormatError(f"param group {index} ({', '.join(names[:3])}, ...): megatron-core puts 1-D parameters "
