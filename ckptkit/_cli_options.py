@@ -118,6 +118,10 @@ _workers = option("--workers", default="auto", show_default=True, callback=_work
                         "Several machines: run the "
                         "command under torchrun (torchrun --nnodes M --nproc-per-node K ... -m ckptkit COMMAND ...): "
                         "each rank writes its share, rank 0 publishes; DST must be on a filesystem they all share.")
+_verify_checksums = option("--verify-checksums/--no-verify-checksums", default=True, section=COMMON,
+                           envvar="CKPTKIT_VERIFY_CHECKSUMS", show_default=True,
+                           help="Check what is read of a ckptkit.save checkpoint against the CRC-32s its "
+                                "ckptkit.json recorded, as it streams; a mismatch writes nothing (exit 2).")
 _json = option("--json", "as_json", is_flag=True, section=COMMON,
                help="The report as JSON on stdout (schema_version 1): files written with their sizes, keys renamed, "
                     "left out and cast, notes, workers, wall time from the process's start and peak memory.")
@@ -232,15 +236,15 @@ def writing_options(command):
     :class:`ckptkit.io.options.WriteOptions`, ``options`` (progress and ranks are the run's to decide), and
     ``quiet``."""
     @functools.wraps(command)
-    def run(*args, workers, dry_run, overwrite, max_memory, fsync, storage_options, **kwargs):
+    def run(*args, workers, dry_run, overwrite, max_memory, fsync, storage_options, verify_checksums, **kwargs):
         from .io.options import WriteOptions
 
         options = WriteOptions(overwrite=overwrite, max_memory=max_memory, fsync=fsync, dry_run=dry_run,
-                               storage_options=storage_options, workers=workers)
+                               storage_options=storage_options, workers=workers, verify_checksums=verify_checksums)
         return command(*args, options=options, **kwargs)
 
-    return _apply(_workers, _dry_run, _overwrite, memory_option, _fsync, quiet_option, _json, storage_option,
-                  debug_option)(run)
+    return _apply(_workers, _dry_run, _overwrite, memory_option, _fsync, _verify_checksums, quiet_option, _json,
+                  storage_option, debug_option)(run)
 
 
 def local_from(rank_files, model, auto_wrap, use_orig_params, param_dtype):

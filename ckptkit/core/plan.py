@@ -20,8 +20,8 @@ from .boxes import row_major
 from .dtypes import DType
 from .manifest import Chunk, Span, TensorEntry
 
-__all__ = ["Copy", "FilePlan", "Bytes", "Part", "Region", "Strided", "WritePlan", "gather_copies", "plan_copies",
-           "plan_strided", "row_blocks", "row_runs"]
+__all__ = ["Check", "Copy", "FilePlan", "Bytes", "Part", "Region", "Strided", "WritePlan", "gather_copies",
+           "plan_copies", "plan_strided", "row_blocks", "row_runs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +71,23 @@ class FilePlan:
         object.__setattr__(self, "nbytes", sum([p.nbytes for p in self.parts]))
 
 
+@dataclass(frozen=True, slots=True)
+class Check:
+    """Source bytes whose CRC-32 was recorded when they were saved (``ckptkit.json``): the bytes of ``spans``,
+    then the row-major bytes of ``regions``, one after another, must give ``crc32``. ``what`` names them in an
+    error (the file, the key, the box and the byte offset); ``key`` is the tensor's or entry's key."""
+
+    what: str
+    key: str
+    crc32: int
+    spans: tuple[Span, ...] = ()
+    regions: tuple[Region, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.length for s in self.spans) + sum(r.nbytes for r in self.regions)
+
+
 @dataclass(frozen=True)
 class WritePlan:
     files: tuple[FilePlan, ...]
@@ -79,6 +96,9 @@ class WritePlan:
     commit: str | None = None
     """The file whose presence makes the output a checkpoint (DCP's ``.metadata``, an index): where the store
     cannot rename a directory into place (object stores), it is written last, after every other file."""
+    checks: tuple[Check, ...] = ()
+    """Source bytes to check against their recorded checksums while the files are written: the output is
+    published only if every one holds."""
     total_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:

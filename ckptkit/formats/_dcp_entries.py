@@ -1,7 +1,11 @@
 """What a DCP directory holds beside its chunked tensors, as :mod:`ckptkit.formats.dcp` reads and writes it:
-the empty dicts torch records in ``planner_data``, and entries a planner stored whole (``torch.save`` bytes)."""
+the empty dicts torch records in ``planner_data``, and entries a planner stored whole (``torch.save`` bytes);
+and rank files that end before the entries a part read left unread."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 from ..codecs.dcp_metadata import EMPTY_MARK
 from ..core.manifest import ObjectEntry, TensorEntry, TensorRef, key_of
@@ -9,7 +13,11 @@ from ..core.tree import flatten, from_dcp_path
 from ..errors import CheckpointError
 from .base import is_empty_container, object_value
 
-__all__ = ["empty_containers", "empty_dict", "open_whole_entries"]
+__all__ = ["UNREAD_DAMAGE", "empty_containers", "empty_dict", "open_whole_entries", "short_files"]
+
+UNREAD_DAMAGE = "damaged, not read"
+"""A :attr:`Manifest.details` fact: damage in entries a part read left unread (a rank file that ends before
+entries ``.metadata`` places in it), for the report."""
 
 
 def empty_dict(o: ObjectEntry) -> bool:
@@ -51,3 +59,32 @@ def open_whole_entries(objects: list[ObjectEntry]) -> tuple[list[TensorEntry], l
         tensors += [leaf.as_entry(p) for p, leaf in leaves if isinstance(leaf, TensorRef)]
         kept += [ObjectEntry(key_of(p), p, leaf) for p, leaf in leaves if not isinstance(leaf, TensorRef)]
     return tensors, kept
+
+
+def short_files(root: Path, storage: dict[tuple[str, tuple | None], Any], read: set[str]) -> list[str]:
+    """Rank files that end before entries ``.metadata`` places in them, among the entries a part read left
+    unread (those it read were checked as they were read): one line each, naming the file and an entry."""
+    ends: dict[str, tuple[int, str]] = {}  # file: its furthest end, and the key of the entry there
+    for (key, _), info in storage.items():
+        if key in read:
+            continue
+        try:
+            end, name = int(info.offset) + int(info.length), str(info.relative_path)
+        except (AttributeError, TypeError, ValueError):
+            continue  # what a full read refuses; unread here
+        if end > ends.get(name, (-1, ""))[0]:
+            ends[name] = (end, key)
+    found = []
+    for name, (end, key) in sorted(ends.items()):
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            continue  # what a full read refuses
+        try:
+            size = (root / name).stat().st_size
+        except OSError:
+            found.append(f"{name}, where .metadata places {key!r} and more, is missing: torch's load of that state "
+                         "would fail")
+            continue
+        if size < end:
+            found.append(f"{name} ends at byte {size}, but .metadata places {key!r} up to byte {end} (truncated?): "
+                         "torch's load of that state would fail")
+    return found

@@ -48,11 +48,11 @@ from ..core.tree import dcp_path, from_dcp_path
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError
 from ..io.sources import Files
 from . import _accelerate as accelerate, _megatron as megatron
-from ._dcp_entries import empty_containers, empty_dict, open_whole_entries
+from ._dcp_entries import UNREAD_DAMAGE, empty_containers, empty_dict, open_whole_entries, short_files
 from ._lightning import META, meta_parts, read_meta
 from .base import FormatIO, FormatOptions, Target, cast_for, is_empty_container, object_value, regions_in
 
-__all__ = ["DcpIO", "DcpOptions", "check_blobs"]
+__all__ = ["UNREAD_DAMAGE", "DcpIO", "DcpOptions", "check_blobs"]
 
 METADATA = ".metadata"
 _DCP_META = "torch.distributed.checkpoint.metadata"
@@ -228,6 +228,8 @@ class DcpIO(FormatIO):
         split = {len(t.chunks) for t in tensors if t.numel and t.chunks}
         details: list[tuple[str, Any]] = [("files", len(locate.rank_files)),
                                           ("chunks per tensor", _chunk_counts(sorted(split)))]
+        if chosen is not None:
+            details += [(UNREAD_DAMAGE, what) for what in short_files(root, locate.storage, chosen)]
         if (root / META).is_file():
             groups = {str(t.path[0]) for t in tensors} | {str(o.path[0]) for o in objects}
             meta_tensors, meta_objects, note = read_meta(root / META, groups)

@@ -32,6 +32,7 @@ from .. import errors
 from ..core.plan import WritePlan
 from ..core.split import Slice, split_work
 from ..errors import CheckpointError, FormatError, UsageError
+from .checks import checking
 from .options import WriteOptions
 from .storage import Staged, Storage, storage_for
 
@@ -65,12 +66,15 @@ def execute(plan: WritePlan, dst: Any, storage: Storage, options: WriteOptions,
     Raises:
         UsageError: DST exists (without ``overwrite``), overlaps a source, or cannot be written.
         CheckpointError: a source is short or unreadable.
+        ChecksumError: source bytes differ from the checksums recorded for them (``plan.checks``, checked while
+            the files are written); nothing is published.
         OSError: a write failed.
     """
     dst = storage.check(dst, overwrite=options.overwrite, sources=sources)
     with storage.stage(dst, plan, overwrite=options.overwrite, fsync=options.fsync) as staged:
-        staged.write(whole_files(plan), max_memory=options.max_memory, fsync=options.fsync, progress=progress,
-                     streamed=streamed(sources))
+        with checking(plan.checks, options.max_memory) as checks:
+            staged.write(whole_files(plan), max_memory=options.max_memory, fsync=options.fsync,
+                         progress=checks.watch(progress), streamed=streamed(sources))
         staged.commit()
     return dst
 
@@ -188,11 +192,13 @@ def all_ranks(fn: Callable[P, R]) -> Callable[P, R]:
 
 def _write_share(plan: WritePlan, staged: Staged, rank: int, world: int, options: WriteOptions,
                  sources: tuple[Any, ...]) -> Exception | None:
-    """Step 3 on one rank: write its share; return the error instead of raising it, for the others to hear."""
+    """Step 3 on one rank: write its share, and check its share of the recorded checksums; return the error
+    instead of raising it, for the others to hear."""
     try:
         stream = streamed(sources)
-        staged.write(split_work(plan.files, world, cut_files=not stream)[rank], max_memory=options.max_memory,
-                     fsync=options.fsync, streamed=stream)
+        with checking(plan.checks[rank::world], options.max_memory) as checks:
+            staged.write(split_work(plan.files, world, cut_files=not stream)[rank], max_memory=options.max_memory,
+                         fsync=options.fsync, progress=checks.watch(lambda n: None), streamed=stream)
     except Exception as e:
         return e
     return None

@@ -38,6 +38,9 @@ class WriteOptions:
     """Processes of this machine that write the output files, or ``"auto"``."""
     distributed: bool = False
     """Every rank of the default process group writes a share (torchrun)."""
+    verify_checksums: bool = True
+    """Check the source bytes read against the checksums its ``ckptkit.json`` recorded (a ``ckptkit.save``
+    checkpoint), as the output is written; a mismatch fails the command and nothing is written."""
 
     def __post_init__(self) -> None:
         if self.max_memory < 1:

@@ -40,6 +40,7 @@ from .. import errors
 from ..core.plan import Region, WritePlan
 from ..core.split import Slice, Work, choose_writers, split_work
 from ..errors import CheckpointError, FormatError, UsageError
+from .checks import checking
 from .execute import GROUP_TIMEOUT, execute, streamed
 from .moves import Moves, pack
 from .options import WriteOptions
@@ -283,9 +284,10 @@ def execute_parallel(plan: WritePlan, dst: Any, storage: Storage, options: Write
     dst = storage.check(dst, overwrite=options.overwrite, sources=sources)
     readers = tuple({type(r): r for r in map(storage_for, sources) if not r.descriptors}.values())
     with storage.stage(dst, plan, overwrite=options.overwrite, fsync=options.fsync) as staged:
-        _write_in_workers(shares, storage, staged, single_file=plan.single_file, readers=readers,
-                          max_memory=max(1, options.max_memory // len(shares)), fsync=options.fsync, stream=stream,
-                          progress=progress)
+        with checking(plan.checks, options.max_memory) as checks:  # in this process, while the workers write
+            _write_in_workers(shares, storage, staged, single_file=plan.single_file, readers=readers,
+                              max_memory=max(1, options.max_memory // len(shares)), fsync=options.fsync,
+                              stream=stream, progress=checks.watch(progress))
         staged.commit()
     return dst
 

@@ -27,6 +27,7 @@ class WriteKeywords(TypedDict, total=False):
     storage_options: Mapping[str, Any] | None
     workers: int | str
     distributed: bool
+    verify_checksums: bool
 
 
 def write_options(options: WriteOptions | None, keywords: WriteKeywords) -> WriteOptions:

@@ -20,9 +20,10 @@ import json
 import math
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..codecs.sharded_tensor import ShardedTensorData, sharded_tensor_globals
 from ..codecs.torchzip_read import read_archive
@@ -104,28 +105,62 @@ _WRITERS: dict[str, type] = {}
 
 def checksum_writer(path: Path, recorder: Recorder) -> Any:
     """torch's DCP ``FileSystemWriter`` for ``path`` that records, on the rank that writes each item, the
-    CRC-32 of the tensor chunk or serialized object it writes, in the thread that writes it."""
+    CRC-32 of the tensor chunk or serialized object it writes.
+
+    The checksums are computed in a thread of their own while torch writes the same items: ``zlib.crc32`` and
+    the file writes both release the GIL on large buffers, so on a machine with a core to spare a save takes
+    about as long as torch's own ``dcp.save``, rather than that plus a pass over every byte first."""
     if "dcp" not in _WRITERS:
         from torch.distributed.checkpoint import FileSystemWriter
-        from torch.distributed.checkpoint.planner import WriteItemType
 
         class ChecksumWriter(FileSystemWriter):
             recorder: Recorder
 
             def write_data(self, plan, planner):
-                for item in plan.items:
-                    data = planner.resolve_data(item)  # idempotent, by SavePlanner's contract
-                    if item.type == WriteItemType.BYTE_IO:
-                        self.recorder.objects[item.index.fqn] = zlib.crc32(data.getbuffer())
-                    else:
-                        chunk = item.tensor_data.chunk
-                        self.recorder.tensor(item.index.fqn, data, tuple(item.tensor_data.size), tuple(chunk.offsets))
-                return super().write_data(plan, planner)
+                with ThreadPoolExecutor(1, thread_name_prefix="ckptkit-crc") as pool:
+                    recording = _Recording(planner, self.recorder, pool)
+                    try:
+                        written = super().write_data(plan, cast(Any, recording))  # stands in for the planner
+                    finally:
+                        failed = [f.exception() for f in recording.pending]  # every sum done before leaving
+                for problem in failed:
+                    if problem is not None:
+                        raise problem
+                return written
 
         _WRITERS["dcp"] = ChecksumWriter
     writer = _WRITERS["dcp"](str(path))
     writer.recorder = recorder
     return writer
+
+
+class _Recording:
+    """DCP's save planner, as torch's writer asks it for each item's data just before writing that item: each
+    item's checksum is handed to ``pool`` then, so it is computed while torch writes the same bytes (still in
+    the CPU's caches), item by item."""
+
+    def __init__(self, planner: Any, recorder: Recorder, pool: ThreadPoolExecutor) -> None:
+        self._planner, self._recorder, self._pool = planner, recorder, pool
+        self.pending: list[Any] = []
+
+    def resolve_data(self, item: Any) -> Any:
+        data = self._planner.resolve_data(item)
+        self.pending.append(self._pool.submit(_record_item, self._recorder, item, data))
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+
+def _record_item(recorder: Recorder, item: Any, data: Any) -> None:
+    """Record the CRC-32 of DCP's write ``item``, whose resolved data is ``data``, in ``recorder``."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    if item.type == WriteItemType.BYTE_IO:
+        recorder.objects[item.index.fqn] = zlib.crc32(data.getbuffer())
+    else:
+        chunk = item.tensor_data.chunk
+        recorder.tensor(item.index.fqn, data, tuple(item.tensor_data.size), tuple(chunk.offsets))
 
 
 def write_record(directory: Path, recorder: Recorder, *, form: str, world_size: int, step: int | None,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
 from ..core.manifest import Format, FormName, Manifest
-from ..core.plan import FilePlan, WritePlan
+from ..core.plan import Check, FilePlan, WritePlan
 from ..errors import UsageError
 from ..formats import FormatIO, FormatOptions, LocalOptions, Target, locate, writer_for
 from ..formats.dcp import check_blobs
@@ -31,6 +31,7 @@ from ..io.storage import Storage, storage_at
 from ..models.mapping import KeyMapSource, Renames
 from ._model import key_mapping_for, model_part
 from ._options import WriteKeywords, storage_of, write_options
+from ._read_checks import read_by, recorded_checks
 from .report import Changes, Report
 from .select import meta_groups
 
@@ -75,7 +76,7 @@ def sources_of(manifest: Manifest, src: Path | str | None = None) -> tuple[Path,
 
 def write(manifest: Manifest, io: FormatIO, dst: Path | str, target: Target | FormatOptions, options: WriteOptions,
           *, src: Path | str | None = None, extra_files: tuple[FilePlan, ...] = (), notes: tuple[str, ...] = (),
-          changes: Changes = _UNCHANGED) -> Report:
+          changes: Changes = _UNCHANGED, checks: tuple[Check, ...] = ()) -> Report:
     """Write ``manifest`` in ``io``'s format to ``dst``, and report what was written.
 
     Args:
@@ -88,6 +89,8 @@ def write(manifest: Manifest, io: FormatIO, dst: Path | str, target: Target | Fo
         extra_files: Files written beside the format's own (an HF model's config and tokenizer).
         notes: For the report, before the notes on entries the format cannot hold.
         changes: The renames, drops and casts made on the way, for the report.
+        checks: The source's recorded checksums (:func:`ckptkit.ops._read_checks.recorded_checks`): those of the
+            bytes written are checked as they stream, and the output is published only if they hold.
 
     Returns:
         What was written, or with ``dry_run`` would be.
@@ -109,7 +112,8 @@ def write(manifest: Manifest, io: FormatIO, dst: Path | str, target: Target | Fo
     # torch cannot load, which no output may hide.
     check_blobs(manifest)
     plan = io.plan(manifest, io.options(target, manifest) if isinstance(target, Target) else target)
-    plan = WritePlan(plan.files + extra_files, single_file=plan.single_file, commit=plan.commit)
+    plan = WritePlan(plan.files + extra_files, single_file=plan.single_file, commit=plan.commit,
+                     checks=read_by(checks, manifest))
     if options.overwrite:
         check_replaceable(out, single_file=plan.single_file)
     n, why = _execute(plan, storage, out, sources, options, io.format.value)
@@ -200,12 +204,13 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     mapping = key_mapping_for(io, to, src, hf_assets, preset, renames, key_map, strict_map, megatron_args)
     found = locate(src, local)
     manifest = found.reader.read(found.path)
+    checks = recorded_checks(manifest, found.path) if options.verify_checksums else ()
     world_size, notes = _world_size(world_size, manifest, io)
     manifest, changes, model_notes = model_part(manifest, io, to, mapping, found.path, hf_assets, megatron_args)
     target = Target(to=to, destination=str(dst), world_size=world_size, max_shard_size=parse_size(max_shard_size),
                     state_groups=meta_groups(manifest) if io.keeps_state_apart else None)
     return write(manifest, io, dst, target, options, src=src, notes=_read_from(found.note) + notes + model_notes,
-                 changes=changes)
+                 changes=changes, checks=checks)
 
 
 def _read_from(note: str | None) -> tuple[str, ...]:
@@ -260,6 +265,7 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, local: LocalOp
         raise UsageError(f"{src}: is {_a(reader.format.value)} checkpoint, not a sharded one; "
                          f"use 'ckptkit convert {src} DST --to sharded --world-size {world_size}'")
     manifest = reader.read(found.path)
+    checks = recorded_checks(manifest, found.path) if options.verify_checksums else ()
     target = Target(to=io.format.value, destination=str(dst), world_size=world_size,
                     state_groups=meta_groups(manifest) if io.keeps_state_apart else None)
-    return write(manifest, io, dst, target, options, src=src, notes=notes)
+    return write(manifest, io, dst, target, options, src=src, notes=notes, checks=checks)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Literal
 
 from ..core.dtypes import CastName, DType, parse_cast
 from ..core.manifest import Format, Manifest, TensorEntry
-from ..core.plan import Bytes, FilePlan
+from ..core.plan import Bytes, Check, FilePlan
 from ..errors import FormatError, UsageError
 from ..formats import LocalOptions, locate, writer_for
 from ..formats.hf import FLOAT32, HfOptions
@@ -49,6 +49,7 @@ from ..models.registry import preset as preset_named
 from ._fp8 import fp8_config, quantize_fp8
 from ._model import check_class, check_megatron_args, map_model
 from ._options import WriteKeywords, storage_of, write_options
+from ._read_checks import recorded_checks, unread_damage
 from .assets import find_assets
 from .convert import parse_size, write
 from .report import Changes, Report
@@ -201,7 +202,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         check_megatron_args(megatron_args, None)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets,
-                       megatron_args)
+                       megatron_args, verify=options.verify_checksums)
     part = _with_assets(part, storage_of(options), cast, options.max_memory, mapping.preset is None, fp8)
     part, quantized = _quantized(part) if fp8 else (part, frozenset[str]())
     layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size), quantized)
@@ -209,7 +210,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     return write(Manifest(part.source.format, part.source.root, part.tensors), writer_for(Format.HF), dst, layout,
                  dataclasses.replace(options, progress=options.progress and not options.distributed), src=src,
                  extra_files=part.assets, notes=part.notes + cast_notes,
-                 changes=Changes(part.renamed, part.dropped, casts, part.permuted))
+                 changes=Changes(part.renamed, part.dropped, casts, part.permuted), checks=part.checks)
 
 
 def _cast_rule(dtype: str, keep_fp32: Iterable[str]) -> tuple[DType | None, tuple[re.Pattern, ...]]:
@@ -244,28 +245,32 @@ class _Part:
     dropped: tuple[tuple[str, str], ...] = ()
     permuted: tuple[str, ...] = ()
     assets: tuple[FilePlan, ...] = ()
+    checks: tuple[Check, ...] = ()
+    """The source's recorded checksums (:func:`ckptkit.ops._read_checks.recorded_checks`)."""
     config: dict | None = None
 
 
 def _model_part(src: Path, local: LocalOptions | None, model_key: str, strip_prefixes: tuple[str, ...],
                 strip_wrappers: bool, mapping: KeyMapping, hf_assets: Path | str | None,
-                megatron_args: dict | None) -> _Part:
-    """The model's tensors of ``src`` under ``mapping``'s names; ``hf_assets`` defaults to the checkpoint's."""
+                megatron_args: dict | None, *, verify: bool = True) -> _Part:
+    """The model's tensors of ``src`` under ``mapping``'s names; ``hf_assets`` defaults to the checkpoint's.
+    ``verify``: with the checks of the checksums the source records."""
     # Only the model's chunks are read (DCP): the rest, optimizer state above all, is never written here.
     found = locate(src, local)
     manifest = found.reader.read_part(found.path, model_keys(model_key, strip_prefixes, strip_wrappers))
+    checks = recorded_checks(manifest, found.path) if verify else ()
     sel = select_model(manifest, model_key, strip_prefixes, strip_wrappers)
-    notes = ((found.note,) if found.note else ()) + sel.notes
+    notes = ((found.note,) if found.note else ()) + sel.notes + unread_damage(manifest)
     if hf_assets is None and manifest.hf_assets is not None:
         hf_assets = manifest.hf_assets
         notes += (f"config and tokenizer from the checkpoint's {Path(hf_assets).name}/",)
     if not mapping:
-        return _Part(manifest, sel.tensors, notes, hf_assets)
+        return _Part(manifest, sel.tensors, notes, hf_assets, checks=checks)
     mapped = map_model(sel.tensors, mapping, found.path, hf_assets, to_hf=True, megatron_args=megatron_args)
     config, said = _megatron_config(found.path, mapped, megatron_args) if hf_assets is None else (None, None)
     return _Part(manifest, mapped.tensors, notes + mapped.notes + ((said,) if said else ()), hf_assets,
                  preset=mapped.preset, renamed=mapped.renamed, dropped=mapped.dropped, permuted=mapped.permuted,
-                 config=config)
+                 config=config, checks=checks)
 
 
 def _megatron_config(src: Path, mapped: MappedKeys, megatron_args: dict | None) -> tuple[dict | None, str | None]:

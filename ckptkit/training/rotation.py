@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import UsageError
@@ -44,10 +45,13 @@ def point_latest(root: Path, step: Path) -> None:
     fsync_dir(root)
 
 
-def rotate(root: Path | str, *, keep: Path, keep_last: int | None = None,
-           max_total_bytes: int | None = None) -> list[Path]:
+def rotate(root: Path | str, *, keep: Path, keep_last: int | None = None, max_total_bytes: int | None = None,
+           remove: Callable[[Path], None] = remove_path) -> list[Path]:
     """Remove complete steps of the least recent saves beyond ``keep_last`` or ``max_total_bytes``; never
-    ``keep`` (the step just published). Never follows a link. Returns the removed paths."""
+    ``keep`` (the step just published). Never follows a link. Returns the removed paths.
+
+    Each is first renamed out of sight (a hidden name of this process's, which ``recover`` removes once the
+    process is gone); ``remove`` then deletes it under that name, here or later (a save's background thread)."""
     if keep_last is not None and keep_last < 1:
         raise UsageError(f"keep_last must be >= 1, got {keep_last}")
     root = Path(root)
@@ -64,7 +68,7 @@ def rotate(root: Path | str, *, keep: Path, keep_last: int | None = None,
         # never a half-deleted step that still looks complete.
         trash = root / owned_name(victim.path.name, "partial")
         os.rename(victim.path, trash)
-        remove_path(trash)
+        remove(trash)
         removed.append(victim.path)
         count, total = count - 1, total - sizes.get(victim.path, 0)
     return removed

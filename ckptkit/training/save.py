@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,6 +72,34 @@ def _quiet_async_single_process() -> None:
     here has ended: a filter for that one message of torch's DCP stays in place for the process."""
     warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning,
                             module=r"torch\.distributed\.checkpoint\.")
+
+
+_removing: list[threading.Thread] = []
+"""Rotation's deletions under way (:func:`_remove_later`)."""
+
+
+def _remove_later(trash: Path) -> None:
+    """Delete ``trash`` (a step rotation has renamed out of sight) in a thread of its own: deleting gigabytes of
+    files takes a tenth of a second or more that training need not wait for, as torchtitan's checkpointer also
+    purges old steps in the background. The thread is not a daemon, so the process finishes it before exiting;
+    one killed first leaves a hidden name of a dead process, which the next save or load removes."""
+
+    def remove() -> None:
+        try:
+            local.remove_path(trash)
+        except OSError as e:
+            local.announce(f"could not remove {trash}, an old step rotated out ({e.strerror or e}); remove it by "
+                           "hand")
+
+    thread = threading.Thread(target=remove, name="ckptkit-rotate")
+    thread.start()
+    _removing.append(thread)
+
+
+def _removed() -> None:
+    """Wait for the deletions of earlier saves' rotations: one save's space is freed before the next writes."""
+    while _removing:
+        _removing.pop().join()
 
 
 def local_path(path: str | os.PathLike, what: str) -> Path:
@@ -207,6 +236,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
         raise UsageError(f"form must be one of {', '.join(_FORMS)}, got {form!r}")
     root = local_path(path, "ckptkit.save")
     final = rotation.step_dir(root, step) if step is not None else root
+    _removed()
     group = gloo_group()
     staging = _stage(final, replace_checkpoint_only=step is None, group=group)
     job = _Save(root, final, staging, Recorder(), form, step, keep_last, max_total_gb, group)
@@ -346,7 +376,8 @@ def _publish(job: _Save, error: BaseException | None) -> None:
             if job.step is not None:
                 rotation.point_latest(job.root, job.final)
                 max_bytes = int(job.max_total_gb * 1e9) if job.max_total_gb is not None else None
-                rotation.rotate(job.root, keep=job.final, keep_last=job.keep_last, max_total_bytes=max_bytes)
+                rotation.rotate(job.root, keep=job.final, keep_last=job.keep_last, max_total_bytes=max_bytes,
+                                remove=_remove_later)
         except Exception as e:
             error = e
     if rank == 0 and (failed or error is not None):
