@@ -45,10 +45,18 @@ class Slice:
     relpath: str
     start: int
     parts: tuple[Part, ...]
-    nbytes: int = field(init=False, compare=False)
+    nbytes: int = field(default=-1, compare=False)
+    """Summed from ``parts`` unless given (:meth:`whole` takes the file's own sum: a reshard's files have tens of
+    thousands of parts)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "nbytes", sum([p.nbytes for p in self.parts]))
+        if self.nbytes < 0:
+            object.__setattr__(self, "nbytes", sum([p.nbytes for p in self.parts]))
+
+    @classmethod
+    def whole(cls, fp: FilePlan) -> Slice:
+        """All of ``fp``."""
+        return cls(fp.relpath, 0, fp.parts, fp.nbytes)
 
 
 def cut(fp: FilePlan, size: int) -> list[Slice]:
@@ -115,7 +123,7 @@ def split_work(files: tuple[FilePlan, ...], n: int, *, cut_files: bool = True,
     pieces: list[tuple[int, Slice]] = []
     for index, fp in enumerate(files):
         whole = not cut_files or fp.nbytes <= max(share, min_piece)
-        pieces += [(index, s) for s in ([Slice(fp.relpath, 0, fp.parts)] if whole else cut(fp, piece))]
+        pieces += [(index, s) for s in ([Slice.whole(fp)] if whole else cut(fp, piece))]
     loads = [(0, i) for i in range(n)]
     shares: list[list[int]] = [[] for _ in range(n)]
     for i in sorted(range(len(pieces)), key=lambda i: -pieces[i][1].nbytes):

@@ -339,21 +339,22 @@ class _Locator:
             self.storage[(idx.fqn, offset if offset is None or type(offset) is tuple else tuple(offset))] = info
 
     def __call__(self, key: str, offset: tuple | None) -> tuple[str, int, int]:
-        meta_path, root = self.root / METADATA, self.root
+        root = self.root  # (.metadata's path is made for an error alone: this runs once per chunk)
         info = self.storage.get((key, offset))
         if info is None:
-            raise IncompleteCheckpointError(f"{meta_path}: no storage entry for {key!r} at offset {offset}")
+            raise IncompleteCheckpointError(f"{root / METADATA}: no storage entry for {key!r} at offset {offset}")
         if type(info).__name__ != "_StorageInfo":  # torch's reader needs its fields, defaults included
-            raise FormatError(f"{meta_path}: the storage entry of {key!r} at offset {offset} is a "
+            raise FormatError(f"{root / METADATA}: the storage entry of {key!r} at offset {offset} is a "
                               f"{type(info).__name__}, not a _StorageInfo")
         if getattr(info, "transform_descriptors", None):
-            raise FormatError(f"{meta_path}: {key!r} is stored with transforms {list(info.transform_descriptors)}; "
-                              "ckptkit reads untransformed (uncompressed) DCP entries only")
+            raise FormatError(f"{root / METADATA}: {key!r} is stored with transforms "
+                              f"{list(info.transform_descriptors)}; ckptkit reads untransformed (uncompressed) DCP "
+                              "entries only")
         relative = info.relative_path
         file = self.located.get(relative)
         if file is None:
             if Path(relative).is_absolute() or ".." in Path(relative).parts:
-                raise FormatError(f"{meta_path}: {key!r} points outside the checkpoint ({relative!r})")
+                raise FormatError(f"{root / METADATA}: {key!r} points outside the checkpoint ({relative!r})")
             if not (root / relative).is_file():
                 raise IncompleteCheckpointError(f"{root}: {relative} (holding {key!r}) is missing")
             file = self.located[relative] = str(root / relative)

@@ -81,7 +81,7 @@ def execute(plan: WritePlan, dst: Any, storage: Storage, options: WriteOptions,
 
 def whole_files(plan: WritePlan) -> tuple[Slice, ...]:
     """Every file of ``plan``, whole, as one share."""
-    return tuple(Slice(fp.relpath, 0, fp.parts) for fp in plan.files)
+    return tuple(Slice.whole(fp) for fp in plan.files)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -59,14 +59,23 @@ def units(parts: tuple[Part, ...], start: int, cap: int) -> Iterator[Unit]:
     all large (at least :data:`KERNEL_COPY` bytes, whole rows) is one kernel-side copy; any other is read
     into the write buffer, in boxes of whole rows of at most ``cap`` bytes."""
     pos = start
+    held: list[bytes] = []  # framing bytes that follow one another (a chunk's tail, the next one's head): one unit
     for part in parts:
         if isinstance(part, Bytes):
-            yield Literal(pos, part.data)
-        elif part.entry.derived is not None or (part.cast is not None and part.cast != part.entry.dtype):
+            held.append(part.data)
+            continue
+        if held:
+            data = held[0] if len(held) == 1 else b"".join(held)
+            yield Literal(pos, data)
+            pos += len(data)
+            held.clear()
+        if part.entry.derived is not None or (part.cast is not None and part.cast != part.entry.dtype):
             yield CastBlock(pos, part)
         else:
             yield from _reads(part, pos, cap)
         pos += part.nbytes
+    if held:
+        yield Literal(pos, held[0] if len(held) == 1 else b"".join(held))
 
 
 def _reads(region: Region, pos: int, cap: int) -> Iterator[Read]:

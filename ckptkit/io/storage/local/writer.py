@@ -182,7 +182,7 @@ def write_files(files: tuple[FilePlan, ...], stage: Path, *, max_memory: int = D
     ``names`` (relpath to the path the user will see: the destination, not the staging directory).
     ``streamed``: some sources are streamed by their storage (an object store's), read by ranged requests."""
     allocate(files, stage, names)
-    write_slices(tuple(Slice(fp.relpath, 0, fp.parts) for fp in files), stage, max_memory=max_memory, fsync=fsync,
+    write_slices(tuple(Slice.whole(fp) for fp in files), stage, max_memory=max_memory, fsync=fsync,
                  progress=progress, names=names, streamed=streamed)
 
 
