@@ -63,7 +63,7 @@ def _commands(device: str, cells: str | None, bench_size: str) -> dict[str, tupl
         "quick": ("harness, quick matrix", [*harness, "--matrix", "quick"]),
         "full": ("harness, full matrix", [*harness, "--matrix", "full"]),
         "control": ("torch-only controls for the failed cells", [*_harness(device), "--only", "<each failed cell>"]),
-        "bench": ("bin/bench", [sys.executable, str(ROOT / "bin" / "bench.py"), "--size", bench_size]),
+        "bench": ("bin/bench", [sys.executable, str(ROOT / "bin" / "benchkit"), "convert", "--size", bench_size]),
         "tests": ("tests marked cuda", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rA",
                                         "-p", "no:cacheprovider", str(ROOT / "tests")]),
     }
@@ -206,7 +206,7 @@ def render(device: str, machine: list[str], results: list[StepResult], started: 
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu rehearses the same steps without a GPU.")
 @click.option("--cells", default=None, metavar="PATTERN", help="Only harness cells matching this pattern.")
-@click.option("--bench-size", default="2GB", show_default=True, help="bin/bench --size.")
+@click.option("--bench-size", default="2GB", show_default=True, help="bin/bench convert --size.")
 @click.option("--control", "add_control", is_flag=True,
               help="Add the control step to --steps: re-run the failed harness cells with torch-only controls.")
 @click.option("--list", "list_only", is_flag=True, help="Print the steps' commands and exit.")
