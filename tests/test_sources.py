@@ -114,3 +114,25 @@ def test_read_region_file_cut_short_after_it_was_opened(tmp_path):
             f.truncate(size - 10)
         with pytest.raises(FormatError, match=rf"^{path}: unexpected end of file at offset \d+$"):
             read_region(Region.whole(entry), files)
+
+
+def test_dcp_read_of_chunks_of_tens_of_kib_makes_one_read_per_chunk(tmp_path, monkeypatch):
+    # A chunk's archive is read at its head and at its tail; the read of a tail also takes the next archive's
+    # head, so a DCP of 64 KiB chunks costs one pread per chunk, not two. torch's own load is the oracle of
+    # what was read.
+    import torch.distributed.checkpoint as dcp
+
+    from ckptkit.formats.dcp import DcpIO
+
+    state = {f"w{i}": torch.randn(64, 256) for i in range(40)}  # 64 KiB each
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    calls = []
+    pread = reads.os.pread
+    monkeypatch.setattr(reads.os, "pread", lambda fd, n, offset: calls.append(n) or pread(fd, n, offset))
+    manifest = DcpIO().read(tmp_path / "dcp")
+    monkeypatch.undo()
+    assert len(calls) <= len(state) + 4, calls
+    with Files() as files:
+        for key, t in state.items():
+            got = read_region(Region.whole(manifest[key]), files)
+            assert torch.equal(torch.frombuffer(got, dtype=torch.float32).view(64, 256), t)

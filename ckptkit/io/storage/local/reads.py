@@ -26,10 +26,13 @@ class ReadAhead:
     A DCP reader reads each chunk's archive (a kilobyte or two for a small chunk), those of one ``.distcp``
     file in order but between those of the other files: a read of :attr:`BLOCK` bytes that serves the next
     few costs one system call instead of one each. Only a read that starts where the last one ended
-    reads ahead, so the reads of a large chunk's headers around its data read no data."""
+    reads ahead a block, so the reads of a large chunk's headers around its data read no data; any other
+    small read takes :attr:`NEXT` bytes more, which hold the next archive's head where the read is an
+    archive's tail (a chunk of tens of KiB: one system call per chunk instead of two)."""
 
     BLOCK = 16 << 10  # a dozen small archives a read; what it holds per file (64 MiB for 4096 rank files)
     SMALL = 16 << 10
+    NEXT = 4 << 10  # a chunk archive's head: its local header and data.pkl, a few hundred bytes
 
     __slots__ = ("fd", "size", "data", "start", "end")
 
@@ -42,8 +45,9 @@ class ReadAhead:
         if at >= 0 and at + n <= len(self.data):
             self.end = offset + n
             return self.data[at:at + n]
-        if offset == self.end and n <= self.SMALL:
-            self.data, self.start = os.pread(self.fd, max(n, self.BLOCK), offset), offset
+        if n <= self.SMALL:
+            self.data = os.pread(self.fd, max(n, self.BLOCK) if offset == self.end else n + self.NEXT, offset)
+            self.start = offset
             if n <= len(self.data):
                 self.end = offset + n
                 return self.data[:n]
@@ -108,5 +112,4 @@ def read_into(view: memoryview, pieces: Iterable[Strided], files: Descriptors, k
             if got != want:  # a short read: row by row, for the rest or the error naming where the file ended
                 for cp in s.copies()[first:last]:
                     pread_into(fd, view[cp.dst:cp.dst + run], cp.src.offset, src.file)
-
 
