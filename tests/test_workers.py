@@ -154,6 +154,16 @@ def test_choose_writers_never_more_than_the_pieces_to_write():
     assert choose_writers(Work(4 * 10**9, 0, files=2, pieces=2), 16)[0] == 2
 
 
+def test_choose_writers_gives_copied_bytes_one_writer_when_they_do_not_fit_in_free_memory():
+    # A page cache full of earlier outputs: every page written is reclaimed first, and writers take turns at it.
+    copies = Work(8 * 10**9, 100, files=8, pieces=8, copies=True)
+    n, why = choose_writers(copies, 16, free=10**9)
+    assert n == 1 and "page cache is full (1.00 GB of memory free)" in why, why
+    assert choose_writers(copies, 16, free=16 * 10**9)[0] == 8  # room for them: as many writers as pay
+    assert choose_writers(copies, 16)[0] == 8  # free memory unknown
+    assert choose_writers(Work(8 * 10**9, 100, files=8, pieces=8), 16, free=10**9)[0] == 8  # a cast: CPU work
+
+
 # ------------------------------------------------------------------------------------------ worker processes
 
 

@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # multiprocessing is imported where workers start: a run with
     import multiprocessing
     from multiprocessing.connection import Connection
 
-__all__ = ["cores", "execute_parallel", "torchrun_group", "writers"]
+__all__ = ["cores", "execute_parallel", "free_memory", "torchrun_group", "writers"]
 
 _PR_SET_PDEATHSIG = 1
 """prctl(2): the signal this process gets when its parent dies."""
@@ -211,8 +211,8 @@ def writers(workers: int | str, plan: WritePlan, storage: Storage, sources: tupl
 
     Args:
         workers: a count, or ``"auto"``: as many as pay on this machine for this plan
-            (:func:`ckptkit.core.split.choose_writers` over :func:`cores`); one where ``storage`` has no
-            ``shared_writes`` (an object store).
+            (:func:`ckptkit.core.split.choose_writers` over :func:`cores` and :func:`free_memory`); one where
+            ``storage`` has no ``shared_writes`` (an object store).
         plan: what will be written.
         storage: where.
         sources: the files read (streamed ones keep each file whole, as one writer streams it).
@@ -241,8 +241,20 @@ def writers(workers: int | str, plan: WritePlan, storage: Storage, sources: tupl
         return n, f"--workers {n}"
     if not storage.shared_writes:
         return 1, "auto: an object store is written by one process"
-    n, why = choose_writers(Work.of(plan.files, cut_files=_cut_files(plan, sources)), cores())
+    n, why = choose_writers(Work.of(plan.files, cut_files=_cut_files(plan, sources)), cores(), free_memory())
     return n, f"auto: {why}"
+
+
+def free_memory() -> int | None:
+    """Bytes of memory free now, outside the page cache (``MemFree`` of ``/proc/meminfo``); None elsewhere."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemFree:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _cut_files(plan: WritePlan, sources: tuple[Any, ...]) -> bool:
