@@ -37,12 +37,12 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict[str, Path]:
-    """The model and its AdamW state as ``ckptkit.save`` writes them, in the sharded (DCP) and hf forms."""
+    """The model and its AdamW state as ``ckptkit.save`` writes them, in the sharded (DCP), hf and full forms."""
     root = tmp_path_factory.mktemp("saved")
     model, opt = _model()
-    for form in ("sharded", "hf"):
+    for form in ("sharded", "hf", "full"):
         ckptkit.save(root / form, model, optimizer=opt, form=form)
-    return {form: root / form for form in ("sharded", "hf")}
+    return {form: root / form for form in ("sharded", "hf", "full")}
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:
@@ -93,11 +93,12 @@ def test_commands_refuse_a_flipped_weight_bit_naming_file_key_and_offset_and_wri
     assert code == 0 and out.exists(), output
 
 
-def test_export_hf_of_an_hf_save_refuses_a_flipped_bit(saved, tmp_path):
-    ckpt = _copy(saved["hf"], tmp_path)
-    file, offset = _flip_bit(ckpt, "model.layers.0.mlp.up_proj.weight")
+@pytest.mark.parametrize("form, key", [("hf", "model.layers.0.mlp.up_proj.weight"), ("full", WEIGHT)])
+def test_export_hf_of_an_hf_or_full_save_refuses_a_flipped_bit(saved, tmp_path, form, key):
+    ckpt = _copy(saved[form], tmp_path)
+    file, offset = _flip_bit(ckpt, key)
     code, output = run("export-hf", ckpt, tmp_path / "out", "-q")
-    assert code == 2 and f"{file}: 'model.layers.0.mlp.up_proj.weight', bytes {offset}-" in output, output
+    assert code == 2 and f"{file}: {key!r}, bytes {offset}-" in output, output
     assert not (tmp_path / "out").exists()
 
 

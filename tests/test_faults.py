@@ -214,6 +214,12 @@ def test_local_checkpoint_checksums_catch_a_flipped_byte(tmp_path):
     flip(Path(span.file), span.offset)
     proc = script("verify", tmp_path)
     assert proc.returncode == 1 and f"in {span.file} fails its CRC-32 check" in proc.stdout, proc.stdout
+    # export-hf and reshard check what they read against the same checksums: one line, exit 2, no output
+    out = tmp_path.with_name(f"{tmp_path.name}-out")  # beside the run directory, not in it
+    for args in (("export-hf",), ("reshard", "--world-size", "3")):
+        assert_one_line_error(script(args[0], tmp_path, out, *args[1:]), str(span.file),
+                              "'model.model.norm.weight', bytes ", "fails its CRC-32 check")
+        assert not out.exists()
 
 
 # ------------------------------------------------------------------------------------ 4-7: readers

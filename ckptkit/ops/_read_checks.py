@@ -98,7 +98,8 @@ def _rank_file_checks(record: Record, root: Path) -> tuple[Check, ...]:
             refs = [leaf] if isinstance(leaf, TensorRef) else \
                 [t for _, t in leaf.local] if isinstance(leaf, ShardedTensorData) else []
             if key in crcs and refs:
-                checks.append(Check(f"{file}: {key!r}", key, crcs[key],
+                where = ", ".join(f"{r.span.offset}-{r.span.offset + r.span.length}" for r in refs)
+                checks.append(Check(f"{file}: {key!r}, bytes {where}", key, crcs[key],
                                     regions=tuple(Region.whole(ref.as_entry(path)) for ref in refs)))
     return tuple(checks)
 
