@@ -339,7 +339,10 @@ def test_a_destination_inside_the_source_is_refused(s3, sources):
 
 
 def test_permission_denied_by_the_server_is_one_line_and_writes_nothing(s3, sources, moto_server):
-    """moto enforces IAM when asked to: a user allowed to read the bucket, not to write it."""
+    """moto enforces IAM when asked to: a user allowed to read the bucket, not to write it. The policy is
+    AmazonS3ReadOnlyAccess's (``s3:Get*``, ``s3:List*``), plus ``s3:Head*``: moto 5.2 checks a HEAD request
+    against its operation's name (``s3:HeadObject``) where AWS checks ``s3:GetObject``, and no AWS action
+    matches ``s3:Head*``, so the user may read and nothing more, with any moto."""
     import boto3
     from moto import settings
 
@@ -348,7 +351,7 @@ def test_permission_denied_by_the_server_is_one_line_and_writes_nothing(s3, sour
     iam.create_user(UserName="reader")
     resources = [f"arn:aws:s3:::{s3.name}", f"arn:aws:s3:::{s3.name}/*"]
     policy = {"Version": "2012-10-17", "Statement": [
-        {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": resources}]}
+        {"Effect": "Allow", "Action": ["s3:Get*", "s3:List*", "s3:Head*"], "Resource": resources}]}
     iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(policy))
     key = iam.create_access_key(UserName="reader")["AccessKey"]
     env = {**os.environ, "AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
