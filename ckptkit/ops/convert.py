@@ -22,7 +22,7 @@ from ..core.plan import FilePlan, WritePlan
 from ..errors import UsageError
 from ..formats import FormatIO, FormatOptions, LocalOptions, Target, locate, writer_for
 from ..formats.dcp import check_blobs
-from ..formats.replace import check_replaceable
+from ..formats.replace import Replacement, check_replaceable, replacement
 from ..io.execute import all_ranks, execute_distributed
 from ..io.options import WriteOptions
 from ..io.parallel import execute_parallel, writers
@@ -110,15 +110,19 @@ def write(manifest: Manifest, io: FormatIO, dst: Path | str, target: Target | Fo
     check_blobs(manifest)
     plan = io.plan(manifest, io.options(target, manifest) if isinstance(target, Target) else target)
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file, commit=plan.commit)
+    replaced = Replacement()
     if options.overwrite:
         check_replaceable(out, single_file=plan.single_file)
+        replaced = replacement(out, plan)
+        plan = dataclasses.replace(plan, kept=replaced.kept)
     n, why = _execute(plan, storage, out, sources, options, io.format.value)
     ws = target.world_size if isinstance(target, Target) and io.ranked else None
     # A single-file output is DST itself, whatever name the plan gave its one file.
     written = tuple((out.name if plan.single_file else f.relpath, f.nbytes) for f in plan.files)
     return Report(manifest.root, manifest.format, str(dst), io.format, len(manifest.tensors), len(manifest.objects),
                   plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes, written,
-                  changes.renamed, changes.dropped, changes.cast, changes.permuted, options.dry_run, n, why)
+                  changes.renamed, changes.dropped, changes.cast, changes.permuted, options.dry_run, n, why,
+                  kept=replaced.kept, removed=replaced.removed)
 
 
 def _execute(plan: WritePlan, storage: Storage, out: Path, sources: tuple[Path, ...], options: WriteOptions,
