@@ -66,6 +66,14 @@ def test_readme_is_a_five_minute_read_whose_links_resolve():
     assert not missing, missing
 
 
+def test_install_lines_of_readme_and_getting_started_hold_no_placeholder():
+    for doc in ("README.md", "docs/getting-started.md"):
+        blocks = re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.DOTALL)
+        lines = [line for block in blocks for line in block.splitlines() if line.startswith(("pip ", "git "))]
+        assert any(line.startswith("pip install ./ckptkit") for line in lines), doc
+        assert not [line for line in lines if re.search(r"<[^>]+>", line.split("#")[0])], doc
+
+
 def test_no_development_history_in_readme_docs_package_or_tests():
     pattern = re.compile("this " + "round|issue [0-9]", re.IGNORECASE)
     found = []
