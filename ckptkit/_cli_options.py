@@ -132,6 +132,17 @@ def _preset_names() -> list[str]:
     return ["auto", "none", *PRESETS]
 
 
+class _PresetName(click.Choice):
+    """A preset's name; a misspelt one is answered with the nearest names and where the list is, not all of them."""
+
+    def convert(self, value, param, ctx):
+        if value in self.choices:
+            return value
+        from .models.registry import unknown_preset
+
+        self.fail(f"{value!r}: {unknown_preset(str(value), ('auto', 'none'))}", param, ctx)
+
+
 _MAPPING = (
     option("--key-map", metavar="JSON|FILE.json", section=MAPPING,
             help="A JSON object of old key to new key (null leaves the key out), inline ('{\"old\": \"new\"}') or "
@@ -139,7 +150,7 @@ _MAPPING = (
     option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT", section=MAPPING,
             help="Rename keys by re.sub (repeatable, applied in order), e.g. '^net\\.=model.' or "
                  "'\\.attn\\.=.self_attn.'; \\1 refers to a group."),
-    option("--preset", type=click.Choice(_preset_names()), section=MAPPING, metavar="NAME",
+    option("--preset", type=_PresetName(_preset_names()), section=MAPPING, metavar="NAME",
             help="A model family's adapter (names, stacked experts, transforms): auto (the default toward HF) "
                  "detects the family, none maps nothing; 'ckptkit presets' lists the others."),
     option("--strict-map", is_flag=True, section=MAPPING,
