@@ -33,8 +33,8 @@ __all__ = ["TO", "WRITABLE", "FormatIO", "FormatOptions", "LocalOptions", "Locat
 _ALL: tuple[tuple[Format, str, str, tuple[str, ...]], ...] = (
     (Format.SHARDED, "dcp", "DcpIO", ("sharded", "megatron")), (Format.HF_SHARDS, "hf_shards", "HfShardsIO", ()),
     (Format.HF, "hf", "HfIO", ("hf",)), (Format.VERL, "verl", "VerlIO", ()),
-    (Format.DEEPSPEED_UNIVERSAL, "deepspeed_universal", "DeepSpeedUniversalIO", ("deepspeed-universal",)),
-    (Format.DEEPSPEED, "deepspeed", "DeepSpeedIO", ()),
+    (Format.DEEPSPEED_UNIVERSAL, "deepspeed.universal", "DeepSpeedUniversalIO", ("deepspeed-universal",)),
+    (Format.DEEPSPEED, "deepspeed.zero", "DeepSpeedIO", ()),
     (Format.MEGATRON_LEGACY, "megatron.legacy", "MegatronLegacyIO", ()), (Format.FULL, "full", "FullIO", ("full",)),
     (Format.LOCAL, "local", "LocalIO", ("local",)))
 
