@@ -27,6 +27,7 @@ from ..io.sources import Files, read_region
 from ..io.storage import storage_at
 from ..models.hfconfig import INPUT_EMBEDDINGS, tie_word_embeddings
 from ..models.mapping import KeyMapping, Renames, parse_rename, rename_keys
+from ..models.quantized import as_values_against
 from . import checksums
 from .select import model_keys, select_model
 
@@ -309,6 +310,8 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     (fa, ma), (fb, mb) = (_read(p, local, model_only, prefixes) for p in (pa, storage_at(b, storage_options)[1]))
     ta, oa, notes_a = _entries(ma, model_only, prefixes, mapping)
     tb, ob, notes_b = _entries(mb, model_only, prefixes, mapping)
+    (ta, tb), as_values = _as_values(ta, tb, (str(a), str(b)), atol is not None or rtol is not None)
+    notes_a += as_values
     with Files() as files:
         notes_a += _written_once(ta, tb, str(a), fb.path, files, max_memory)
         notes_b += _written_once(tb, ta, str(b), fa.path, files, max_memory)
@@ -318,6 +321,19 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     return VerifyReport(str(a), str(b), ma.format, mb.format, len(common), len([k for k in oa if k in ob]), total,
                         tuple(diffs), atol=atol, rtol=rtol,
                         notes=tuple(f.note for f in (fa, fb) if f.note) + notes_a + notes_b)
+
+
+def _as_values(ta: dict[str, TensorEntry], tb: dict[str, TensorEntry], names: tuple[str, str], numeric: bool
+               ) -> tuple[tuple[dict[str, TensorEntry], dict[str, TensorEntry]], tuple[str, ...]]:
+    """Both sides with the quantized weights that the other side holds as values read as values
+    (:func:`ckptkit.models.quantized.as_values_against`), and notes saying so."""
+    qa, na = as_values_against(ta, tb, numeric)
+    qb, nb = as_values_against(tb, ta, numeric)
+    how = ("FP8 ones as their float32 products, MXFP4 ones in bf16" if numeric else
+           "in the other side's dtype, as a dequantizing cast writes them")
+    notes = tuple(f"{n} quantized weights of {name} (FP8, MXFP4) compared as values, each with its scales, {how}; "
+                  "the scales themselves are not compared" for n, name in ((na, names[0]), (nb, names[1])) if n)
+    return (qa, qb), notes
 
 
 def _read(path: Path, local: LocalOptions | None, model_only: bool, prefixes: tuple[str, ...]
