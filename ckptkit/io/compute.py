@@ -270,6 +270,9 @@ def _fp8(region: Region, derived: Derived, read: Read) -> Any:
         band = _array(box, read)
         a, z = max(top, r0), min(bottom, r0 + nr)
         scale = _scales_of(key, box, read, b, band)
+        if c0 == left:  # the box's columns start at a tile's: quantized straight into the output
+            quantize(band[a - top:z - top, :nc], weight.dtype.name, scale, b, out[a - r0:z - r0])
+            continue
         values = quantize(band[a - top:z - top, :c0 - left + nc], weight.dtype.name, scale, b)
         out[a - r0:z - r0] = values[:, c0 - left:]
     return out
@@ -314,5 +317,10 @@ def block_budget(region: Region, max_memory: int) -> int:
     out = region.dtype.itemsize
     if region.entry.derived is None:
         return max(1, max_memory * out // (region.entry.dtype.itemsize + out))
-    working = working_bytes(region.entry.derived)
-    return max(1, min(max_memory, COMPUTE_MEMORY) * out // (region.entry.dtype.itemsize + out + working))
+    derived = region.entry.derived
+    per_element = region.entry.dtype.itemsize + out + working_bytes(derived)
+    budget = max(1, min(max_memory, COMPUTE_MEMORY) * out // per_element)
+    if derived.op == "quant_fp8" and region.sizes and region.sizes[0]:  # whole bands of tiles: each read once
+        row = region.nbytes // region.sizes[0] or 1
+        budget = max(derived.block, budget // row // derived.block * derived.block) * row
+    return budget
