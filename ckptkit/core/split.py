@@ -126,7 +126,7 @@ def split_work(files: tuple[FilePlan, ...], n: int, *, cut_files: bool = True,
         whole = not cut_files or fp.nbytes <= max(share, min_piece)
         pieces += [(index, (s,)) for s in ([Slice(fp.relpath, 0, fp.parts)] if whole else cut(fp, piece))]
     work = [sum(_work(s) for s in group) for _, group in pieces]
-    loads = [(0, i) for i in range(n)]
+    loads: list[tuple[float, int]] = [(0.0, i) for i in range(n)]
     shares: list[list[int]] = [[] for _ in range(n)]
     for i in sorted(range(len(pieces)), key=lambda i: -work[i]):
         load, which = heapq.heappop(loads)
