@@ -203,3 +203,18 @@ def test_a_cast_refuses_a_quantized_form_it_cannot_read_as_values_in_one_line(tm
         assert result.exit_code == 2, result.output
         assert refused in result.output and len(result.output.strip().splitlines()) == 1, result.output
         assert not (tmp_path / "out").exists()
+
+
+def test_ckptkit_load_of_an_fp8_release_into_a_bf16_model_loads_transformers_dequantized_weights(release):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    config = AutoConfig.from_pretrained(release)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    # not strict: transformers 5 holds the routed experts fused, which the release names one by one
+    ckptkit.load(release, model, strict=False)
+    source, loaded = load_hf(release), model.state_dict()
+    for key in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.kv_b_proj.weight"):
+        expected = _dequantize_fp8_weight(source[key], source[key + "_scale_inv"], [128, 128], torch.float32)
+        assert torch.equal(loaded[key], expected.to(torch.bfloat16)), key
