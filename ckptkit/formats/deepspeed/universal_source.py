@@ -13,10 +13,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.manifest import Manifest, ObjectEntry, TensorEntry
-from ..core.plan import Region
-from ..errors import FormatError, IncompleteCheckpointError, UsageError
-from .base import object_value
+from ...core.manifest import Manifest, ObjectEntry, TensorEntry
+from ...core.plan import Region
+from ...errors import FormatError, IncompleteCheckpointError, UsageError
+from ..base import object_value
 
 __all__ = ["Source", "read_step", "source_of"]
 
@@ -173,7 +173,7 @@ def read_step(src: Source) -> int:
     Raises:
         FormatError: Steps differ between parameters, or one is not a whole number.
     """
-    from ..io.sources import Files, read_region
+    from ...io.sources import Files, read_region
 
     values: dict[str, float] = {}
     with Files() as files:
