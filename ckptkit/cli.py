@@ -206,17 +206,22 @@ def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, st
          help="Ranks to lay the output out for (default: the source's).")
 @option("--max-shard-size", default=None, metavar="SIZE", callback=size,
          help="Largest output file, e.g. 5GB (hf, full).")
+@option("--dtype", default="keep", show_default=True,
+         type=click.Choice(["keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),
+         help="Cast floating tensors (full, sharded, megatron, hf); FP8 and MXFP4 weights are written as values, "
+              "their scales left out.")
 @option("--hf-assets", metavar="DIR", callback=assets_dir,
          help="HF model folder whose config.json gives a --preset its head counts (default: SRC's own).")
 @mapping_options
 @writing_options
 @local_options
-def convert(src, dst, to, world_size, max_shard_size, hf_assets, key_map, renames, preset, strict_map, megatron_args,
-            options, quiet, as_json, **local) -> None:
+def convert(src, dst, to, world_size, max_shard_size, dtype, hf_assets, key_map, renames, preset, strict_map,
+            megatron_args, options, quiet, as_json, **local) -> None:
     """Convert SRC (any format) to DST in format --to; with a key mapping, the model part under new names."""
     from .ops.convert import convert as _convert
 
-    _write(_convert, src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, local=local_from(**local),
+    _write(_convert, src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, dtype=dtype,
+           local=local_from(**local),
            preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, hf_assets=hf_assets,
            megatron_args=megatron_args, options=options, quiet=quiet, as_json=as_json)
 

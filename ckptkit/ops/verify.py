@@ -27,6 +27,7 @@ from ..io.sources import Files, read_region
 from ..io.storage import storage_at
 from ..models.hfconfig import INPUT_EMBEDDINGS, tie_word_embeddings
 from ..models.mapping import KeyMapping, Renames, parse_rename, rename_keys
+from ..models.quantized import both_as_values
 from . import checksums
 from .select import model_keys, select_model
 
@@ -314,6 +315,8 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     ma, mb = (_read(f, model_only, prefixes) for f in (fa, fb))
     ta, oa, notes_a = _entries(ma, model_only, prefixes, mapping)
     tb, ob, notes_b = _entries(mb, model_only, prefixes, mapping)
+    (ta, tb), as_values = both_as_values(ta, tb, (str(a), str(b)), atol is not None or rtol is not None)
+    notes_a += as_values
     with Files() as files:
         notes_a += _written_once(ta, tb, str(a), fb.path, files, max_memory)
         notes_b += _written_once(tb, ta, str(b), fa.path, files, max_memory)
