@@ -11,7 +11,7 @@ Shapes (``--shape``; :mod:`.shapes` holds them), each a bf16 checkpoint saved as
 - ``megatron``: megatron-core's layer-stacked GPT names for a Llama, ``export-hf --preset megatron-llama``.
 - ``moe-titan``, ``megatron-moe``, ``fp8``: a conversion and its way back, each against the ``cp -r`` of its own
   input (torchtitan's stacked experts split and joined; megatron-core's per-layer experts; FP8 export with block
-  scales and the import that dequantizes it).
+  scales and the import that dequantizes it into bf16, ``convert --dtype bf16``).
 
 ``--world-size N`` is the reshard target; at N >= 8 the export from the N-rank output is timed too and checked
 to equal the one from 4 ranks byte for byte.
@@ -152,9 +152,9 @@ def _both_ways(shape: str, size: int, layers: int, repeat: int, page_cache: str,
     else:
         shapes, config = S.deepseek_shapes(size)
         rows, total = there_and_back(shapes, config, ("ckptkit export-hf --dtype fp8", ["export-hf", "--dtype", "fp8"]),
-                                     ("ckptkit convert --to sharded (dequantized)",
+                                     ("ckptkit convert --to sharded --dtype bf16 (dequantized)",
                                       ["convert", "--to", "sharded", "--world-size", "4", "--preset",
-                                       "torchtitan-deepseek-v3"]), repeat, root, page_cache)
+                                       "torchtitan-deepseek-v3", "--dtype", "bf16"]), repeat, root, page_cache)
         what = f"DeepSeek-V3-shaped (MLA, dense MLPs), {config['num_hidden_layers']} layers, DCP -> FP8 HF -> DCP"
     table(rows, total, repeat, f"{total / 1e9:.2f} GB bf16, {what}, 4-rank DCP, {_chunks(root / 'dcp')} chunks",
           page_cache)
@@ -164,7 +164,7 @@ def _megatron_moe(layers: int, repeat: int, page_cache: str, root: Path) -> None
     """export-hf and reshard of megatron-core's per-layer MoE names, against cp."""
     import torch
 
-    from ckptkit.formats._megatron import CONFIG, CONFIG_BYTES
+    from ckptkit.formats.megatron import CONFIG, CONFIG_BYTES
 
     shapes, config = S.megatron_moe_shapes(layers)
     total = S.write_dcp(root, [(k, s, "bfloat16") for k, s in shapes])

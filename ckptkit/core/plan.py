@@ -99,6 +99,9 @@ class WritePlan:
     checks: tuple[Check, ...] = ()
     """Source bytes to check against their recorded checksums while the files are written: the output is
     published only if every one holds."""
+    kept: tuple[str, ...] = ()
+    """Files and folders of the destination this output replaces that it keeps as they are, beside its own
+    (paths relative to it, a folder ending in ``/``): an overwrite of a model folder keeps its tokenizer."""
     total_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:

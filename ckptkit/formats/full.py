@@ -16,7 +16,6 @@ from ..core.manifest import Format, Manifest, ObjectEntry, TensorRef, key_of
 from ..core.plan import Bytes, FilePlan, Region, WritePlan
 from ..core.tree import flatten, unflatten
 from ..errors import FormatError, UsageError
-from ._run_args import RUN_ARGS_GLOBALS
 from .base import (
     FormatIO,
     FormatOptions,
@@ -28,6 +27,7 @@ from .base import (
     regions_in,
     split_files,
 )
+from .run_args import RUN_ARGS_GLOBALS
 
 __all__ = ["SUFFIXES", "FullIO", "FullOptions"]
 
@@ -52,6 +52,7 @@ class FullOptions(FormatOptions):
 class FullIO(FormatIO):
     format = Format.FULL
     names = ("full",)
+    casts = True
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -97,7 +98,7 @@ class FullIO(FormatIO):
 
     def options(self, target: Target, manifest: Manifest) -> FullOptions:
         single = target.max_shard_size is None and Path(target.destination).suffix in SUFFIXES
-        return FullOptions(max_shard_size=target.max_shard_size, single_file=single)
+        return FullOptions(cast=target.cast, max_shard_size=target.max_shard_size, single_file=single)
 
     def plan(self, manifest: Manifest, options: FullOptions) -> WritePlan:
         regions = {t.key: Region.whole(t, cast_for(t.dtype, options.cast)) for t in manifest.tensors}

@@ -22,7 +22,7 @@ import ckptkit
 from ckptkit.core.dtypes import by_name
 from ckptkit.core.manifest import Manifest
 from ckptkit.formats import read
-from ckptkit.formats._megatron_distopt import split_buckets
+from ckptkit.formats.megatron import split_buckets
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
@@ -215,7 +215,7 @@ def test_convert_to_megatron_resumes_in_megatron_core_on_the_trajectory(runs, jo
 
 
 def test_convert_to_megatron_refuses_to_join_a_model_outside_megatron_cores_tables(joined):
-    from ckptkit.formats._megatron_distopt_join import join_buckets
+    from ckptkit.formats.megatron import join_buckets
 
     model = tuple(t for t in read(joined[0] / "megatron").tensors if not t.key.startswith("optimizer."))
     odd = tuple(dataclasses.replace(t, key=t.key.replace("linear_proj", "linear_out")) for t in model)
