@@ -116,10 +116,9 @@ _workers = option("--workers", default="auto", show_default=True, callback=_work
                    section=PARALLEL, envvar="CKPTKIT_WORKERS",
                    help="Processes on this machine that write the output; auto: as many as pay (the report says "
                         "why). Several machines, torchrun: ckptkit help workers.")
-_verify_checksums = option("--verify-checksums/--no-verify-checksums", default=True, section=COMMON,
-                           envvar="CKPTKIT_VERIFY_CHECKSUMS", show_default=True,
-                           help="Check what is read of a ckptkit.save checkpoint against its ckptkit.json's "
-                                "CRC-32s as it streams; a mismatch writes nothing (exit 2).")
+_skip_checksums = option("--no-verify-checksums", "skip_checksums", is_flag=True, section=COMMON,
+                         envvar="CKPTKIT_NO_VERIFY_CHECKSUMS",
+                         help="Read without checking ckptkit.json's CRC-32s.")
 _json = option("--json", "as_json", is_flag=True, section=COMMON,
                help="The report as JSON on stdout (schema_version 1).")
 _dry_run = option("--dry-run", is_flag=True, section=COMMON,
@@ -237,14 +236,14 @@ def writing_options(command):
     :class:`ckptkit.io.options.WriteOptions`, ``options`` (progress and ranks are the run's to decide), and
     ``quiet``."""
     @functools.wraps(command)
-    def run(*args, workers, dry_run, overwrite, max_memory, fsync, storage_options, verify_checksums, **kwargs):
+    def run(*args, workers, dry_run, overwrite, max_memory, fsync, storage_options, skip_checksums, **kwargs):
         from .io.options import WriteOptions
 
         options = WriteOptions(overwrite=overwrite, max_memory=max_memory, fsync=fsync, dry_run=dry_run,
-                               storage_options=storage_options, workers=workers, verify_checksums=verify_checksums)
+                               storage_options=storage_options, workers=workers, verify_checksums=not skip_checksums)
         return command(*args, options=options, **kwargs)
 
-    return _apply(_workers, _dry_run, _overwrite, memory_option, _fsync, _verify_checksums, quiet_option, _json,
+    return _apply(_workers, _dry_run, _overwrite, memory_option, _fsync, _skip_checksums, quiet_option, _json,
                   storage_option, debug_option)(run)
 
 
