@@ -9,21 +9,18 @@ under the model section that holds all of them (``model``, ``state_dict``, ``mod
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.manifest import Manifest, ObjectEntry, TensorEntry
-from ..core.plan import Region
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
-from .base import object_value
+from .base import object_value, scalar_value
 
 __all__ = ["Source", "read_step", "source_of"]
 
 _OPTIMIZERS = ("optim", "optimizer", "optimizer_0", "optim_state", "optimizer_state_dict")
 _MODELS = ("model", "state_dict", "model_state_dict", "module", "")
 _SLOTS = frozenset({"exp_avg", "exp_avg_sq", "step"})
-_SCALARS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 
 Entry = TensorEntry | ObjectEntry
 
@@ -134,7 +131,8 @@ def _tensor(entry: Entry, manifest: Manifest) -> TensorEntry:
 def _groups(manifest: Manifest, optim: str, names: list[str]) -> tuple[tuple[dict[str, Any], list[str]], ...]:
     """The param groups' hyperparameters and parameter names: listed (``<optim>.param_groups.<i>.<field>``), or
     flattened per parameter (``<optim>.param_groups.<param>.<field>``, torchtitan's), where parameters with the
-    same hyperparameters make one group."""
+    same hyperparameters make one group, the groups in the order of their first parameter in the model (as a
+    training script that builds a decayed and an undecayed group lists them)."""
     fields: dict[int, dict[str, Any]] = {}
     per_param: dict[str, dict[str, Any]] = {}
     head = f"{optim}.param_groups."
@@ -144,7 +142,7 @@ def _groups(manifest: Manifest, optim: str, names: list[str]) -> tuple[tuple[dic
         elif o.key.startswith(head) and (split := o.key[len(head):].rpartition("."))[0] in names:
             per_param.setdefault(split[0], {})[split[2]] = object_value(o)
     if not fields and per_param:
-        return _grouped(per_param)
+        return _grouped(per_param, names)
     if not fields:
         return (({}, names),)
     out = []
@@ -155,10 +153,10 @@ def _groups(manifest: Manifest, optim: str, names: list[str]) -> tuple[tuple[dic
     return tuple(out)
 
 
-def _grouped(per_param: dict[str, dict[str, Any]]) -> tuple[tuple[dict[str, Any], list[str]], ...]:
+def _grouped(per_param: dict[str, dict[str, Any]], names: list[str]) -> tuple[tuple[dict[str, Any], list[str]], ...]:
     groups: list[tuple[dict[str, Any], list[str]]] = []
-    for name, hyper in per_param.items():
-        hyper = {k: v for k, v in hyper.items() if k != "params"}
+    for name in (n for n in names if n in per_param):
+        hyper = {k: v for k, v in per_param[name].items() if k != "params"}
         same = next((g for g in groups if g[0] == hyper), None)
         if same is None:
             groups.append((hyper, [name]))
@@ -173,18 +171,10 @@ def read_step(src: Source) -> int:
     Raises:
         FormatError: Steps differ between parameters, or one is not a whole number.
     """
-    from ..io.sources import Files, read_region
+    from ..io.sources import Files
 
-    values: dict[str, float] = {}
     with Files() as files:
-        for name, entry in src.steps.items():
-            if isinstance(entry, TensorEntry):
-                code = _SCALARS.get(entry.dtype.name)
-                if code is None or entry.shape not in ((), (1,)):
-                    raise FormatError(f"{entry.key}: a step of dtype {entry.dtype}, shape {list(entry.shape)}")
-                values[name] = struct.unpack(code, bytes(read_region(Region.whole(entry), files)))[0]
-            else:
-                values[name] = object_value(entry)
+        values = {name: scalar_value(entry, files) for name, entry in src.steps.items()}
     distinct = {float(v) for v in values.values()}
     if len(distinct) != 1 or not next(iter(distinct)).is_integer():
         shown = ", ".join(f"{n}={v}" for n, v in list(values.items())[:4])

@@ -1,6 +1,5 @@
 """Rank functions for resuming in DeepSpeed 0.19.8's own engine: an FSDP2 run (torch's ``fully_shard`` and AdamW,
-saved with DCP), the same run saved in torchtitan's layout, and DeepSpeed ZeRO runs that resume from a universal
-checkpoint, or save one of their own.
+saved with DCP), and DeepSpeed ZeRO runs that resume from a universal checkpoint, or save one of their own.
 
 Both train the same tiny model on the same global batch per step, split evenly over the ranks, with gradients
 clipped to a norm of 1.0 (DeepSpeed's default ``gradient_clipping``, which a universal checkpoint written from
@@ -48,23 +47,9 @@ def _net() -> Net:
     return Net()
 
 
-def _llama() -> nn.Module:
-    from _workers import tiny_llama
-
-    return tiny_llama()
-
-
-MODELS = {"net": (_net, VOCAB), "llama": (_llama, 64)}
-"""The model each run trains, and its vocabulary: ``Net``, or transformers' tiny Llama (untied head)."""
-
-
-def _loss(model, tokens: torch.Tensor, kind: str) -> torch.Tensor:
-    return model(tokens) if kind == "net" else model(input_ids=tokens, labels=tokens).loss
-
-
-def _tokens(step: int, rank: int, world: int, kind: str = "net") -> torch.Tensor:
+def _tokens(step: int, rank: int, world: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + step)
-    batch = torch.randint(0, MODELS[kind][1], (GLOBAL_BATCH, SEQ), generator=g)
+    batch = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
     per = GLOBAL_BATCH // world
     return batch[rank * per:(rank + 1) * per]
 
@@ -86,43 +71,29 @@ def _report(rank: int, result: str, value: dict[str, Any]) -> None:
     dist.barrier()
 
 
-def fsdp2_run(rank: int, world: int, out: str, result: str, save_after: int, steps: int,
-              layout: str = "dcp") -> None:
-    """Steps 1..``steps`` of FSDP2 training, saving after step ``save_after`` into ``out``: ``{"model", "optim"}``
-    with DCP (``layout="dcp"``, ``Net``), or torchtitan's ``CheckpointManager`` layout (``layout="torchtitan"``,
-    the tiny Llama: its save calls as ``_workers.torchtitan_save`` replays them, model keys at the top beside a
-    flattened ``optimizer`` and ``train_state``). Saves the losses and the final full parameters into ``result``."""
+def fsdp2_run(rank: int, world: int, out: str, result: str, save_after: int, steps: int) -> None:
+    """Steps 1..``steps`` of FSDP2 training of ``Net``, saving ``{"model", "optim"}`` with DCP after step
+    ``save_after`` into ``out``. Saves the losses and the final full parameters into ``result``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        get_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
-    kind = "net" if layout == "dcp" else "llama"
-    model = MODELS[kind][0]()
-    for block in [model.fc1] if kind == "net" else model.model.layers:
-        fully_shard(block)
+    model = _net()
+    fully_shard(model.fc1)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(1, steps + 1):
-        loss = _loss(model, _tokens(step, rank, world, kind), kind)
+        loss = model(_tokens(step, rank, world))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
         losses.append(_mean(loss))
-        if step == save_after and layout == "dcp":
+        if step == save_after:
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
-        elif step == save_after:
-            flat = StateDictOptions(flatten_optimizer_state_dict=True)
-            dcp.save({**get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt, options=flat),
-                      "train_state": {"step": step, "ntokens_seen": step * GLOBAL_BATCH * SEQ}}, checkpoint_id=out)
     final = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     _report(rank, result, {"losses": losses, "params": {k: v.clone() for k, v in final.items()}})
 
@@ -130,7 +101,7 @@ def fsdp2_run(rank: int, world: int, out: str, result: str, save_after: int, ste
 # ------------------------------------------------------------------------------------------------ DeepSpeed
 
 
-def _engine(stage: int, universal: bool, kind: str = "net"):
+def _engine(stage: int, universal: bool):
     import importlib
 
     import deepspeed
@@ -141,15 +112,15 @@ def _engine(stage: int, universal: bool, kind: str = "net"):
               "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
               "zero_optimization": {"stage": stage}, "checkpoint": {"load_universal": universal}}
-    model = MODELS[kind][0]()
+    model = _net()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
 
-def _ds_steps(engine, rank: int, world: int, first: int, last: int, kind: str = "net") -> list[float]:
+def _ds_steps(engine, rank: int, world: int, first: int, last: int) -> list[float]:
     losses = []
     for step in range(first, last + 1):
-        loss = _loss(engine, _tokens(step, rank, world, kind), kind)
+        loss = engine(_tokens(step, rank, world))
         engine.backward(loss)
         engine.step()
         losses.append(_mean(loss))
@@ -166,17 +137,16 @@ def _full_params(engine, stage: int) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in params}
 
 
-def ds_resume(rank: int, world: int, load_dir: str, result: str, stage: int, first: int, last: int,
-              kind: str = "net") -> None:
+def ds_resume(rank: int, world: int, load_dir: str, result: str, stage: int, first: int, last: int) -> None:
     """A DeepSpeed ZeRO-``stage`` engine loads the universal checkpoint in ``load_dir`` (by its
     ``latest_universal``) and trains steps ``first``..``last``. Saves what it loaded, its losses and its final
     parameters into ``result``."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    engine = _engine(stage, universal=True, kind=kind)
+    engine = _engine(stage, universal=True)
     path, _ = engine.load_checkpoint(load_dir)
     loaded = {"path": path, "global_steps": engine.global_steps,
               "lr": [g["lr"] for g in engine.optimizer.param_groups]}
-    losses = _ds_steps(engine, rank, world, first, last, kind)
+    losses = _ds_steps(engine, rank, world, first, last)
     _report(rank, result, {"loaded": loaded, "losses": losses, "params": _full_params(engine, stage)})
 
 

@@ -3,9 +3,9 @@
 An FSDP2 run (torch's ``fully_shard`` and AdamW, 2 gloo ranks) saves with DCP after step 3 and goes on to step 6
 uninterrupted. ckptkit writes the step-3 save as a universal checkpoint; DeepSpeed's engine loads it with
 ``load_universal`` under ZeRO-2 on 1 rank and ZeRO-3 on 3 ranks and trains steps 4-6: its losses and final
-parameters must be the uninterrupted run's to rounding (a resume with a fresh optimizer is 1e-2 off). The same
-for a tiny Llama saved in torchtitan's layout after step 2 and resumed under ZeRO-1. And DeepSpeed's own
-``ds_to_universal`` output, read by ckptkit, must hold DeepSpeed's own tensors.
+parameters must be the uninterrupted run's to rounding (a resume with a fresh optimizer is 1e-2 off). And
+DeepSpeed's own ``ds_to_universal`` output, read by ckptkit, must hold DeepSpeed's own tensors. The other
+frameworks' saves resumed in DeepSpeed's engine are cells of the resume matrix (``test_resume_matrix.py``).
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ def universal(fsdp2, tmp_path_factory) -> tuple[Path, ckptkit.Report]:
     return out, ckptkit.convert(fsdp2[0], out, to="deepspeed-universal")
 
 
-def _resumed(universal_dir: Path, tmp_path: Path, stage: int, world: int, first: int = 4, last: int = 6,
-             kind: str = "net") -> dict:
-    spawn(ds_resume, world, str(universal_dir), str(tmp_path / "resumed.pt"), stage, first, last, kind)
+def _resumed(universal_dir: Path, tmp_path: Path, stage: int, world: int, first: int = 4, last: int = 6) -> dict:
+    spawn(ds_resume, world, str(universal_dir), str(tmp_path / "resumed.pt"), stage, first, last)
     return torch.load(tmp_path / "resumed.pt", weights_only=True)
 
 
@@ -73,19 +72,6 @@ def test_convert_to_deepspeed_universal_resumes_zero3_on_three_ranks_on_the_unin
     resumed = _resumed(universal[0], tmp_path, stage=3, world=3)
     assert resumed["loaded"]["path"].endswith("global_step3/zero_pp_rank_0_mp_rank_00_model_states.pt")
     _assert_on_the_uninterrupted_run(resumed, fsdp2[1])
-
-
-@needs_deepspeed
-def test_convert_torchtitan_layout_to_deepspeed_universal_resumes_zero1_on_the_uninterrupted_run(tmp_path):
-    pytest.importorskip("transformers")
-    spawn(fsdp2_run, 2, str(tmp_path / "step-2"), str(tmp_path / "run.pt"), 2, 4, "torchtitan")
-    report = ckptkit.convert(tmp_path / "step-2", tmp_path / "ds", to="deepspeed-universal")
-    assert report.notes == ("left out: train_state (a universal checkpoint holds the model and the optimizer; "
-                            "gradient clipping and loss scaling come from the engine's config)",)
-    groups = torch.load(tmp_path / "ds" / "global_step2" / "zero" / "optimizer_state.pt")["param_groups"]
-    assert len(groups) == 1 and groups[0]["lr"] == 1e-2 and len(groups[0]["params"]) == 21
-    resumed = _resumed(tmp_path / "ds", tmp_path, stage=1, world=1, first=3, last=4, kind="llama")
-    _assert_on_the_uninterrupted_run(resumed, torch.load(tmp_path / "run.pt", weights_only=True), saved_at=2)
 
 
 @needs_deepspeed
