@@ -14,6 +14,7 @@ from typing import Any
 
 from ..core.manifest import Manifest, ObjectEntry, TensorEntry
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
+from ._megatron_distopt import has_buckets
 from .base import object_value, scalar_value
 
 __all__ = ["Source", "read_step", "source_of"]
@@ -80,7 +81,8 @@ def source_of(manifest: Manifest) -> Source:
     object asked about again gets the same answer without working it out again.
 
     Raises:
-        UsageError: The checkpoint holds no optimizer state, or an optimizer other than Adam's kind.
+        UsageError: The checkpoint holds no optimizer state (or megatron-core's buckets, which a preset splits), or
+            an optimizer other than Adam's kind.
         IncompleteCheckpointError: A parameter lacks a moment, its step or its weight.
         FormatError: A moment's shape is not its weight's.
     """
@@ -93,6 +95,10 @@ def source_of(manifest: Manifest) -> Source:
 
 def _source_of(manifest: Manifest) -> Source:
     optim = next((p for p in _OPTIMIZERS if any(t.key.startswith(p + ".state.") for t in manifest.tensors)), None)
+    if optim is None and has_buckets(manifest):
+        raise UsageError(f"{manifest.root}: megatron-core's DistributedOptimizer keeps its state in buckets, not per "
+                         "parameter; convert with its family's Megatron preset (--preset megatron-llama ...) and "
+                         "--hf-assets, which splits them into each parameter's state under HF names")
     if optim is None:
         raise UsageError(f"{manifest.root}: holds no optimizer state (optim.state.<param>.exp_avg, ...), which a "
                          "universal checkpoint carries; for the weights alone write --to full and load them with "

@@ -97,8 +97,7 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
     if to == TO_MEGATRON:
         step = saved_step(manifest)
         objects = (*extra_states(tensors), *megatron_common(step.value if step else 0))
-        notes += (f"common.pt: iteration {step.value}, the step the source records ({step.where})" if step else
-                  "common.pt: iteration 0, as the source records no step",)
+        notes += (f"common.pt: iteration {step.value}, the step the source records ({step.where})",) if step else ()
     if to == TO_MEGATRON and megatron_args:
         notes += ("common.pt holds no run arguments (Megatron-LM checks a checkpoint's against its own): pass the "
                   "same --megatron-args to read this checkpoint back",)
