@@ -112,7 +112,7 @@ def write_megatron(root: Path, size: int) -> int:
 
     import torch
 
-    from ckptkit.formats._megatron import CONFIG, CONFIG_BYTES
+    from ckptkit.formats.megatron import CONFIG, CONFIG_BYTES
 
     shapes = megatron_shapes(size)
     total = write_dcp(root, [(k, s, "bfloat16") for k, s in shapes])
@@ -151,7 +151,7 @@ def bench_megatron_moe(layers: int, repeat: int, root: Path) -> None:
 
     import torch
 
-    from ckptkit.formats._megatron import CONFIG, CONFIG_BYTES
+    from ckptkit.formats.megatron import CONFIG, CONFIG_BYTES
 
     shapes, config = megatron_moe_shapes(layers)
     total = write_dcp(root, [(k, s, "bfloat16") for k, s in shapes])

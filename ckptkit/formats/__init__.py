@@ -16,8 +16,8 @@ from typing import Any
 from ..core.manifest import Format, Manifest
 from ..errors import CheckpointError, FormatError, UsageError
 from ..io.storage import storage_at
-from ._nemo import WEIGHTS, nemo2_weights
 from .base import FormatIO, FormatOptions, LocalOptions, Target, is_empty_container, object_value, scalar_value
+from .megatron import WEIGHTS, nemo2_weights
 from .run_directory import LATEST, is_run_directory, latest_step
 
 __all__ = ["TO", "WRITABLE", "FormatIO", "FormatOptions", "LocalOptions", "Located", "Target", "detect", "io_for",
@@ -33,9 +33,9 @@ __all__ = ["TO", "WRITABLE", "FormatIO", "FormatOptions", "LocalOptions", "Locat
 _ALL: tuple[tuple[Format, str, str, tuple[str, ...]], ...] = (
     (Format.SHARDED, "dcp", "DcpIO", ("sharded", "megatron")), (Format.HF_SHARDS, "hf_shards", "HfShardsIO", ()),
     (Format.HF, "hf", "HfIO", ("hf",)), (Format.VERL, "verl", "VerlIO", ()),
-    (Format.DEEPSPEED_UNIVERSAL, "deepspeed_universal", "DeepSpeedUniversalIO", ("deepspeed-universal",)),
-    (Format.DEEPSPEED, "deepspeed", "DeepSpeedIO", ()),
-    (Format.MEGATRON_LEGACY, "megatron_legacy", "MegatronLegacyIO", ()), (Format.FULL, "full", "FullIO", ("full",)),
+    (Format.DEEPSPEED_UNIVERSAL, "deepspeed.universal", "DeepSpeedUniversalIO", ("deepspeed-universal",)),
+    (Format.DEEPSPEED, "deepspeed.zero", "DeepSpeedIO", ()),
+    (Format.MEGATRON_LEGACY, "megatron.legacy", "MegatronLegacyIO", ()), (Format.FULL, "full", "FullIO", ("full",)),
     (Format.LOCAL, "local", "LocalIO", ("local",)))
 
 WRITABLE: tuple[Format, ...] = tuple(fmt for fmt, _, _, names in _ALL if names)
@@ -94,7 +94,7 @@ class Located:
 
 def locate(path: Path | str, local: LocalOptions | None = None) -> Located:
     """The checkpoint at ``path`` (a local path or a URL) and its reader. A NeMo 2 checkpoint's top directory gives
-    its ``weights/`` (:mod:`ckptkit.formats._nemo`). A run directory ``ckptkit.save`` wrote
+    its ``weights/`` (:mod:`ckptkit.formats.megatron.nemo`). A run directory ``ckptkit.save`` wrote
     (``latest``, ``step-NNNNNNNN/``) gives the step ``ckptkit.load`` would read: the one ``latest`` names, once
     what killed saves left there is recovered (:func:`ckptkit.formats.run_directory.latest_step`).
 

@@ -13,8 +13,8 @@ from ..core.manifest import Manifest, ObjectEntry, Span, TensorEntry, TensorRef,
 from ..core.plan import Part, Region
 from ..core.tree import flatten, unflatten
 from ..errors import FormatError, UnsafeCheckpointError
-from ._run_args import RUN_ARGS_GLOBALS
 from .base import cast_for, object_value, regions_in
+from .run_args import RUN_ARGS_GLOBALS
 
 __all__ = ["META", "meta_parts", "read_meta"]
 

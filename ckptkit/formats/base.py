@@ -25,7 +25,7 @@ from ..core.dtypes import DType, parse_floating
 from ..core.manifest import Format, Manifest, ObjectEntry, Path_, TensorEntry, TensorRef, key_of, map_tensor_refs
 from ..core.plan import Region, WritePlan
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
-from ._run_args import RUN_ARGS_GLOBALS
+from .run_args import RUN_ARGS_GLOBALS
 
 __all__ = ["RANK", "FormatIO", "LocalOptions", "ReadOnlyIO", "Target", "FormatOptions", "rank_pattern", "cast_for",
            "index_json", "is_empty_container", "plain_object", "read_index", "regions_in", "scalar_value",

@@ -47,10 +47,11 @@ from ..core.plan import Bytes, FilePlan, Part, Region, WritePlan
 from ..core.tree import dcp_path, from_dcp_path
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError
 from ..io.sources import Files
-from . import _accelerate as accelerate, _megatron as megatron
+from . import _accelerate as accelerate
 from ._dcp_entries import empty_containers, empty_dict, open_whole_entries
 from ._lightning import META, meta_parts, read_meta
 from .base import FormatIO, FormatOptions, Target, cast_for, is_empty_container, object_value, regions_in
+from .megatron import torch_dist as megatron
 
 __all__ = ["DcpIO", "DcpOptions", "check_blobs"]
 
@@ -131,7 +132,7 @@ class DcpOptions(FormatOptions):
     meta_groups: tuple[str, ...] | None = None
     """Top-level groups also written into ``meta.pt`` (:attr:`Target.state_groups`)."""
     megatron: bool = False
-    """Write megatron-core's ``common.pt`` and ``metadata.json`` too (:mod:`._megatron`), so that its
+    """Write megatron-core's ``common.pt`` and ``metadata.json`` too (:mod:`.megatron.torch_dist`), so that its
     ``dist_checkpointing.load`` takes the output."""
     parts: tuple[tuple[str, str], ...] | None = None
     """(top-level group, directory): each group as a DCP checkpoint of its own in that directory, as

@@ -16,7 +16,6 @@ from ..core.manifest import Format, Manifest, ObjectEntry, TensorRef, key_of
 from ..core.plan import Bytes, FilePlan, Region, WritePlan
 from ..core.tree import flatten, unflatten
 from ..errors import FormatError, UsageError
-from ._run_args import RUN_ARGS_GLOBALS
 from .base import (
     FormatIO,
     FormatOptions,
@@ -28,6 +27,7 @@ from .base import (
     regions_in,
     split_files,
 )
+from .run_args import RUN_ARGS_GLOBALS
 
 __all__ = ["SUFFIXES", "FullIO", "FullOptions"]
 

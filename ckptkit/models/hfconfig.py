@@ -12,8 +12,7 @@ from pathlib import Path
 
 from ..core.dtypes import DType
 from ..errors import FormatError, UsageError
-from ..formats._megatron import COMMON, COMMON_STATE, config_of_args, hf_fields
-from ..formats.megatron_legacy import legacy_args
+from ..formats.megatron import COMMON, COMMON_STATE, config_of_args, hf_fields, legacy_args
 from .mapping import read_json
 from .megatron_args import args_config, run_args
 from .table import ModelShape, Preset, model_shape

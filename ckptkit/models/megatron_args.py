@@ -20,17 +20,20 @@ from typing import Any
 
 from ..core.manifest import ObjectEntry
 from ..errors import UsageError
-from ..formats._megatron import (
+from ..formats.dcp import DcpIO
+from ..formats.megatron import (
     COMMON,
     COMMON_STATE,
     COMMON_STATE_KEY,
+    CONTEXT,
+    MODEL_YAML,
     config_of_args,
     hf_fields,
+    nemo2_root,
     read_common,
     read_config,
+    read_model_yaml,
 )
-from ..formats._nemo import CONTEXT, MODEL_YAML, nemo2_root, read_model_yaml
-from ..formats.dcp import DcpIO
 from .table import ModelShape, Preset, Row, model_shape
 
 __all__ = ["ARGS", "MEGATRON_SIDE", "Arg", "RunArgs", "args_config", "common_objects", "for_run", "run_args"]
@@ -136,7 +139,7 @@ def _from_transformer_config(config: dict) -> dict[str, Any]:
 
 def common_objects(root: Path) -> tuple[str, list[ObjectEntry]]:
     """The common state's non-tensor entries of the megatron-core checkpoint ``root``
-    (:func:`ckptkit.formats._megatron.read_common`), and where they were read, for a reader that wants its run
+    (:func:`ckptkit.formats.megatron.read_common`), and where they were read, for a reader that wants its run
     arguments alone. ``common.pt`` is read by itself; a megatron-core 0.19 checkpoint's ``.metadata`` first, to
     find the object.
 

@@ -9,10 +9,8 @@ from pathlib import Path
 from ..core.manifest import Manifest, ObjectEntry, TensorEntry
 from ..errors import UsageError
 from ..formats import FormatIO
-from ..formats._megatron import COMMON, extra_states
-from ..formats._megatron_distopt import has_buckets, split_buckets
-from ..formats._megatron_distopt_join import join_buckets
 from ..formats.dcp import check_blobs
+from ..formats.megatron import COMMON, extra_states, has_buckets, join_buckets, split_buckets
 from ..models.detect import check_family, detect_family
 from ..models.engine import NameTable, listed
 from ..models.hfclass import class_keys

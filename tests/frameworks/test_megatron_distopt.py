@@ -25,7 +25,7 @@ from ckptkit.cli import cli
 from ckptkit.core.dtypes import by_name
 from ckptkit.core.manifest import Manifest
 from ckptkit.formats import read
-from ckptkit.formats._megatron_distopt import split_buckets
+from ckptkit.formats.megatron import split_buckets
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
@@ -150,7 +150,7 @@ def test_split_refuses_the_groups_of_a_run_that_decays_qk_layernorms(runs):
 
 
 def test_convert_to_megatron_refuses_to_join_a_model_outside_megatron_cores_tables(runs, tmp_path):
-    from ckptkit.formats._megatron_distopt_join import join_buckets
+    from ckptkit.formats.megatron import join_buckets
 
     out = runs[1]
     ckptkit.convert(out / "hf", tmp_path / "megatron", to="megatron", hf_assets=out / "assets")

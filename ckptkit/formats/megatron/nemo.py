@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import FormatError
+from ...errors import FormatError
 
 __all__ = ["CONTEXT", "MODEL_YAML", "WEIGHTS", "nemo2_root", "nemo2_weights", "read_model_yaml"]
 

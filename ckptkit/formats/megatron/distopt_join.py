@@ -1,5 +1,5 @@
 """Per-parameter optimizer state joined into megatron-core's ``DistributedOptimizer`` buckets
-(``dp_reshardable``), the inverse of :mod:`._megatron_distopt`, so that megatron-core's own
+(``dp_reshardable``), the inverse of :mod:`.distopt`, so that megatron-core's own
 ``DistributedOptimizer`` load resumes a run converted with ``convert --to megatron``.
 
 The layout is the one ``_ParamAndGradBuffer`` makes for one bucket (``overlap_grad_reduce`` off, megatron-core's
@@ -15,14 +15,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..core.dtypes import by_name
-from ..core.manifest import Chunk, ObjectEntry, Span, TensorEntry
-from ..errors import FormatError
-from ..io.sources import Files
-from ._megatron import COMMON
-from ._megatron_distopt import PREFIX, _listed, _module_order, _Param, aligned
-from ._megatron_groups import megatron_groups
-from .base import object_value, scalar_value
+from ...core.dtypes import by_name
+from ...core.manifest import Chunk, ObjectEntry, Span, TensorEntry
+from ...errors import FormatError
+from ...io.sources import Files
+from ..base import object_value, scalar_value
+from .distopt import PREFIX, _listed, _module_order, _Param, aligned
+from .groups import megatron_groups
+from .torch_dist import COMMON
 
 __all__ = ["join_buckets"]
 

@@ -35,13 +35,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..codecs.torchzip_read import read_archive
-from ..core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef
-from ..core.tree import flatten
-from ..errors import FormatError, IncompleteCheckpointError, UsageError
-from ._megatron import CONFIG
-from ._run_args import RUN_ARGS_GLOBALS
-from .base import ReadOnlyIO, plain_object
+from ...codecs.torchzip_read import read_archive
+from ...core.manifest import Chunk, Format, Manifest, ObjectEntry, Span, TensorEntry, TensorRef
+from ...core.tree import flatten
+from ...errors import FormatError, IncompleteCheckpointError, UsageError
+from ..base import ReadOnlyIO, plain_object
+from ..run_args import RUN_ARGS_GLOBALS
+from .torch_dist import CONFIG
 
 __all__ = ["FILE", "TRACKER", "MegatronLegacyIO", "legacy_args"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import FormatError
+from ...errors import FormatError
 
 __all__ = ["MEGATRON_FIELDS", "megatron_groups"]
 

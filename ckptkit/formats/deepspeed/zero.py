@@ -25,7 +25,7 @@ stage 0 (no ZeRO optimizer files, or bf16's ``BF16_Optimizer``), NVMe offload, u
 counts that disagree with the files, quantized frozen fragments, and ZeRO-3 model files without their optimizer
 files (their parameters are 0-element placeholders).
 
-This module finds the tag directory and its files and loads them as data; :mod:`._deepspeed_zero` locates
+This module finds the tag directory and its files and loads them as data; :mod:`.zero_partitions` locates
 each parameter in them.
 """
 
@@ -35,12 +35,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..codecs.pickle_read import EnumStandIn, allow_records, safe_getattr
-from ..codecs.torchzip_read import read_archive
-from ..core.manifest import Format, Manifest
-from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, UsageError
-from ._deepspeed_zero import ZeroFiles, zero_manifest
-from .base import ReadOnlyIO
+from ...codecs.pickle_read import EnumStandIn, allow_records, safe_getattr
+from ...codecs.torchzip_read import read_archive
+from ...core.manifest import Format, Manifest
+from ...errors import CheckpointError, FormatError, IncompleteCheckpointError, UsageError
+from ..base import ReadOnlyIO
+from .zero_partitions import ZeroFiles, zero_manifest
 
 __all__ = ["DeepSpeedIO", "read_tag", "tag_directory"]
 

@@ -34,16 +34,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..codecs.torchzip_read import read_archive
-from ..codecs.torchzip_write import PartsTensor, archive_parts
-from ..core.dtypes import by_name
-from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry, TensorRef
-from ..core.plan import Bytes, FilePlan, Region, WritePlan
-from ..core.tree import ListIndex
-from ..errors import FormatError, IncompleteCheckpointError, UsageError
-from ._universal_source import Source, read_step, source_of
-from .base import FormatIO, FormatOptions, Target, object_value, plain_object
-from .deepspeed import _GLOBALS, read_tag
+from ...codecs.torchzip_read import read_archive
+from ...codecs.torchzip_write import PartsTensor, archive_parts
+from ...core.dtypes import by_name
+from ...core.manifest import Format, Manifest, ObjectEntry, TensorEntry, TensorRef
+from ...core.plan import Bytes, FilePlan, Region, WritePlan
+from ...core.tree import ListIndex
+from ...errors import FormatError, IncompleteCheckpointError, UsageError
+from ..base import FormatIO, FormatOptions, Target, object_value, plain_object
+from .universal_source import Source, read_step, source_of
+from .zero import _GLOBALS, read_tag
 
 __all__ = ["DeepSpeedUniversalIO", "UniversalOptions"]
 

@@ -33,16 +33,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..codecs.pickle_read import EnumStandIn, allow_plain_records, keep_call
-from ..codecs.torchzip_read import read_archive
-from ..codecs.torchzip_write import archive_parts
-from ..core.dtypes import DType
-from ..core.manifest import Manifest, ObjectEntry, TensorEntry, TensorRef, key_of
-from ..core.plan import Part, Region
-from ..core.tree import flatten, unflatten
-from ..errors import FormatError
-from ._run_args import RUN_ARGS_GLOBALS
-from .base import cast_for, regions_in
+from ...codecs.pickle_read import EnumStandIn, allow_plain_records, keep_call
+from ...codecs.torchzip_read import read_archive
+from ...codecs.torchzip_write import archive_parts
+from ...core.dtypes import DType
+from ...core.manifest import Manifest, ObjectEntry, TensorEntry, TensorRef, key_of
+from ...core.plan import Part, Region
+from ...core.tree import flatten, unflatten
+from ...errors import FormatError
+from ..base import cast_for, regions_in
+from ..run_args import RUN_ARGS_GLOBALS
 
 __all__ = ["COMMON", "COMMON_STATE", "COMMON_STATE_KEY", "CONFIG", "CONFIG_BYTES", "PLAN_GLOBALS",
            "common_parts", "config_bytes", "config_of_args", "extra_states", "hf_fields", "in_dcp", "is_megatron",

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.manifest import Manifest, ObjectEntry, TensorEntry
-from ..errors import FormatError, IncompleteCheckpointError, UsageError
-from ._megatron_distopt import has_buckets
-from .base import object_value, scalar_value
+from ...core.manifest import Manifest, ObjectEntry, TensorEntry
+from ...errors import FormatError, IncompleteCheckpointError, UsageError
+from ..base import object_value, scalar_value
+from ..megatron import has_buckets
 
 __all__ = ["Source", "read_step", "source_of"]
 
@@ -177,7 +177,7 @@ def read_step(src: Source) -> int:
     Raises:
         FormatError: Steps differ between parameters, or one is not a whole number.
     """
-    from ..io.sources import Files
+    from ...io.sources import Files
 
     with Files() as files:
         values = {name: scalar_value(entry, files) for name, entry in src.steps.items()}

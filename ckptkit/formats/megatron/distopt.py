@@ -39,11 +39,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.boxes import range_boxes
-from ..core.manifest import Chunk, Manifest, ObjectEntry, Span, TensorEntry
-from ..core.tree import flatten
-from ..errors import FormatError
-from .base import object_value, plain_object
+from ...core.boxes import range_boxes
+from ...core.manifest import Chunk, Manifest, ObjectEntry, Span, TensorEntry
+from ...core.tree import flatten
+from ...errors import FormatError
+from ..base import object_value, plain_object
 
 __all__ = ["SECTION", "aligned", "has_buckets", "split_buckets"]
 

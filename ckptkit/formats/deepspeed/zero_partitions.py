@@ -1,5 +1,5 @@
 """DEEPSPEED, the partitions: where each parameter of a ZeRO checkpoint lies in the ranks' optimizer files,
-and the manifest those byte ranges make (see :mod:`.deepspeed` for the layout and what the manifest holds).
+and the manifest those byte ranges make (see :mod:`.zero` for the layout and what the manifest holds).
 
 :func:`zero_manifest` takes the tag directory's files, already loaded as data, and checks every structure it
 reads on its way in: param_shapes against the partitions' sizes, the slice mappings, the frozen fragments,
@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..codecs.pickle_read import Call, Record
-from ..core.manifest import Format, Manifest, ObjectEntry, Path_, TensorEntry, TensorRef, key_of
-from ..core.tree import flatten
-from ..errors import FormatError
-from .base import plain_object
-from .local.layout import FlatParam, param_entry
+from ...codecs.pickle_read import Call, Record
+from ...core.manifest import Format, Manifest, ObjectEntry, Path_, TensorEntry, TensorRef, key_of
+from ...core.tree import flatten
+from ...errors import FormatError
+from ..base import plain_object
+from ..local.layout import FlatParam, param_entry
 
 __all__ = ["ZeroFiles", "zero_manifest"]
 
@@ -121,7 +121,7 @@ def zero_manifest(tag: Path, files: ZeroFiles, models: list[dict], optims: list[
         optims: The optimizer files' contents, as data.
 
     Returns:
-        The model, the Adam moments and the param groups, as the module docstring of :mod:`.deepspeed` says.
+        The model, the Adam moments and the param groups, as the module docstring of :mod:`.zero` says.
 
     Raises:
         FormatError: A structure is not what DeepSpeed saves, or the files disagree.
