@@ -124,20 +124,22 @@ def _fp32_weights(universal: Path) -> dict[str, torch.Tensor]:
 
 
 def deepspeed(rank: int, world: int, cells: list[tuple[str, str]], result: str) -> None:
-    """Each ``(name, universal checkpoint)`` resumed by DeepSpeed's engine (ZeRO-2, ``load_universal``); the
-    control's engine starts from the first one's fp32 weights with a fresh optimizer. Rank 0 writes ``result``."""
+    """Each ``(name, universal checkpoint)`` resumed by DeepSpeed's engine (ZeRO-2, ``load_universal``), the first
+    also under ZeRO-3 (``zero3 engine``); the control's engine starts from the first one's fp32 weights with a
+    fresh optimizer. Rank 0 writes ``result``."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     dist.init_process_group("gloo")
     out: dict[str, Any] = {}
-    for name, path in [*cells, ("control", cells[0][1])]:
+    for name, path in [*cells, ("zero3 engine", cells[0][1]), ("control", cells[0][1])]:
         model = mx.hf_model(99)
         if name == "control":
             model.load_state_dict(_fp32_weights(Path(path)))
-        engine = mx.ds_engine(2, model, universal=name != "control")
+        stage = 3 if name == "zero3 engine" else 2
+        engine = mx.ds_engine(stage, model, universal=name != "control")
         if name != "control":
             engine.load_checkpoint(path, load_lr_scheduler_states=False)
         step = engine.global_steps
-        out[name] = {"step": step, "losses": mx.ds_steps(engine, RESUMED), "model": mx.ds_params(engine, 2)}
+        out[name] = {"step": step, "losses": mx.ds_steps(engine, RESUMED), "model": mx.ds_params(engine, stage)}
     mx.report(rank, result, out)
 
 

@@ -166,6 +166,13 @@ def test_resume_matrix_control_with_a_fresh_optimizer_misses_by_far_more_than_th
     assert weights > 100 * TOLERANCE, weights
 
 
+def test_resume_matrix_plain_fsdp2_goes_on_in_deepspeeds_zero3_engine_too(matrix, into_deepspeed):
+    resumed = into_deepspeed["zero3 engine"]
+    assert resumed["step"] == md.SAVED
+    losses, weights = _worst(resumed, matrix["expected"][mx.SOURCES[0]])
+    assert losses < TOLERANCE and weights < TOLERANCE, (losses, weights)
+
+
 def test_convert_to_megatron_joins_the_state_megatron_cores_own_load_restores(matrix_sources, into_megatron, matrix):
     # megatron-core's save -> HF names -> --to megatron: its own load restores every parameter's fp32 main
     # parameter and moments exactly as its run held them at the save.
@@ -195,3 +202,16 @@ def test_convert_into_torchtitan_names_reports_the_optimizer_and_the_training_st
             "does not count tokens)") in report.notes
     assert ("lr_scheduler written for torchtitan's LRSchedulersContainer: last_epoch 3 (from global_steps)"
             in report.notes)
+
+
+def test_convert_to_deepspeed_universal_of_megatron_cores_buckets_without_a_preset_is_refused_in_one_line(
+        matrix_sources, tmp_path):
+    from click.testing import CliRunner
+
+    from ckptkit.cli import cli
+
+    result = CliRunner().invoke(cli, ["convert", str(saved(matrix_sources, "megatron")), str(tmp_path / "uc"), "--to",
+                                      "deepspeed-universal"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert "megatron-core's DistributedOptimizer keeps its state in buckets" in result.stderr
+    assert "--preset megatron-llama" in result.stderr and not (tmp_path / "uc").exists()
