@@ -93,3 +93,24 @@ def test_load_returns_the_optimizers_step_of_a_checkpoint_that_records_no_other(
     for path in (tmp_path / "dcp", tmp_path / "r3"):
         fresh = _llama(tmp_path)
         assert ckptkit.load(path, fresh, optimizer=torch.optim.AdamW(fresh.parameters())).step == 2
+
+
+def test_megatron_groups_are_made_from_each_parameters_hyperparameters_and_refuse_by_name():
+    from ckptkit.errors import FormatError
+    from ckptkit.formats.megatron.groups import megatron_groups
+
+    adam = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8}
+    names = ["embedding.word_embeddings.weight", "decoder.layers.input_layernorm.weight", "output_layer.weight"]
+    plain = {"decoder.layers.input_layernorm.weight"}.__contains__
+    per_param = {n: {**adam, "weight_decay": 0.0 if plain(n) else 0.1} for n in names}  # torchtitan keeps them so
+    assert megatron_groups(per_param, names, plain) == [
+        {**adam, "weight_decay": 0.1, "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False,
+         "is_decoupled_lr": False},
+        {**adam, "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False,
+         "is_decoupled_lr": False}]
+    decayed = {**per_param, names[1]: {**adam, "weight_decay": 0.1}}
+    with pytest.raises(FormatError, match=r"'decoder\.layers\.input_layernorm\.weight' \(a 1-D parameter or bias\) "
+                                          r"trained with weight_decay=0\.1"):
+        megatron_groups(decayed, names, plain)
+    with pytest.raises(FormatError, match=r"no param group holds 'output_layer\.weight'"):
+        megatron_groups({n: f for n, f in per_param.items() if n != names[2]}, names, plain)

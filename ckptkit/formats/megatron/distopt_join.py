@@ -127,7 +127,8 @@ def _parsed(state: tuple[TensorEntry | ObjectEntry, ...], section: str, params: 
 def join_buckets(model: tuple[TensorEntry, ...], state: tuple[TensorEntry | ObjectEntry, ...], section: str
                  ) -> tuple[tuple[TensorEntry, ...], tuple[ObjectEntry, ...]]:
     """The buckets, their objects and ``common.pt``'s sharding type of the per-parameter optimizer state
-    ``state`` (``<section>.state.<tensor>.<slot>``, ``<section>.param_groups.<i>.<field>``, under megatron-core's
+    ``state`` (``<section>.state.<tensor>.<slot>``, and ``<section>.param_groups.<i>.<field>`` or, kept per
+    parameter as torchtitan keeps them, ``<section>.param_groups.<tensor>.<field>``, under megatron-core's
     names) of ``model`` (megatron-core's names and shapes).
 
     Args:
@@ -140,7 +141,7 @@ def join_buckets(model: tuple[TensorEntry, ...], state: tuple[TensorEntry | Obje
 
     Raises:
         FormatError: a model outside megatron-core's GPTModel tables, weights other than float32, state other than
-            Adam's, or param groups megatron-core's default grouping does not make.
+            Adam's, or hyperparameters megatron-core's grouping cannot hold (:func:`.groups.megatron_groups`).
     """
     params = _module_order(_listed(list(model)))
     if params is None:
