@@ -123,19 +123,26 @@ def _fp32_weights(universal: Path) -> dict[str, torch.Tensor]:
     return {p.name: torch.load(p / "fp32.pt", weights_only=True)["param"] for p in tag.iterdir() if p.is_dir()}
 
 
-def _put_back_groups(engine, universal: Path) -> None:
-    """DeepSpeed 0.19.8's ZeRO-3 universal load gives the first saved group's hyperparameters to every group
-    (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``), its own checkpoints' too: put back each group's
-    from ``optimizer_state.pt``, by position, as ZeRO-1 and ZeRO-2 load them."""
+def _undo_zero3_load(engine, universal: Path) -> bool:
+    """Undo what DeepSpeed 0.19.8's ZeRO-3 universal load (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``)
+    does to any universal checkpoint, its own included: it gives the first saved group's hyperparameters to every
+    group (put back each group's from ``optimizer_state.pt``, by position, as ZeRO-1 and ZeRO-2 load them), and
+    one ``step`` tensor to every sub-group's state, which Adam then advances once per sub-group each step (each
+    gets its own). Returns whether the step was shared."""
     tag = universal / (universal / "latest_universal").read_text().strip()
     saved = torch.load(tag / "zero" / "optimizer_state.pt", weights_only=True)["param_groups"]
     for group, fields in zip(engine.optimizer.param_groups, saved, strict=True):
         group.update({k: v for k, v in fields.items() if k != "params"})
+    states = list(engine.optimizer.optimizer.state.values())
+    shared = len({id(s["step"]) for s in states}) < len(states)
+    for state in states:
+        state["step"] = state["step"].clone()
+    return shared
 
 
 def deepspeed(rank: int, world: int, cells: list[tuple[str, str]], result: str) -> None:
     """Each ``(name, universal checkpoint)`` resumed by DeepSpeed's engine (ZeRO-2, ``load_universal``), the first
-    also under ZeRO-3 (``zero3 engine``: each group's hyperparameters put back after the load); the control's
+    also under ZeRO-3 (``zero3 engine``, with :func:`_undo_zero3_load` after the load); the control's
     engine starts from the first one's fp32 weights with a fresh optimizer. Rank 0 writes ``result``."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     dist.init_process_group("gloo")
@@ -151,7 +158,7 @@ def deepspeed(rank: int, world: int, cells: list[tuple[str, str]], result: str) 
         decay = [g["weight_decay"] for g in engine.optimizer.param_groups]
         loaded = {"step": engine.global_steps, "weight_decay": decay}
         if stage == 3:
-            _put_back_groups(engine, Path(path))
+            loaded["shared_step"] = _undo_zero3_load(engine, Path(path))
         out[name] = {**loaded, "losses": mx.ds_steps(engine, RESUMED), "model": mx.ds_params(engine, stage)}
     mx.report(rank, result, out)
 

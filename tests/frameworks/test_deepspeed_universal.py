@@ -57,7 +57,8 @@ def test_convert_to_deepspeed_universal_writes_the_step3_state_as_torch_loads_it
     assert report.notes == ("2 param groups, whose first parameters are model.embed_tokens.weight, "
                             "model.layers.0.input_layernorm.weight: DeepSpeed's load gives their hyperparameters to "
                             "the engine's groups by position, so build those in this order; under ZeRO-3 its load "
-                            "gives the first group's to every group, so set the others' after it",)
+                            "gives the first group's to every group and one step tensor to all, so set the others' "
+                            "and copy the step after it",)
     verified = CliRunner().invoke(cli, ["verify", str(src), str(out)])
     assert verified.exit_code == 0 and verified.output.endswith("identical\n"), verified.output
 

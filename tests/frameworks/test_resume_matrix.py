@@ -169,9 +169,10 @@ def test_resume_matrix_control_with_a_fresh_optimizer_misses_by_far_more_than_th
 def test_resume_matrix_plain_fsdp2_goes_on_in_deepspeeds_zero3_engine_too(matrix, into_deepspeed):
     resumed = into_deepspeed["zero3 engine"]
     assert resumed["step"] == md.SAVED
-    # DeepSpeed 0.19.8's ZeRO-3 load gives the first group's weight decay to both (ZeRO-2's keeps each group's);
-    # the resume puts the saved ones back. If this fails, DeepSpeed loads them itself: drop the put-back.
+    # DeepSpeed 0.19.8's ZeRO-3 load gives the first group's weight decay to both (ZeRO-2's keeps each group's)
+    # and one step tensor to both sub-groups; the resume undoes both. If this fails, DeepSpeed loads them itself.
     assert resumed["weight_decay"] == [mx.WD, mx.WD] and into_deepspeed["fsdp2"]["weight_decay"] == [mx.WD, 0.0]
+    assert resumed["shared_step"]
     losses, weights = _worst(resumed, matrix["expected"][mx.SOURCES[0]])
     assert losses < TOLERANCE and weights < TOLERANCE, (losses, weights)
 

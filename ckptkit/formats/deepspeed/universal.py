@@ -93,7 +93,8 @@ class DeepSpeedUniversalIO(FormatIO):
             firsts = ", ".join(names[0] for _, names in src.groups if names)
             notes.append(f"{len(src.groups)} param groups, whose first parameters are {firsts}: DeepSpeed's load gives "
                          "their hyperparameters to the engine's groups by position, so build those in this order; "
-                         "under ZeRO-3 its load gives the first group's to every group, so set the others' after it")
+                         "under ZeRO-3 its load gives the first group's to every group and one step tensor to all, so "
+                         "set the others' and copy the step after it")
         if src.left_out:
             notes.append("left out: " + ", ".join(src.left_out) + " (a universal checkpoint holds the model and "
                          "the optimizer; gradient clipping and loss scaling come from the engine's config)")
