@@ -91,6 +91,8 @@ class Target:
     state_groups: tuple[str, ...] | None = None
     """Top-level groups that are neither the model nor optimizer state, for a format with
     :attr:`FormatIO.keeps_state_apart`; None: only what the source kept apart."""
+    cast: DType | None = None
+    """Floating tensors are cast to this dtype, by a format with :attr:`FormatIO.casts`; None: kept."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -103,6 +105,10 @@ class FormatOptions:
 
     cast: DType | None = None
     """Floating tensors are cast to this dtype; others keep theirs."""
+
+    def cast_of(self, tensor: TensorEntry) -> DType | None:
+        """The dtype ``tensor`` is written in when that is not its own."""
+        return cast_for(tensor.dtype, self.cast)
 
 
 class FormatIO(abc.ABC):
@@ -122,6 +128,8 @@ class FormatIO(abc.ABC):
     keeps_state_apart: ClassVar[bool] = False
     """Writes the training state that is neither model nor optimizer apart (Lightning's ``meta.pt``), given as
     :attr:`Target.state_groups`."""
+    casts: ClassVar[bool] = False
+    """Writes floating tensors in the dtype :attr:`Target.cast` asks (``convert --dtype``)."""
 
     @classmethod
     @abc.abstractmethod

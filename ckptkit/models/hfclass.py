@@ -15,6 +15,7 @@ custom code (``auto_map``), which is not run.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +23,16 @@ from dataclasses import dataclass
 from .classcache import remembered
 from .hfconfig import model_class
 
-__all__ = ["ClassKeys", "class_keys"]
+__all__ = ["CHECK_ENV", "ClassKeys", "check_asked", "class_keys"]
+
+CHECK_ENV = "CKPTKIT_CLASS_CHECK"
+"""Set to ``0`` to skip the check: asking transformers the first time imports torch and its model code (seconds,
+some 300 MB); the report then says the output was not checked."""
+
+
+def check_asked() -> bool:
+    """Whether the class check runs: unless ``$CKPTKIT_CLASS_CHECK`` is ``0`` (or ``off``, ``false``, ``no``)."""
+    return os.environ.get(CHECK_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 @dataclass(frozen=True)

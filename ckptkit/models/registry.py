@@ -12,7 +12,7 @@ from ..errors import UsageError
 from . import families
 from .table import Preset, Unmapped
 
-__all__ = ["DETECT", "MEGATRON", "MEGATRON_REFUSED", "PRESETS", "UNMAPPED", "preset"]
+__all__ = ["DETECT", "MEGATRON", "MEGATRON_REFUSED", "PRESETS", "UNMAPPED", "preset", "unknown_preset"]
 
 # The framework modules first, so that ``--help`` and ``ckptkit presets`` list the converting tables before
 # the checking ones; every other module follows in name order.
@@ -76,4 +76,14 @@ def preset(name: str) -> Preset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise UsageError(f"--preset {name!r}: unknown; expected one of {', '.join(PRESETS)}") from None
+        raise UsageError(f"--preset {name!r}: {unknown_preset(name)}") from None
+
+
+def unknown_preset(name: str, also: tuple[str, ...] = ()) -> str:
+    """Why ``name`` is no preset, in a few words: the nearest name (of :data:`PRESETS` and ``also``), and where
+    the list of all of them is."""
+    import difflib
+
+    close = difflib.get_close_matches(name, [*also, *PRESETS], n=1, cutoff=0.6)
+    guess = f"did you mean {close[0]}? " if close else ""
+    return f"unknown; {guess}'ckptkit presets' lists every preset"

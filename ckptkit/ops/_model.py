@@ -13,7 +13,7 @@ from ..formats.dcp import check_blobs
 from ..formats.megatron import COMMON, extra_states, has_buckets, join_buckets, split_buckets
 from ..models.detect import check_family, detect_family
 from ..models.engine import NameTable, listed
-from ..models.hfclass import class_keys
+from ..models.hfclass import CHECK_ENV, check_asked, class_keys
 from ..models.hfconfig import check_single_file, find_config
 from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
 from ..models.megatron_args import MEGATRON_SIDE, for_run, run_args
@@ -246,6 +246,9 @@ def check_class(config: dict, keys: list[str], where: str, keep_names: bool, map
     """
     if mapped_by is not None and config.get("model_type") in PRESETS[mapped_by].model_types:
         return ()
+    if not check_asked():
+        return (f"not checked against transformers' class of {where} ({CHECK_ENV}=0): keys it would not load, or "
+                "weights it would initialise afresh, are not found",)
     found = class_keys(config, keys)
     if found is None:
         return ()

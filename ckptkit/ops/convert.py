@@ -17,18 +17,22 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
+from ..core.dtypes import CastName, DType, parse_cast
 from ..core.manifest import Format, FormName, Manifest
 from ..core.plan import FilePlan, WritePlan
+from ..core.reshape import computed_in
 from ..errors import UsageError
 from ..formats import FormatIO, FormatOptions, LocalOptions, Target, locate, writer_for
+from ..formats.base import cast_for
 from ..formats.dcp import check_blobs
-from ..formats.replace import check_replaceable
+from ..formats.replace import Replacement, check_replaceable, replacement
 from ..io.execute import all_ranks, execute_distributed
 from ..io.options import WriteOptions
 from ..io.parallel import execute_parallel, writers
 from ..io.progress import progress_bar
 from ..io.storage import Storage, storage_at
 from ..models.mapping import KeyMapSource, Renames
+from ..models.quantized import Dequantized, dequantize
 from ._model import key_mapping_for, model_part
 from ._options import WriteKeywords, storage_of, write_options
 from .report import Changes, Report
@@ -108,17 +112,32 @@ def write(manifest: Manifest, io: FormatIO, dst: Path | str, target: Target | Fo
     # Decoded now, whatever the target: a DCP writer copies them verbatim, and a damaged one means a checkpoint
     # torch cannot load, which no output may hide.
     check_blobs(manifest)
-    plan = io.plan(manifest, io.options(target, manifest) if isinstance(target, Target) else target)
+    layout = io.options(target, manifest) if isinstance(target, Target) else target
+    plan = io.plan(computed_in_written_dtypes(manifest, layout), layout)
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file, commit=plan.commit)
+    replaced = Replacement()
     if options.overwrite:
         check_replaceable(out, single_file=plan.single_file)
+        replaced = replacement(out, plan)
+        plan = dataclasses.replace(plan, kept=replaced.kept)
     n, why = _execute(plan, storage, out, sources, options, io.format.value)
     ws = target.world_size if isinstance(target, Target) and io.ranked else None
     # A single-file output is DST itself, whatever name the plan gave its one file.
     written = tuple((out.name if plan.single_file else f.relpath, f.nbytes) for f in plan.files)
     return Report(manifest.root, manifest.format, str(dst), io.format, len(manifest.tensors), len(manifest.objects),
                   plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes, written,
-                  changes.renamed, changes.dropped, changes.cast, changes.permuted, options.dry_run, n, why)
+                  changes.renamed, changes.dropped, changes.cast, changes.permuted, options.dry_run, n, why,
+                  kept=replaced.kept, removed=replaced.removed)
+
+
+def computed_in_written_dtypes(manifest: Manifest, layout: FormatOptions) -> Manifest:
+    """``manifest`` with each computed tensor that ``layout`` casts computed straight into its written dtype
+    where that gives the same bits (:func:`ckptkit.core.reshape.computed_in`: an FP8 dequantization into bf16
+    writes no float32 copy first)."""
+    tensors = tuple(computed_in(t, layout.cast_of(t)) for t in manifest.tensors)
+    if all(a is b for a, b in zip(tensors, manifest.tensors, strict=True)):
+        return manifest
+    return dataclasses.replace(manifest, tensors=tensors)
 
 
 def _execute(plan: WritePlan, storage: Storage, out: Path, sources: tuple[Path, ...], options: WriteOptions,
@@ -147,7 +166,8 @@ def _a(name: str) -> str:
 
 @all_ranks
 def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal["megatron", "deepspeed-universal"],
-            world_size: int | None = None, max_shard_size: int | str | None = None, local: LocalOptions | None = None,
+            world_size: int | None = None, max_shard_size: int | str | None = None, dtype: CastName = "keep",
+            local: LocalOptions | None = None,
             preset: str | None = None, renames: Renames = (), key_map: KeyMapSource = None, strict_map: bool = False,
             hf_assets: Path | str | None = None, megatron_args: dict | None = None,
             options: WriteOptions | None = None, **write_keywords: Unpack[WriteKeywords]) -> Report:
@@ -172,6 +192,9 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
         world_size: Ranks of a ``sharded``, ``local`` or ``megatron`` output (default: the source's, 1 for a
             single-file source); the other forms have no ranks and refuse more than 1.
         max_shard_size: Largest output file of a FULL or HF output (``"5GB"``, ``"1GiB"`` or bytes); None: one file.
+        dtype: ``keep``, or the cast of floating tensors (``bf16``, ``fp16``, ``fp32`` or their long names) of a
+            ``full``, ``sharded``, ``megatron`` or ``hf`` output; quantized weights (FP8 blocks, MXFP4) are then
+            written as values, their scales left out (:mod:`ckptkit.models.quantized`).
         local: How to read or write a LOCAL checkpoint: rank file names, and how FSDP wraps the model.
         preset: A named key mapping (:data:`ckptkit.models.registry.PRESETS`), mapping towards HF names for ``hf``
             (default there: ``"auto"``, the family's, told by config.json's ``model_type`` and the keys), and a
@@ -196,16 +219,38 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     """
     options = write_options(options, write_keywords)
     io = writer_for(to, local)
+    cast = _cast(dtype, io)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     mapping = key_mapping_for(io, to, src, hf_assets, preset, renames, key_map, strict_map, megatron_args)
     found = locate(src, local)
     manifest = found.reader.read(found.path)
     world_size, notes = _world_size(world_size, manifest, io)
+    manifest, values = _values(manifest, cast, dtype)
     manifest, changes, model_notes = model_part(manifest, io, to, mapping, found.path, hf_assets, megatron_args)
     target = Target(to=to, destination=str(dst), world_size=world_size, max_shard_size=parse_size(max_shard_size),
-                    state_groups=meta_groups(manifest) if io.keeps_state_apart else None)
-    return write(manifest, io, dst, target, options, src=src, notes=_read_from(found.note) + notes + model_notes,
-                 changes=changes)
+                    state_groups=meta_groups(manifest) if io.keeps_state_apart else None, cast=cast)
+    casts = tuple((t.key, c.name) for t in manifest.tensors if (c := cast_for(t.dtype, cast)) is not None)
+    changes = dataclasses.replace(changes, dropped=values.dropped + changes.dropped, cast=casts)
+    return write(manifest, io, dst, target, options, src=src,
+                 notes=_read_from(found.note) + notes + values.notes() + model_notes, changes=changes)
+
+
+def _cast(dtype: str, io: FormatIO) -> DType | None:
+    """The cast ``--dtype`` asks of ``io``'s output."""
+    cast = parse_cast(dtype)
+    if cast is not None and not io.casts:
+        raise UsageError(f"--dtype {dtype}: {_a(io.format.value)} checkpoint is written in its source's dtypes "
+                         "(--to full, sharded, megatron or hf cast)")
+    return cast
+
+
+def _values(manifest: Manifest, cast: DType | None, dtype: str) -> tuple[Manifest, Dequantized]:
+    """``manifest`` with its quantized weights as values where ``cast`` writes values
+    (:mod:`ckptkit.models.quantized`)."""
+    if cast is None:
+        return manifest, Dequantized(manifest.tensors)
+    found = dequantize(manifest.tensors, f"--dtype {dtype}")
+    return dataclasses.replace(manifest, tensors=found.tensors), found
 
 
 def _read_from(note: str | None) -> tuple[str, ...]:
