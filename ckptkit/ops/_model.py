@@ -21,11 +21,12 @@ from ..models.registry import MEGATRON, MEGATRON_REFUSED, PRESETS, preset
 from ..models.table import ModelShape, Preset
 from ..models.unmapped import refuse_unmapped
 from ._optimizer import Entry, MapFn, carry_training_state
+from ._step import saved_step
 from .report import Changes
 from .select import ModelSelection, optimizer_sections, select_model
 
-__all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "Resolved", "check_class", "check_megatron_args", "key_mapping_for",
-           "map_model", "megatron_preset", "model_part", "resolve_mapping"]
+__all__ = ["TO_MEGATRON", "Resolved", "check_class", "check_megatron_args", "key_mapping_for",
+           "map_model", "megatron_common", "megatron_preset", "model_part", "resolve_mapping"]
 
 TO_MEGATRON = "megatron"
 """The ``--to`` name of a megatron-core checkpoint: SHARDED, with megatron-core's names and files."""
@@ -90,7 +91,11 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
         if config is not None and config.is_hf:
             notes += check_class(config.data, [t.key for t in tensors], str(config.path), mapping.preset is None,
                                  mapped_by)
-    objects = (*extra_states(tensors), *MEGATRON_STEP_0) if to == TO_MEGATRON else ()
+    objects: tuple[ObjectEntry, ...] = ()
+    if to == TO_MEGATRON:
+        step = saved_step(manifest)
+        objects = (*extra_states(tensors), *megatron_common(step.value if step else 0))
+        notes += (f"common.pt: iteration {step.value}, the step the source records ({step.where})",) if step else ()
     if to == TO_MEGATRON and megatron_args:
         notes += ("common.pt holds no run arguments (Megatron-LM checks a checkpoint's against its own): pass the "
                   "same --megatron-args to read this checkpoint back",)
@@ -194,10 +199,11 @@ def check_megatron_args(megatron_args: dict | None, preset_name: str | None) -> 
                          f"--preset {preset_name or 'none'}")
 
 
-MEGATRON_STEP_0 = tuple(ObjectEntry(k, (k,), v, sidecar=COMMON) for k, v in (("checkpoint_version", 3.0),
-                                                                              ("iteration", 0)))
-"""``common.pt`` of a model written for megatron-core: the state Megatron-LM's loader reads beside the model
-(its checkpoint format version, and the step, 0), and no run arguments or optimizer."""
+def megatron_common(iteration: int) -> tuple[ObjectEntry, ...]:
+    """``common.pt`` of a model written for megatron-core: the state Megatron-LM's loader reads beside the model
+    (its checkpoint format version, and the step, ``iteration``), and no run arguments or optimizer."""
+    return tuple(ObjectEntry(k, (k,), v, sidecar=COMMON) for k, v in (("checkpoint_version", 3.0),
+                                                                      ("iteration", iteration)))
 
 
 def megatron_preset(src: Path, hf_assets: Path | str | None, preset: str | None) -> str:
