@@ -240,3 +240,22 @@ def test_write_files_streams_a_row_gather_as_torch_indexes_it(tmp_path, cast):
     got = torch.frombuffer(bytearray((tmp_path / "out" / "w.bin").read_bytes()), dtype=cast or torch.float32)
     want = w[list(rows)]
     assert_tensor_identical(got.reshape(6, 5), want.to(cast) if cast else want)
+
+
+def test_units_write_framing_that_follows_framing_as_one_unit_and_a_whole_file_slice_keeps_its_size(tmp_path):
+    # A DCP rank file is framing, a chunk, framing, framing, a chunk...: a chunk's tail and the next chunk's head
+    # make one write unit, and the bytes land where the parts say.
+    from ckptkit.core.split import Slice
+
+    data = tmp_path / "src.bin"
+    data.write_bytes(bytes(range(64)))
+    entry = TensorEntry("t", ("t",), by_name("uint8"), (64,), (Chunk((0,), (64,), Span(str(data), 0, 64)),))
+    parts = (Bytes(b"head"), Region(entry, (0,), (8,)), Bytes(b"tail"), Bytes(b"HEAD"), Region(entry, (8,), (8,)),
+             Bytes(b"end"))
+    got = list(moves.units(parts, 0, 1 << 20))
+    assert [type(u).__name__ for u in got] == ["Literal", "Read", "Literal", "Read", "Literal"]
+    assert (got[2].dst, bytes(got[2].data)) == (12, b"tailHEAD") and (got[4].dst, bytes(got[4].data)) == (28, b"end")
+    plan = FilePlan("out.bin", parts)
+    assert Slice.whole(plan).nbytes == plan.nbytes == 31
+    write_files((plan,), tmp_path)
+    assert (tmp_path / "out.bin").read_bytes() == b"head" + bytes(range(8)) + b"tailHEAD" + bytes(range(8, 16)) + b"end"
