@@ -207,3 +207,23 @@ def test_layers_no_module_outside_storage_asks_whether_a_path_is_a_url():
             if named == "is_url" or isinstance(node, ast.alias) and node.name == "is_url":
                 wrong.append(f"{path.relative_to(ROOT.parent)}:{getattr(node, 'lineno', '?')}")
     assert not wrong, "is_url outside ckptkit/io/storage/ (ask the path's Storage instead):\n" + "\n".join(wrong)
+
+
+# The packages whose modules keep to each other's public names: a `_private` module is its package's own.
+PUBLIC_ONLY = ("formats", "models", "ops")
+
+
+def _package(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _private(module: str) -> bool:
+    """A ``_``-prefixed module (not a package's ``__init__``), other than those usable by all."""
+    return (layer(module) not in ("_version", "errors") and module.rpartition(".")[2].startswith("_")
+            and MODULES[module].name != "__init__.py")
+
+
+def test_layers_no_package_imports_a_private_module_of_another():
+    wrong = [_where(imp) for imp in INTERNAL if layer(imp.importer) in PUBLIC_ONLY and _private(imp.imported)
+             and _package(imp.importer) != imp.imported.rpartition(".")[0]]
+    assert not wrong, "private modules imported from another package (import its public names):\n" + "\n".join(wrong)
