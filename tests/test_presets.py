@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ckptkit.errors import UsageError
+from ckptkit.models.preset import ModelShape, model_shape, rotary_rows
 from ckptkit.models.registry import PRESETS, preset
-from ckptkit.models.table import ModelShape, model_shape, rotary_rows
 
 
 def interleaved_to_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from .engine import NameTable, listed, nearest, unknown_keys
+from .apply import NameTable, listed, nearest, unknown_keys
+from .preset import Preset
 from .registry import PRESETS
-from .table import Preset
 
 __all__ = ["FRAMEWORKS", "Detected", "Framework", "check_family", "detect_family", "recognise"]
 

@@ -15,7 +15,7 @@ from ..errors import FormatError, UsageError
 from ..formats.megatron import COMMON, COMMON_STATE, config_of_args, hf_fields, legacy_args
 from .mapping import read_json
 from .megatron_args import args_config, run_args
-from .table import ModelShape, Preset, model_shape
+from .preset import ModelShape, Preset, model_shape
 
 __all__ = ["INPUT_EMBEDDINGS", "TIE_DEFAULTS", "ModelConfig", "check_single_file", "find_config", "keep_in_fp32",
            "model_class",

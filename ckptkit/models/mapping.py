@@ -25,9 +25,9 @@ from typing import Any
 
 from ..core.manifest import TensorEntry
 from ..errors import UsageError
-from .engine import Source, apply_preset, listed
+from .apply import Source, apply_preset, listed
+from .preset import ModelShape, Preset
 from .registry import preset as preset_named
-from .table import ModelShape, Preset
 
 __all__ = ["KeyMapSource", "KeyMapping", "MappedKeys", "Renames", "key_mapping", "map_keys", "parse_rename",
            "read_json", "read_key_map", "rename_keys"]

@@ -34,7 +34,7 @@ from ..formats.megatron import (
     read_config,
     read_model_yaml,
 )
-from .table import ModelShape, Preset, Row, model_shape
+from .preset import ModelShape, Preset, Row, model_shape
 
 __all__ = ["ARGS", "MEGATRON_SIDE", "Arg", "RunArgs", "args_config", "common_objects", "for_run", "run_args"]
 

@@ -18,7 +18,7 @@ from typing import Any
 from ..core.manifest import TensorEntry
 from ..errors import UsageError
 from .megatron_args import RunArgs
-from .table import Preset
+from .preset import Preset
 
 __all__ = ["ARCHITECTURES", "hf_config"]
 

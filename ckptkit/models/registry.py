@@ -10,7 +10,7 @@ from types import ModuleType
 
 from ..errors import UsageError
 from . import families
-from .table import Preset, Unmapped
+from .preset import Preset, Unmapped
 
 __all__ = ["DETECT", "MEGATRON", "MEGATRON_REFUSED", "PRESETS", "UNMAPPED", "preset"]
 

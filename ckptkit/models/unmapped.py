@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..errors import UsageError
-from .nametable import pattern
+from .matching import pattern
 from .registry import UNMAPPED
 
 __all__ = ["refuse_unmapped"]

@@ -11,14 +11,14 @@ from ..errors import UsageError
 from ..formats import FormatIO
 from ..formats.dcp import check_blobs
 from ..formats.megatron import COMMON, extra_states, has_buckets, join_buckets, split_buckets
+from ..models.apply import NameTable, listed
 from ..models.detect import check_family, detect_family
-from ..models.engine import NameTable, listed
 from ..models.hfclass import class_keys
 from ..models.hfconfig import check_single_file, find_config
 from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping, map_keys
 from ..models.megatron_args import MEGATRON_SIDE, for_run, run_args
+from ..models.preset import ModelShape, Preset
 from ..models.registry import MEGATRON, MEGATRON_REFUSED, PRESETS, preset
-from ..models.table import ModelShape, Preset
 from ..models.unmapped import refuse_unmapped
 from ._optimizer import Entry, MapFn, carry_training_state
 from .report import Changes

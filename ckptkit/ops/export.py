@@ -173,7 +173,7 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
             (:mod:`ckptkit.ops._fp8`).
         max_shard_size: Largest safetensors file (``"5GB"``, ``"1GiB"`` or bytes); None: one file.
         strip_prefixes: Further leading key prefixes to strip.
-        strip_wrappers: Strip the wrapper names (:mod:`ckptkit.models.names`).
+        strip_wrappers: Strip the wrapper names (:mod:`ckptkit.models.wrappers`).
         hf_assets: An HF model directory whose files are copied (default: the checkpoint's, verl's ``huggingface/``).
         preset: A key mapping towards HF names; ``auto`` picks the family's for torchtitan's names, None none.
         renames: ``'REGEX=REPLACEMENT'`` renames, applied in order.

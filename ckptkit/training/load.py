@@ -20,7 +20,7 @@ from ..formats._accelerate import PARTS, is_save_state, trainer_step
 from ..formats.deepspeed import DeepSpeedIO, tag_directory
 from ..io.execute import gloo_group
 from ..io.sources import Files, read_region
-from ..models.names import strip_wrapper_names
+from ..models.wrappers import strip_wrapper_names
 from ..ops import checksums
 from ..ops.select import ModelSelection, optimizer_sections, select_model
 from .fsdp1_offload import settle_offloaded_fsdp1

@@ -3,7 +3,7 @@ checked as they are (Qwen2, Mistral)."""
 
 from __future__ import annotations
 
-from ..table import Row
+from ..preset import Row
 
 __all__ = ["META", "TITAN", "hf_names", "llama_rows", "renames", "weights_and_biases"]
 

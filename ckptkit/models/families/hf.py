@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..table import Preset
+from ..preset import Preset
 from ._llama import hf_names
 
 __all__ = ["PRESETS"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..table import Preset, Row
+from ..preset import Preset, Row
 from ._llama import weights_and_biases
 from .torchtitan import DEEPSEEK_V3_ROWS
 

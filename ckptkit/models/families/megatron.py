@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..table import Preset, Row
+from ..preset import Preset, Row
 
 __all__ = ["PRESETS", "REFUSED"]
 

@@ -3,7 +3,7 @@ files and torchtitan <= 0.2 use too."""
 
 from __future__ import annotations
 
-from ..table import Preset
+from ..preset import Preset
 from ._llama import META, llama_rows
 
 __all__ = ["PRESETS"]

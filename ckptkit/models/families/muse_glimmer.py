@@ -11,7 +11,7 @@ blocks are numbered ``{v}``.
 
 from __future__ import annotations
 
-from ..table import Heads, Preset, Row
+from ..preset import Heads, Preset, Row
 from ._llama import renames
 
 __all__ = ["PRESETS"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from ..table import Buffer, Count, Preset, Row
+from ..preset import Buffer, Count, Preset, Row
 from ._llama import renames, weights_and_biases
 from .torchtitan import EXPERT_BIAS
 

@@ -9,7 +9,7 @@ Older torchtitan spellings are read too. ``--preset auto`` picks a table by ``co
 
 from __future__ import annotations
 
-from ..table import Buffer, Heads, Preset, Row, Unmapped
+from ..preset import Buffer, Heads, Preset, Row, Unmapped
 from ._llama import META as _META, TITAN as _TITAN, llama_rows, renames
 
 __all__ = ["DEEPSEEK_V3_ROWS", "EXPERT_BIAS", "PRESETS", "UNMAPPED"]

@@ -7,10 +7,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .complete import listed
-from .names import RECOMPUTED
+from .completeness import listed
+from .preset import Preset, Row
 from .registry import PRESETS
-from .table import Preset, Row
+from .wrappers import RECOMPUTED
 
 __all__ = ["Match", "NameTable", "advice", "nearest", "pattern", "unknown_keys"]
 
@@ -66,7 +66,7 @@ def nearest(keys: Sequence[str], presets: Sequence[Preset], hf: bool = False) ->
 
 def advice(p: Preset, unknown: Sequence[str], towards: bool) -> str:
     """What to do about keys that preset ``p``'s table does not know. Only what a consumer rebuilds itself
-    (:data:`ckptkit.models.names.RECOMPUTED`) may be left out: leaving out a weight gives a model that loads
+    (:data:`ckptkit.models.wrappers.RECOMPUTED`) may be left out: leaving out a weight gives a model that loads
     with that weight initialised afresh."""
     weights = [k for k in unknown if not RECOMPUTED.search(k)]
     if not weights:

@@ -2,7 +2,7 @@
 become Hugging Face's, and back.
 
 A :class:`Preset` is a table of :class:`Row`\\ s. Nothing here reads a file or imports torch:
-:mod:`ckptkit.models.engine` applies a table to a manifest's entries, building each output tensor from byte
+:mod:`ckptkit.models.apply` applies a table to a manifest's entries, building each output tensor from byte
 ranges of the input (:mod:`ckptkit.core.reshape`) or as a computed tensor (a transpose, an FP8
 dequantization), so that an adapted model streams like any conversion.
 

@@ -1,4 +1,4 @@
-"""A preset's table (:mod:`ckptkit.models.table`) applied to a model's tensors, as pure planning.
+"""A preset's table (:mod:`ckptkit.models.preset`) applied to a model's tensors, as pure planning.
 
 Call order: :func:`apply_preset` with the tensors (each with the key it came from), the preset, the model's
 shape and the direction. It matches every key to a row (a key no row knows is refused, never passed through),
@@ -31,9 +31,9 @@ from ..core.reshape import (
     unstack,
 )
 from ..errors import UsageError
-from .complete import Source, buffers, check_complete, fill, listed
-from .nametable import Match, NameTable, advice, nearest, unknown_keys
-from .table import CONFIG_NAMES, STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
+from .completeness import Source, buffers, check_complete, fill, listed
+from .matching import Match, NameTable, advice, nearest, unknown_keys
+from .preset import CONFIG_NAMES, STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
 
 __all__ = ["Adapted", "NameTable", "Source", "advice", "apply_preset", "listed", "nearest", "unknown_keys"]
 Binding = tuple[tuple[str, str], ...]
