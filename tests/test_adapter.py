@@ -15,8 +15,10 @@ from ckptkit.codecs.safetensors_header import read_header
 from ckptkit.core.plan import FilePlan, Region
 from ckptkit.errors import UsageError
 from ckptkit.io.storage.local.writer import write_files
-from ckptkit.models.apply import Source, apply_preset
-from ckptkit.models.preset import ModelShape, Preset, Row
+from ckptkit.models.apply import apply_preset
+from ckptkit.models.completeness import Source
+from ckptkit.models.preset import Preset, Row
+from ckptkit.models.shape import ModelShape
 
 LAYERS, HEADS, GROUPS, HEAD_DIM, DIM, FFN = 3, 4, 2, 2, 5, 6
 SHAPE = ModelShape(HEAD_DIM, HEADS, GROUPS, LAYERS, False, "config.json")

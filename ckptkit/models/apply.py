@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.dtypes import by_name
@@ -32,10 +33,11 @@ from ..core.reshape import (
 )
 from ..errors import UsageError
 from .completeness import Source, buffers, check_complete, fill, listed
-from .matching import Match, NameTable, advice, nearest, unknown_keys
-from .preset import CONFIG_NAMES, STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
+from .matching import Match, NameTable, advice
+from .preset import STACK_FIELDS, TRANSFORMS, Preset, Row
+from .shape import CONFIG_NAMES, ModelShape
 
-__all__ = ["Adapted", "NameTable", "Source", "advice", "apply_preset", "listed", "nearest", "unknown_keys"]
+__all__ = ["Adapted", "apply_preset"]
 Binding = tuple[tuple[str, str], ...]
 
 
@@ -93,9 +95,11 @@ def _spelling(p: Preset, table: NameTable, keys: list[str], to_hf: bool | None) 
     return spellings[1] if any(len(v) > 1 for v in variants.values()) else p
 
 
-def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_hf: bool | None) -> Adapted:
+def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_hf: bool | None,
+                 kin: Sequence[Preset] = ()) -> Adapted:
     """``sources`` under preset ``p``'s table, towards HF names (``to_hf``) or, when None, from whichever side
-    the keys are named in to the other.
+    the keys are named in to the other; a refusal of keys the table does not know names the preset of ``kin``
+    (``p``'s framework's) that knows them.
 
     Raises:
         UsageError: a key the table does not know; a tensor of the model missing; counts that disagree with
@@ -136,7 +140,7 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
             unknown.append(key)
     if unknown:
         raise UsageError(f"--preset {p.name}: {len(unknown)} keys are not {p.other_side if towards else 'HF'} names "
-                         f"it knows: {listed(unknown)}; {advice(p, unknown, towards)}")
+                         f"it knows: {listed(unknown)}; {advice(p, unknown, towards, kin)}")
     build = _Builder(p, shape)
     out = build.to_hf(matched) if towards else build.from_hf(matched)
     canonical = {r.hf_names: r for r in p.rows if not r.read_only}

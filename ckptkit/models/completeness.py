@@ -12,7 +12,8 @@ from ..core.dtypes import by_name
 from ..core.manifest import TensorEntry
 from ..core.reshape import zeros
 from ..errors import UsageError
-from .preset import ModelShape, Preset, Row
+from .preset import Preset, Row
+from .shape import ModelShape
 
 __all__ = ["Source", "buffers", "check_complete", "fill", "listed"]
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from ..core.manifest import Manifest, ObjectEntry, TensorEntry
 from ..errors import UsageError
 from ..formats import object_value
-from ..models.apply import listed
+from ..models.completeness import listed
 from ..models.mapping import MappedKeys
 from .select import ModelSelection, optimizer_sections, training_groups
 

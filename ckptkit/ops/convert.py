@@ -28,8 +28,8 @@ from ..io.options import WriteOptions
 from ..io.parallel import execute_parallel, writers
 from ..io.progress import progress_bar
 from ..io.storage import Storage, storage_at
-from ..models.mapping import KeyMapSource, Renames
-from ._model import key_mapping_for, model_part
+from ..models.mapping import KeyMapSource, Renames, key_mapping
+from ._model import model_part
 from ._options import WriteKeywords, storage_of, write_options
 from .report import Changes, Report
 from .select import meta_groups
@@ -197,11 +197,12 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     options = write_options(options, write_keywords)
     io = writer_for(to, local)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
-    mapping = key_mapping_for(io, to, src, hf_assets, preset, renames, key_map, strict_map, megatron_args)
+    mapping = key_mapping(preset="auto" if preset is None and io.hf_model else preset, renames=renames,
+                          key_map=key_map, strict=strict_map, hf_assets=hf_assets, megatron_args=megatron_args)
     found = locate(src, local)
     manifest = found.reader.read(found.path)
     world_size, notes = _world_size(world_size, manifest, io)
-    manifest, changes, model_notes = model_part(manifest, io, to, mapping, found.path, hf_assets, megatron_args)
+    manifest, changes, model_notes = model_part(manifest, io, to, mapping, found.path)
     target = Target(to=to, destination=str(dst), world_size=world_size, max_shard_size=parse_size(max_shard_size),
                     state_groups=meta_groups(manifest) if io.keeps_state_apart else None)
     return write(manifest, io, dst, target, options, src=src, notes=_read_from(found.note) + notes + model_notes,

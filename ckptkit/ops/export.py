@@ -42,12 +42,10 @@ from ..io.options import WriteOptions
 from ..io.sources import Files
 from ..io.storage import storage_at
 from ..models.hfconfig import INPUT_EMBEDDINGS, TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
-from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping
-from ..models.megatron_args import MEGATRON_SIDE, run_args
-from ..models.megatron_config import ARCHITECTURES, hf_config
-from ..models.registry import preset as preset_named
+from ..models.mapping import KeyMapping, KeyMapSource, Renames, key_mapping
+from ..models.resolve import Plan
 from ._fp8 import fp8_config, quantize_fp8
-from ._model import check_class, check_megatron_args, map_model
+from ._model import plan_of
 from ._options import WriteKeywords, storage_of, write_options
 from .assets import find_assets
 from .convert import parse_size, write
@@ -196,13 +194,11 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     options = write_options(options, write_keywords)
     fp8 = dtype == "fp8"
     cast, keep_patterns = _cast_rule(dtype, keep_fp32)
-    mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
-    if mapping.preset is None:
-        check_megatron_args(megatron_args, None)
+    mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map, hf_assets=hf_assets,
+                          megatron_args=megatron_args)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
-    part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets,
-                       megatron_args)
-    part = _with_assets(part, storage_of(options), cast, options.max_memory, mapping.preset is None, fp8)
+    part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping)
+    part = _with_assets(part, storage_of(options), cast, options.max_memory, fp8)
     part, quantized = _quantized(part) if fp8 else (part, frozenset[str]())
     layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size), quantized)
     casts = tuple((t.key, to.name) for t in part.tensors if (to := layout.cast_of(t)) is not None)
@@ -238,8 +234,8 @@ class _Part:
     tensors: tuple[TensorEntry, ...]
     notes: tuple[str, ...]
     hf_assets: Path | str | None
-    preset: str | None = None
-    """The preset that mapped the keys, or None."""
+    plan: Plan
+    """The command's plan: the preset that mapped the keys, and how."""
     renamed: tuple[tuple[str, str], ...] = ()
     dropped: tuple[tuple[str, str], ...] = ()
     permuted: tuple[str, ...] = ()
@@ -248,47 +244,31 @@ class _Part:
 
 
 def _model_part(src: Path, local: LocalOptions | None, model_key: str, strip_prefixes: tuple[str, ...],
-                strip_wrappers: bool, mapping: KeyMapping, hf_assets: Path | str | None,
-                megatron_args: dict | None) -> _Part:
+                strip_wrappers: bool, mapping: KeyMapping) -> _Part:
     """The model's tensors of ``src`` under ``mapping``'s names; ``hf_assets`` defaults to the checkpoint's."""
     # Only the model's chunks are read (DCP): the rest, optimizer state above all, is never written here.
     found = locate(src, local)
     manifest = found.reader.read_part(found.path, model_keys(model_key, strip_prefixes, strip_wrappers))
     sel = select_model(manifest, model_key, strip_prefixes, strip_wrappers)
     notes = ((found.note,) if found.note else ()) + sel.notes
-    if hf_assets is None and manifest.hf_assets is not None:
-        hf_assets = manifest.hf_assets
-        notes += (f"config and tokenizer from the checkpoint's {Path(hf_assets).name}/",)
+    if mapping.hf_assets is None and manifest.hf_assets is not None:
+        mapping = dataclasses.replace(mapping, hf_assets=manifest.hf_assets)
+        notes += (f"config and tokenizer from the checkpoint's {Path(manifest.hf_assets).name}/",)
+    plan = plan_of(mapping, found.path, manifest, tuple(t.key for t in sel.tensors), "hf" if mapping else None)
     if not mapping:
-        return _Part(manifest, sel.tensors, notes, hf_assets)
-    mapped = map_model(sel.tensors, mapping, found.path, hf_assets, to_hf=True, megatron_args=megatron_args)
-    config, said = _megatron_config(found.path, mapped, megatron_args) if hf_assets is None else (None, None)
-    return _Part(manifest, mapped.tensors, notes + mapped.notes + ((said,) if said else ()), hf_assets,
-                 preset=mapped.preset, renamed=mapped.renamed, dropped=mapped.dropped, permuted=mapped.permuted,
+        return _Part(manifest, sel.tensors, notes, mapping.hf_assets, plan)
+    mapped = plan.map(sel.tensors)
+    config, said = plan.megatron_config(mapped.tensors) if mapping.hf_assets is None else (None, None)
+    return _Part(manifest, mapped.tensors, notes + plan.notes + mapped.notes + ((said,) if said else ()),
+                 mapping.hf_assets, plan, renamed=mapped.renamed, dropped=mapped.dropped, permuted=mapped.permuted,
                  config=config)
 
 
-def _megatron_config(src: Path, mapped: MappedKeys, megatron_args: dict | None) -> tuple[dict | None, str | None]:
-    """The config.json made from a Megatron checkpoint's run arguments (:mod:`ckptkit.models.megatron_config`),
-    for an export under a Megatron preset given no ``--hf-assets``, and a note; (None, None) where there are no
-    such arguments."""
-    chosen = preset_named(mapped.preset) if mapped.preset not in (None, "auto") else None
-    if chosen is None or chosen.other_side != MEGATRON_SIDE or not isinstance(src, Path):
-        return None, None
-    args = run_args(src, megatron_args)
-    made = hf_config(args, chosen, mapped.tensors) if args is not None else None
-    if args is not None and made is None:
-        return None, (f"no config.json written: ckptkit makes one from Megatron's arguments for "
-                      f"{', '.join(ARCHITECTURES)} only; pass --hf-assets DIR with the model's config.json")
-    return made or (None, None)
-
-
-def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int, keep_names: bool,
-                 quantizing: bool) -> _Part:
+def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int, quantizing: bool) -> _Part:
     """``part`` with the files of its ``hf_assets`` to copy (or the config made from a Megatron run's arguments),
-    untied as their config says, checked against the config's transformers class
-    (:func:`ckptkit.ops._model.check_class`; ``keep_names``: ``--preset none``), the config naming the dtype
-    written; its ``quantization_config`` is kept where the weights will be (``quantizing``) or are quantized."""
+    untied as their config says, checked against the config's transformers class (:meth:`Plan.check_class`), the
+    config naming the dtype written; its ``quantization_config`` is kept where the weights will be
+    (``quantizing``) or are quantized."""
     if part.hf_assets is not None:
         directory = storage_at(part.hf_assets, storage)[1]
         assets, config, left_note = _assets(directory)
@@ -304,7 +284,7 @@ def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memo
     config, quant_note = (config, None) if quantizing else _without_quantization(config, tensors, cast)
     # A quantized model's layers are the quantizer's, which from_pretrained builds and a bare class lacks.
     class_notes = () if "quantization_config" in config else \
-        check_class(config, [t.key for t in tensors], where, keep_names, part.preset)
+        part.plan.check_class(config, [t.key for t in tensors], where)
     config, dtype_note = _with_written_dtype(config, tensors, cast)
     if quant_note or dtype_note:
         assets = _with_config(assets, config)
