@@ -210,17 +210,15 @@ def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, st
 @option("--hf-assets", metavar="DIR", callback=assets_dir,
          help="HF model directory whose config.json gives a --preset the head counts (default: SRC's own "
               "config.json, or params.json beside it).")
-@mapping_options
+@mapping_options()
 @writing_options
 @local_options
-def convert(src, dst, to, world_size, max_shard_size, hf_assets, key_map, renames, preset, strict_map, megatron_args,
-            options, quiet, as_json, **local) -> None:
+def convert(src, dst, to, world_size, max_shard_size, mapping, options, quiet, as_json, **local) -> None:
     """Convert SRC (any format) to DST in format --to; with a key mapping, the model part under new names."""
-    from .ops.convert import convert as _convert
+    from .ops.convert import ConvertOptions, convert as _convert
 
-    _write(_convert, src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, local=local_from(**local),
-           preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, hf_assets=hf_assets,
-           megatron_args=megatron_args, options=options, quiet=quiet, as_json=as_json)
+    _write(_convert, src, dst, to=to, mapping=mapping, output=ConvertOptions(world_size=world_size,
+           max_shard_size=max_shard_size), local=local_from(**local), options=options, quiet=quiet, as_json=as_json)
 
 
 @cli.command(examples=(
@@ -269,18 +267,19 @@ def reshard(src, dst, world_size, options, quiet, as_json, **local) -> None:
          help="Also strip this leading key prefix (repeatable).")
 @option("--keep-wrapper-prefixes", is_flag=True,
          help="Do not strip module., _orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.")
-@mapping_options
+@mapping_options("auto")
 @writing_options
 @local_options
-def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
-              key_map, renames, preset, strict_map, megatron_args, options, quiet, as_json, **local) -> None:
+def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefixes, keep_wrapper_prefixes, mapping,
+              options, quiet, as_json, **local) -> None:
     """Write the model part of SRC as Hugging Face safetensors in DST, with the files of --hf-assets."""
-    from .ops.export import export_hf as _export
+    from .ops.export import ExportOptions, export_hf as _export
 
-    _write(_export, src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
-           strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
-           preset=preset or "auto", renames=renames, key_map=key_map, strict_map=strict_map, keep_fp32=keep_fp32,
-           megatron_args=megatron_args, local=local_from(**local), options=options, quiet=quiet, as_json=as_json)
+    output = ExportOptions(model_key=model_key, strip_prefixes=tuple(strip_prefixes),
+                           strip_wrappers=not keep_wrapper_prefixes, dtype=dtype, keep_fp32=tuple(keep_fp32),
+                           max_shard_size=max_shard_size)
+    _write(_export, src, dst, mapping=mapping, output=output, local=local_from(**local), options=options, quiet=quiet,
+           as_json=as_json)
 
 
 @cli.command(examples=(

@@ -29,9 +29,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-from ..core.dtypes import CastName, DType, parse_cast
+from ..core.dtypes import DType, parse_cast
 from ..core.manifest import Format, Manifest, TensorEntry
 from ..core.plan import Bytes, FilePlan
 from ..errors import FormatError, UsageError
@@ -42,11 +42,11 @@ from ..io.options import WriteOptions
 from ..io.sources import Files
 from ..io.storage import storage_at
 from ..models.hfconfig import INPUT_EMBEDDINGS, TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
-from ..models.mapping import KeyMapping, KeyMapSource, Renames, key_mapping
+from ..models.mapping import KeyMapping
 from ..models.resolve import Plan
 from ._fp8 import fp8_config, quantize_fp8
 from ._model import plan_of
-from ._options import WriteKeywords, storage_of, write_options
+from ._options import ExportKeywords, ExportOptions, check_keywords, mapping_of, options_of, storage_of, write_options
 from .assets import find_assets
 from .convert import parse_size, write
 from .report import Changes, Report
@@ -55,7 +55,7 @@ from .select import model_keys, select_model
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["TIE_DEFAULTS", "export_hf", "tie_word_embeddings"]
+__all__ = ["TIE_DEFAULTS", "ExportKeywords", "ExportOptions", "export_hf", "tie_word_embeddings"]
 
 
 def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict, str | None]:
@@ -148,12 +148,9 @@ def _with_config(assets: tuple[FilePlan, ...], config: dict) -> tuple[FilePlan, 
 
 
 @all_ranks
-def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: CastName | Literal["fp8"] = "keep",
-              max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
-              strip_wrappers: bool = True, hf_assets: Path | str | None = None, preset: str | None = "auto",
-              renames: Renames = (), key_map: KeyMapSource = None, strict_map: bool = False,
-              keep_fp32: Iterable[str] = (), megatron_args: dict | None = None, local: LocalOptions | None = None,
-              options: WriteOptions | None = None, **write_keywords: Unpack[WriteKeywords]) -> Report:
+def export_hf(src: Path | str, dst: Path | str, *, mapping: KeyMapping | None = None,
+              output: ExportOptions | None = None, local: LocalOptions | None = None,
+              options: WriteOptions | None = None, **keywords: Unpack[ExportKeywords]) -> Report:
     """Write the model tensors of ``src`` as HF safetensors at ``dst`` (with the index file when sharded).
 
     The model part is found, stripped of wrapper prefixes and renamed towards HF names as :func:`convert` maps
@@ -162,26 +159,24 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     In a save hook, call it from rank 0 alone, or with ``distributed=True`` from every rank. ``src`` may be a run
     directory of :func:`ckptkit.save` (its ``latest`` step is read); ``src``, ``dst`` and ``hf_assets`` may be URLs.
 
+    Each group of options is one object, or its fields as keywords, which win over it:
+    ``export_hf(src, dst, hf_assets="base", dtype="bf16")`` is ``export_hf(src, dst,
+    mapping=key_mapping(preset="auto", hf_assets="base"), output=ExportOptions(dtype="bf16"))``.
+
     Args:
         src: The checkpoint to read: a file, a directory, a run directory or a URL.
         dst: The HF folder to write; must not exist unless ``overwrite``.
-        model_key: Where the model sits, as a dotted path; ``auto`` finds it (:mod:`ckptkit.ops.select`).
-        dtype: ``keep``, or the cast of floating tensors: ``bf16``, ``fp16``, ``fp32`` (or their long names);
-            ``fp8``: the linear layers' weights as float8 e4m3 with 128x128 block scales, the rest bf16
-            (:mod:`ckptkit.ops._fp8`).
-        max_shard_size: Largest safetensors file (``"5GB"``, ``"1GiB"`` or bytes); None: one file.
-        strip_prefixes: Further leading key prefixes to strip.
-        strip_wrappers: Strip the wrapper names (:mod:`ckptkit.models.wrappers`).
-        hf_assets: An HF model directory whose files are copied (default: the checkpoint's, verl's ``huggingface/``).
-        preset: A key mapping towards HF names; ``auto`` picks the family's for torchtitan's names, None none.
-        renames: ``'REGEX=REPLACEMENT'`` renames, applied in order.
-        key_map: Old key to new key (None leaves the key out), as a dict or a JSON file.
-        strict_map: Refuse keys that neither ``key_map`` nor ``renames`` maps.
-        keep_fp32: Regular expressions of HF names kept in float32 under a cast.
-        megatron_args: Megatron-LM arguments over the source's own (:mod:`ckptkit.models.megatron_args`).
+        mapping: How the model's keys are renamed towards HF names (:class:`ckptkit.KeyMapping`; default:
+            ``preset="auto"``, the family's preset where the keys are a framework's names of a known family, and
+            ``preset=None`` maps nothing); its ``hf_assets`` is the HF model directory whose files are copied
+            (default: the checkpoint's, verl's ``huggingface/``); its ``megatron_args`` are Megatron-LM arguments
+            over the source's own (:mod:`ckptkit.models.megatron_args`).
+        output: The model part written and how (:class:`ckptkit.ExportOptions`): ``model_key``,
+            ``strip_prefixes``, ``strip_wrappers``, the ``dtype`` cast, ``keep_fp32``, ``max_shard_size``.
         local: How to read a LOCAL checkpoint.
         options: How the output is written (:class:`ckptkit.WriteOptions`).
-        **write_keywords: Fields of ``options`` as keywords; they win.
+        **keywords: Fields of ``mapping`` (``preset``, ``renames``, ``key_map``, ``strict_map``, ``hf_assets``,
+            ``megatron_args``), of ``output`` and of ``options``.
 
     Returns:
         What was written (or, with ``dry_run``, would be): files and sizes, keys renamed, left out and cast,
@@ -191,16 +186,17 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         CheckpointError: As :func:`convert` raises them.
         UsageError: ``keep_fp32`` comes without a cast, or the checkpoint holds training state alone.
     """
-    options = write_options(options, write_keywords)
-    fp8 = dtype == "fp8"
-    cast, keep_patterns = _cast_rule(dtype, keep_fp32)
-    mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map, hf_assets=hf_assets,
-                          megatron_args=megatron_args)
+    check_keywords("export_hf", keywords, ExportKeywords)
+    options = write_options(options, keywords)
+    output = options_of(ExportOptions, output, keywords)
+    mapping = mapping_of(mapping, keywords, preset="auto")
+    fp8 = output.dtype == "fp8"
+    cast, keep_patterns = _cast_rule(output.dtype, output.keep_fp32)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
-    part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping)
+    part = _model_part(src, local, output, mapping)
     part = _with_assets(part, storage_of(options), cast, options.max_memory, fp8)
     part, quantized = _quantized(part) if fp8 else (part, frozenset[str]())
-    layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size), quantized)
+    layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(output.max_shard_size), quantized)
     casts = tuple((t.key, to.name) for t in part.tensors if (to := layout.cast_of(t)) is not None)
     return write(Manifest(part.source.format, part.source.root, part.tensors), writer_for(Format.HF), dst, layout,
                  dataclasses.replace(options, progress=options.progress and not options.distributed), src=src,
@@ -243,13 +239,13 @@ class _Part:
     config: dict | None = None
 
 
-def _model_part(src: Path, local: LocalOptions | None, model_key: str, strip_prefixes: tuple[str, ...],
-                strip_wrappers: bool, mapping: KeyMapping) -> _Part:
+def _model_part(src: Path, local: LocalOptions | None, output: ExportOptions, mapping: KeyMapping) -> _Part:
     """The model's tensors of ``src`` under ``mapping``'s names; ``hf_assets`` defaults to the checkpoint's."""
     # Only the model's chunks are read (DCP): the rest, optimizer state above all, is never written here.
     found = locate(src, local)
-    manifest = found.reader.read_part(found.path, model_keys(model_key, strip_prefixes, strip_wrappers))
-    sel = select_model(manifest, model_key, strip_prefixes, strip_wrappers)
+    select = (output.model_key, output.strip_prefixes, output.strip_wrappers)
+    manifest = found.reader.read_part(found.path, model_keys(*select))
+    sel = select_model(manifest, *select)
     notes = ((found.note,) if found.note else ()) + sel.notes
     if mapping.hf_assets is None and manifest.hf_assets is not None:
         mapping = dataclasses.replace(mapping, hf_assets=manifest.hf_assets)
