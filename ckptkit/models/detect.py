@@ -6,7 +6,7 @@ names (:data:`FRAMEWORKS`: torchtitan's and Meta's ``tok_embeddings``/``layers.N
 ``decoder.layers.``/``embedding.word_embeddings``). Among that framework's presets in
 :data:`ckptkit.models.registry.PRESETS` it takes the one whose ``model_types`` hold the config's ``model_type``
 and whose table knows every key; without a ``model_type``, the one whose table knows every key and holds a
-tensor for each of its rows (so a Qwen3's q/k norms tell it from a Llama). Keys in no framework's names (HF's
+tensor for each of its rows (so a table's q/k norms tell it from one without them). Keys in no framework's names (HF's
 own) go through as they are. Keys of a recognised framework that no preset maps are :attr:`Detected.unmapped`:
 an HF output refuses them, naming the nearest preset. An explicit ``--preset`` is checked the same way: a config
 whose ``model_type`` belongs to another family, or keys that only another preset knows, are a family mismatch.

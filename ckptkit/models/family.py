@@ -52,7 +52,7 @@ class Family:
     """A model family: its presets and every fact about it that a conversion needs."""
 
     name: str
-    """The family's module name (``llama``)."""
+    """The family's module name."""
     presets: tuple[Preset, ...] = ()
     """Its tables, one per framework whose names they map (and HF's own names, checked)."""
     hf: tuple[HfModel, ...] = ()
@@ -63,8 +63,11 @@ class Family:
     unmapped: Unmapped | None = None
     """For a family a framework ships and no preset maps: how ``--preset auto`` recognises and refuses it."""
     reads: tuple[tuple[str, str], ...] = ()
-    """(preset, ``model_type``): the preset's table also maps checkpoints of that model type (a Qwen3-MoE table
-    holds Qwen3's dense layers), so an explicit ``--preset`` is not refused for it."""
+    """(preset, ``model_type``): the preset's table also maps checkpoints of that model type (an MoE table
+    that holds the dense variant's layers too), so an explicit ``--preset`` is not refused for it."""
+    model_parallel: str = ""
+    """What to do with a model-parallel checkpoint that a single-file table of the family refuses
+    (:attr:`ckptkit.models.preset.Preset.single_file`)."""
     rank: int = 100
     """Where its presets are listed among their framework's (``--preset``'s choices, ``ckptkit presets``, the
     presets a refusal names): lower first, then by name."""

@@ -34,7 +34,7 @@ class ClassKeys:
     """How transformers' class of a config would load a set of keys."""
 
     name: str
-    """The class, as transformers names it (``LlamaForCausalLM``)."""
+    """The class, as transformers names it (as ``config.json``'s ``architectures`` does)."""
     unexpected: tuple[str, ...]
     """Keys to write that the class does not load."""
     missing: tuple[str, ...]

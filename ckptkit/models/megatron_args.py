@@ -1,7 +1,7 @@
 """Megatron's run arguments that change what a checkpoint's weights mean, and what a Megatron table does with
 each.
 
-A Megatron preset's table maps the weights of one configuration, a Llama-shaped one unless it says otherwise:
+A Megatron preset's table maps the weights of one configuration, the common one unless it says otherwise:
 rotary embeddings over whole heads that rotate each head's two halves, RMSNorm, SwiGLU, no linear biases.
 Megatron-LM keeps its arguments in the checkpoint (``args`` in ``common.pt``, or in megatron-core 0.19's
 ``common_state`` object); NeMo 2 keeps the model's megatron-core ``TransformerConfig`` in ``context/model.yaml``
@@ -10,7 +10,7 @@ Megatron-LM keeps its arguments in the checkpoint (``args`` in ``common.pt``, or
 Every argument is one of three kinds:
 
 - known not to change the forward (:data:`NEUTRAL`: parallelism, recompute, the optimizer, data, logging);
-- checked for every Megatron table (:data:`ARGS`, with the values a Llama-shaped table maps; a preset's
+- checked for every Megatron table (:data:`ARGS`, with the values the common configuration takes; a preset's
   ``run_args`` accept others where its table maps them);
 - the family's own (its :class:`MegatronRules`: arguments it refuses, ``refuses``, and arguments its
   ``config.json`` states, ``states``).
@@ -70,9 +70,9 @@ ARGS = (
     Arg("rotary_percent", (1.0,), means="rotary embeddings over part of each head only"),
     Arg("normalization", ("RMSNorm",), "another norm than RMSNorm (LayerNorm has biases and centres)"),
     Arg("apply_layernorm_1p", (False,), "norm weights stored as weight - 1 (zero-centred gamma)"),
-    Arg("quick_geglu", (False, None), "a gated quick-GELU MLP (GPT-OSS's), not SwiGLU"),
+    Arg("quick_geglu", (False, None), "a gated quick-GELU MLP, not SwiGLU"),
     Arg("swiglu", (True,), "linear_fc1 without the gate and up rows of SwiGLU"),
-    Arg("glu_linear_offset", (None, 0.0), "an offset added to the GLU's linear half (GPT-OSS's 1.0)"),
+    Arg("glu_linear_offset", (None, 0.0), "an offset added to the GLU's linear half"),
     Arg("squared_relu", (False,), "a squared-ReLU MLP, not SwiGLU"),
     Arg("add_bias_linear", (False,), "biases on the linear layers, which the HF classes do not hold"),
     Arg("softmax_type", ("vanilla",), "attention with sinks or an offset softmax"),
@@ -287,7 +287,7 @@ _QK = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_proj.b
 
 def _rotary(p: Preset, shape: ModelShape | None, arg: Arg, value: Any, args: RunArgs
             ) -> tuple[Preset, ModelShape | None, str | None]:
-    """``rotary_interleaved``: q and k rotate adjacent pairs of each head, as Meta's Llama does; HF rotates
+    """``rotary_interleaved``: q and k rotate adjacent pairs of each head, as Meta's original code does; HF rotates
     halves. The rotary row gather applies to the q and k parts of the fused ``linear_qkv`` (not v)."""
     rows: list[Row] = []
     for r in p.rows:

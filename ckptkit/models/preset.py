@@ -27,15 +27,15 @@ The table format. A row names one tensor of the other side and the HF tensor(s) 
   the config's head count.
 - ``transpose``: the other side holds the transpose (last two dims) of HF's tensor; computed tile by tile.
 - ``interleave``: HF's last dim takes in turn the elements of the two halves that the other side holds one after
-  the other (GPT-OSS's experts: gate and up columns interleaved in HF, gate rows then up rows in megatron-core's
+  the other (an MoE's experts: gate and up columns interleaved in HF, gate rows then up rows in megatron-core's
   ``linear_fc1``); on the way to HF after any transpose, on the way back before it; computed box by box.
 - ``hf_fuses``: the reverse of a tuple ``hf``: HF's one tensor is the other side's tensors, all of ``other``
   in order, one after another along dim ``fuse_dim`` (0; or 1 under a leading expert dim); ``split`` gives
-  their sizes (None: equal). Kimi's and Qwen3.5's vision ``qkv``; Qwen3.5's ``gate_up_proj`` ``[E, 2F, D]``.
+  their sizes (None: equal). A vision tower's fused ``qkv``; a fused ``gate_up_proj`` ``[E, 2F, D]``.
 - ``hf_dims``: HF's dims past the first, which the other side holds flattened into one (a convolution's
   kernel as a linear layer's row); each a row count as in ``split``. Moves no byte.
 - ``group``: ``"slot:variant"``. A layer holds exactly one variant of each slot, and all of its rows:
-  ``"mlp:dense"`` or ``"mlp:moe"`` (DeepSeek-V3's first dense layers), ``"q:plain"`` or ``"q:lora"``. A
+  ``"mlp:dense"`` or ``"mlp:moe"`` (dense first layers, then MoE ones), ``"q:plain"`` or ``"q:lora"``. A
   slot named with a trailing ``?`` may be absent altogether (``"vision?:tower"``: a text-only checkpoint of
   a multimodal family).
 - ``read_only``: a spelling read on the way to HF but never written (an older layout under its own row).
@@ -54,17 +54,17 @@ read too. HF names are written per layer when the layers hold different variants
 stacked otherwise.
 
 On import from HF, a preset with ``fp8`` dequantizes each float8 ``X.weight`` with its ``X.weight_scale_inv``
-(128x128 blocks) into float32 before the table applies (what torchtitan's DeepSeek-V3 import reads through
-torch's ``QuantizedHuggingFaceStorageReader``). A preset with ``mxfp4`` dequantizes each ``X_blocks``
+(128x128 blocks) into float32 before the table applies (what torchtitan's FP8 import reads through torch's
+``QuantizedHuggingFaceStorageReader``). A preset with ``mxfp4`` dequantizes each ``X_blocks``
 (uint8, two FP4 values a byte, 32 values a block) with its ``X_scales`` (e8m0) into bf16 ``X``, HF's layout of
 the tensor (the transpose of the blocks' rows and values, as transformers' ``convert_moe_packed_tensors``
-returns it; GPT-OSS's released experts).
+returns it; MXFP4 releases' experts).
 
-The rotary transform. torchtitan's Llama and Meta's original Llama code rotate adjacent pairs ``(2i, 2i+1)``
+The rotary transform. torchtitan's and Meta's original code rotate adjacent pairs ``(2i, 2i+1)``
 of each q/k head as complex numbers; Hugging Face's ``rotate_half`` rotates ``(i, i + head_dim/2)``. So the
 HF rows of a head are the other code base's rows in the order even, then odd. With ``hd = head_dim``,
 ``half = hd/2``, HF row ``r = h·hd + j`` is row ``h·hd + 2·(j mod half) + j // half`` of the other's, which
-is what torchtitan's ``Llama3StateDictAdapter._permute`` and transformers' ``convert_llama_weights_to_hf.permute``
+is what torchtitan's state dict adapter's ``_permute`` and transformers' conversion script's ``permute``
 compute; the inverse, ``_reverse_permute``, takes HF row ``h·hd + (k mod 2)·half + k // 2`` to row ``h·hd + k``.
 Only ``head_dim`` enters, so the same map serves q (``num_attention_heads`` heads) and k
 (``num_key_value_heads``).
@@ -171,7 +171,7 @@ class Preset:
     mxfp4: bool = False
     """On import from HF, MXFP4 ``X_blocks`` with their ``X_scales`` are dequantized into ``X`` (module docstring)."""
     refuse: tuple[tuple[str, str], ...] = ()
-    """(HF name pattern, why): keys refused with that reason (GPT-OSS's MXFP4 ``_blocks``)."""
+    """(HF name pattern, why): keys refused with that reason (MXFP4 ``_blocks`` a table does not read)."""
     buffers: tuple[Buffer, ...] = ()
     """The other side's buffers HF has no tensor for: left out on export, written at their initial value on
     import (module docstring)."""
@@ -183,7 +183,7 @@ class Preset:
     number (module docstring)."""
     run_args: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     """(Megatron-LM argument, the values this table maps) where they differ from the common ones
-    (:data:`ckptkit.models.megatron_args.ARGS`): GPT-OSS's linear biases, attention sinks, YaRN, quick GeGLU."""
+    (:data:`ckptkit.models.megatron_args.ARGS`): linear biases, attention sinks, YaRN, a quick GeGLU."""
 
     def per_layer(self, singletons: bool = False) -> Preset:
         """This table in the per-layer spelling: each row stacked along ``n`` named ``<prefix>{n}.<rest>``

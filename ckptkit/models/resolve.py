@@ -120,10 +120,10 @@ def resolve(mapping: KeyMapping, evidence: Evidence, towards: Towards | None = N
     family = family_of(chosen)
     if chosen.single_file and len(evidence.model_parallel) > 1:
         parallel = evidence.model_parallel
+        advice = f" ({family.model_parallel})" if family is not None and family.model_parallel else ""
         raise UsageError(f"{evidence.source}: one of {len(parallel)} model-parallel files ({parallel[0]} ... "
                          f"{parallel[-1]}); --preset {chosen.name} reads a single-file checkpoint, and joining "
-                         "model-parallel slices is not supported (convert the model with transformers' "
-                         "convert_llama_weights_to_hf.py, or use a single-file release such as the 8B's)")
+                         f"model-parallel slices is not supported{advice}")
     check_family(chosen, evidence.keys, evidence.model_type, evidence.where)
     shape = evidence.config.shape() if evidence.config is not None else None
     if chosen.other_side == MEGATRON_SIDE:

@@ -68,7 +68,7 @@ def _int(value: Any) -> int | None:
 def model_shape(config: dict, source: str, tied: bool | None = None) -> ModelShape:
     """Head counts from an HF ``config.json`` (its ``text_config`` for a composite model) or Meta's
     ``params.json`` (fields under ``model`` in some releases). ``head_dim`` is the config's own where it
-    states one (Mistral-Nemo's differs from ``hidden_size / num_attention_heads``). The integer fields of the
+    states one (some models' differs from ``hidden_size / num_attention_heads``). The integer fields of the
     config's sub-configs are fields too, by their dotted name (``vision_config.patch_size``), with a
     ``head_dim`` (width over heads) where a sub-config states none."""
     top = config

@@ -215,7 +215,7 @@ def _cast_rule(dtype: str, keep_fp32: Iterable[str]) -> tuple[DType | None, tupl
 
 
 def _quantized(part: _Part) -> tuple[_Part, frozenset[str]]:
-    """``part`` in DeepSeek-V3's FP8 release form (:mod:`._fp8`), and the keys written as they are."""
+    """``part`` in the block-scaled FP8 release form (:mod:`._fp8`), and the keys written as they are."""
     tensors, quantized, note = quantize_fp8(part.tensors)
     config = fp8_config(part.config, any(p.relpath == "config.json" for p in part.assets))
     return dataclasses.replace(part, tensors=tensors, assets=_with_config(part.assets, config), config=config,

@@ -32,5 +32,7 @@ FAMILY = Family(
     ),
     hf=(HfModel("llama", "LlamaForCausalLM", tied=False), HfModel("llama4", tied=False)),
     megatron=MegatronRules(configs=(("llama", GptConfig("llama", "LlamaForCausalLM", extra=(("mlp_bias", False),))),)),
+    model_parallel="convert the model with transformers' convert_llama_weights_to_hf.py, or use a single-file release "
+                   "such as the 8B's",
     rank=0,
 )
