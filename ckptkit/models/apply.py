@@ -98,22 +98,14 @@ def _spelling(p: Preset, table: NameTable, keys: list[str], to_hf: bool | None) 
 def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_hf: bool | None,
                  kin: Sequence[Preset] = ()) -> Adapted:
     """``sources`` under preset ``p``'s table, towards HF names (``to_hf``) or, when None, from whichever side
-    the keys are named in to the other; a refusal of keys the table does not know names the preset of ``kin``
-    (``p``'s framework's) that knows them.
+    the keys are named in to the other; ``kin``: the presets a refusal's advice may name (``p``'s framework's).
 
     Raises:
         UsageError: a key the table does not know; a tensor of the model missing; counts that disagree with
             the config (experts, heads, layers); the shape needed and not given.
     """
+    _require_shape(p, shape)
     table = NameTable(p)
-    if p.needs_shape and shape is None:
-        if all(r.plain for r in p.rows):
-            raise UsageError(f"--preset {p.name} needs the model's head_dim for the rotary q/k row order: pass "
-                             "--hf-assets DIR whose config.json states num_attention_heads and num_key_value_heads")
-        needed = [STACK_FIELDS.get(a, a) for r in p.rows for a in r.stack_axes] + [r.groups for r in p.rows if r.groups]
-        fields = dict.fromkeys(CONFIG_NAMES.get(f, f) for f in needed if f)
-        raise UsageError(f"--preset {p.name} needs config.json's {', '.join(f for f in fields if f)}: pass "
-                         "--hf-assets DIR with the model's config.json")
     keys = [s.entry.key for s in sources]
     spelled = _spelling(p, table, keys, to_hf)
     if spelled is not p:  # megatron-core's other spelling of the layers: its own table
@@ -157,6 +149,18 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
                   f"their initial value ({', '.join(sorted({b.init for b in p.buffers}))}): "
                   f"{listed([f.entry.key for f in filled])}",)
     return Adapted(tuple(out), tuple(dropped), notes, build.gathered)
+
+
+def _require_shape(p: Preset, shape: ModelShape | None) -> None:
+    """Refuses a preset that needs the model's shape, given none, naming the config fields it needs."""
+    if p.needs_shape and shape is None:
+        if all(r.plain for r in p.rows):
+            raise UsageError(f"--preset {p.name} needs the model's head_dim for the rotary q/k row order: pass "
+                             "--hf-assets DIR whose config.json states num_attention_heads and num_key_value_heads")
+        needed = [STACK_FIELDS.get(a, a) for r in p.rows for a in r.stack_axes] + [r.groups for r in p.rows if r.groups]
+        fields = dict.fromkeys(CONFIG_NAMES.get(f, f) for f in needed if f)
+        raise UsageError(f"--preset {p.name} needs config.json's {', '.join(f for f in fields if f)}: pass "
+                         "--hf-assets DIR with the model's config.json")
 
 
 def _notes(p: Preset, out: list[Source], shape: ModelShape | None, towards: bool, gathered: int) -> tuple[str, ...]:

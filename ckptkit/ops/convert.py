@@ -169,25 +169,21 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     ``metadata.json``), which its ``dist_checkpointing.load`` takes at any tensor-parallel size. A key mapping
     (:class:`ckptkit.KeyMapping`: ``key_map``, then ``renames``, then ``preset``) renames the model's weights;
     the optimizer state follows them, each moment mapped as its weight is, and the rest of the training state is
-    carried as saved (:mod:`ckptkit.ops._optimizer`). ``src`` may be a run directory of :func:`ckptkit.save` (the
-    step its ``latest`` names is read, and the report says which); ``src`` and ``dst`` may be URLs.
+    carried as saved (:mod:`ckptkit.ops._optimizer`). ``src`` may be a run directory of :func:`ckptkit.save` (its
+    ``latest`` step is read); ``src`` and ``dst`` may be URLs.
 
-    Each group of options is one object, or its fields as keywords, which win over it:
-    ``convert(src, dst, to="hf", preset="auto", max_shard_size="2GB", overwrite=True)`` is ``convert(src, dst,
-    to="hf", mapping=key_mapping(preset="auto"), output=ConvertOptions(max_shard_size="2GB"),
-    options=WriteOptions(overwrite=True))``.
+    Each group of options is one object, or its fields as keywords, which win: ``preset="auto", world_size=2`` is
+    ``mapping=key_mapping(preset="auto"), output=ConvertOptions(world_size=2)``.
 
     Args:
         src: The checkpoint to read: a file, a directory, a run directory or a URL (``s3://``, ``hf://``, ...).
         dst: Where to write; must not exist unless ``overwrite``.
         to: The output form: ``full``, ``sharded``, ``local``, ``hf``, ``megatron`` or ``deepspeed-universal``
             (DeepSpeed's universal checkpoint: the model and its Adam state, for DeepSpeed's ``load_universal``).
-        mapping: How the model's keys are renamed (:class:`ckptkit.KeyMapping`): a ``preset``
-            (:data:`ckptkit.models.registry.PRESETS`) maps towards HF names for ``hf`` (default there: ``"auto"``,
-            the family's, told by config.json's ``model_type`` and the keys), and a ``megatron-*`` one for
-            ``megatron`` (default: the one for ``model_type``); ``hf_assets`` gives a preset the model's counts
-            (default: the source's config.json); ``megatron_args`` are the run's arguments a ``megatron-*`` preset
-            applies, over the source's own (for ``megatron``: the run the output is for).
+        mapping: How the model's keys are renamed (:class:`ckptkit.KeyMapping`): a ``preset`` maps towards HF
+            names for ``hf`` (default there: ``"auto"``, the family's, by ``model_type`` and the keys), a
+            ``megatron-*`` one for ``megatron`` (default: the one for ``model_type``); ``hf_assets`` gives it the
+            model's counts; ``megatron_args`` are the run's (for ``megatron``: the run the output is for).
         output: What the output is (:class:`ckptkit.ConvertOptions`): its ranks, its largest file.
         local: How to read or write a LOCAL checkpoint: rank file names, and how FSDP wraps the model.
         options: How the output is written (:class:`ckptkit.WriteOptions`): overwrite, dry run, processes.
@@ -209,8 +205,7 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     output = options_of(ConvertOptions, output, keywords)
     mapping = mapping_of(mapping, keywords)
     io = writer_for(to, local)
-    if mapping.preset is None and io.hf_model:
-        mapping = dataclasses.replace(mapping, preset="auto")
+    mapping = dataclasses.replace(mapping, preset="auto") if mapping.preset is None and io.hf_model else mapping
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     found = locate(src, local)
     manifest = found.reader.read(found.path)
