@@ -21,8 +21,8 @@ Shapes (``--shape``), each a bf16 checkpoint of random bits (the shapes are what
   --preset megatron-mixtral`` splits each layer's experts, and ``reshard`` re-lays it for 3 ranks.
 - ``fp8``: a DeepSeek-V3-shaped model (MLA attention, dense MLPs; dim 2048, 16 heads, ffn 5632, vocab 32000) in
   bf16 under HF names, as many layers as fit in ``--size``: ``export-hf --dtype fp8`` writes it in the release's
-  FP8 form (block scales computed), and ``convert --to sharded --preset torchtitan-deepseek-v3`` imports that
-  back, dequantizing; each timed against the ``cp -r`` of its own input.
+  FP8 form (block scales computed), and ``convert --to sharded --preset torchtitan-deepseek-v3 --dtype bf16``
+  imports that back, dequantizing into bf16; each timed against the ``cp -r`` of its own input.
 - ``tp``: the dense shapes on a 2 x 2 (dp x tp) mesh, saved by torch's own ``dcp.save`` from DTensors placed as
   tensor parallelism places them (``Shard(1)`` for the row-parallel o_proj/down_proj, ``Shard(0)`` for the rest,
   norms replicated over tp).
@@ -276,8 +276,9 @@ def bench_fp8(size: int, repeat: int, root: Path) -> None:
     """export-hf --dtype fp8 of a bf16 DeepSeek-V3 (block scales computed) and the FP8 import back, against cp."""
     shapes, config = deepseek_shapes(size)
     rows, total = _there_and_back(shapes, config, ("ckptkit export-hf --dtype fp8", ["export-hf", "--dtype", "fp8"]), (
-        "ckptkit convert --to sharded (dequantized)",
-        ["convert", "--to", "sharded", "--world-size", "4", "--preset", "torchtitan-deepseek-v3"]), repeat, root)
+        "ckptkit convert --to sharded --dtype bf16 (dequantized)",
+        ["convert", "--to", "sharded", "--world-size", "4", "--preset", "torchtitan-deepseek-v3", "--dtype", "bf16"]),
+        repeat, root)
     _table(rows, total, repeat, f"{total / 1e9:.2f} GB bf16, DeepSeek-V3-shaped (MLA, dense MLPs), "
                                 f"{config['num_hidden_layers']} layers, 4-rank DCP -> FP8 HF -> 4-rank DCP")
 

@@ -75,6 +75,9 @@ class Command(click.Command):
 
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         super().format_epilog(ctx, formatter)
+        if any(getattr(p, "section", None) == LOCAL for p in self.params):
+            formatter.write_paragraph()
+            formatter.write_text("FSDP1 LOCAL_STATE_DICT checkpoints take more options: ckptkit help local.")
         if self.examples:
             with formatter.section("Examples"):
                 for line in self.examples:  # verbatim: commands must not be re-wrapped
@@ -90,12 +93,13 @@ debug_option = option("--debug", is_flag=True, expose_value=False, callback=_set
                  envvar="CKPTKIT_DEBUG", help="Show tracebacks.")
 quiet_option = option("--quiet", "-q", is_flag=True, section=COMMON, envvar="CKPTKIT_QUIET",
                  help="No progress bar or report.")
-_overwrite = option("--overwrite", is_flag=True, section=COMMON, help="Replace DST if it exists.")
+_overwrite = option("--overwrite", is_flag=True, section=COMMON,
+                    help="Replace DST if it exists (a model folder keeps its other files).")
 memory_option = option("--max-memory", default="1GiB", show_default=True, metavar="SIZE", callback=size,
                   section=COMMON, envvar="CKPTKIT_MAX_MEMORY",
-                  help="Budget for tensor bytes held in memory (dtype casts, verify): 1GiB, 500MB, 1000000.")
+                  help="Tensor bytes held in memory at once (casts, verify): 1GiB, 500MB.")
 _fsync = option("--fsync", is_flag=True, section=COMMON, envvar="CKPTKIT_FSYNC",
-                 help="fsync every written file before the final rename (durable across power loss; slower).")
+                 help="fsync the output before publishing it (durable across power loss).")
 def _worker_count(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
     value = str(value).strip().lower()
     if value == "auto":
@@ -111,20 +115,12 @@ def _worker_count(ctx: click.Context, param: click.Parameter, value: str) -> int
 
 _workers = option("--workers", default="auto", show_default=True, callback=_worker_count, metavar="N|auto",
                    section=PARALLEL, envvar="CKPTKIT_WORKERS",
-                   help="Processes on this machine that write the output, each its share (about equal bytes; a "
-                        "large file that is cast is cut into byte ranges, one of copied bytes is written by one "
-                        "process), --max-memory shared out among them; this process "
-                        "writes one share and publishes. auto: as many as pay for the plan's bytes and tensors on "
-                        "the cores this process may use (1 for a small job); the report says how many and why. "
-                        "Several machines: run the "
-                        "command under torchrun (torchrun --nnodes M --nproc-per-node K ... -m ckptkit COMMAND ...): "
-                        "each rank writes its share, rank 0 publishes; DST must be on a filesystem they all share.")
+                   help="Processes on this machine that write the output; auto: as many as pay (the report says "
+                        "why). Several machines, torchrun: ckptkit help workers.")
 _json = option("--json", "as_json", is_flag=True, section=COMMON,
-               help="The report as JSON on stdout (schema_version 1): files written with their sizes, keys renamed, "
-                    "left out and cast, notes, workers, wall time from the process's start and peak memory.")
+               help="The report as JSON on stdout (schema_version 1).")
 _dry_run = option("--dry-run", is_flag=True, section=COMMON,
-                   help="Print the plan (files and sizes, keys renamed, left out and cast, assets copied) and "
-                        "write nothing.")
+                   help="Print the plan and what DST would lose or keep; write nothing.")
 
 
 def _preset_names() -> list[str]:
@@ -133,23 +129,29 @@ def _preset_names() -> list[str]:
     return ["auto", "none", *PRESETS]
 
 
+class _PresetName(click.Choice):
+    """A preset's name; a misspelt one is answered with the nearest names and where the list is, not all of them."""
+
+    def convert(self, value, param, ctx):
+        if value in self.choices:
+            return value
+        from .models.registry import unknown_preset
+
+        self.fail(f"{value!r}: {unknown_preset(str(value), ('auto', 'none'))}", param, ctx)
+
+
 _MAPPING = (
     option("--key-map", metavar="JSON|FILE.json", section=MAPPING,
-            help="A JSON object of old key to new key (null leaves the key out), inline ('{\"old\": \"new\"}') or "
-                 "in a file."),
+            help="Old key to new key (null leaves it out), as JSON or a .json file."),
     option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT", section=MAPPING,
-            help="Rename keys by re.sub (repeatable, applied in order), e.g. '^net\\.=model.' or "
-                 "'\\.attn\\.=.self_attn.'; \\1 refers to a group."),
-    option("--preset", type=click.Choice(_preset_names()), section=MAPPING, metavar="NAME",
-            help="A model family's adapter (names, stacked experts, transforms): auto (the default toward HF) "
-                 "detects the family, none maps nothing; 'ckptkit presets' lists the others."),
+            help="Rename keys by re.sub (repeatable, in order), e.g. '^net\\.=model.'."),
+    option("--preset", type=_PresetName(_preset_names()), section=MAPPING, metavar="NAME",
+            help="A model family's table ('ckptkit presets' lists them): auto, the default toward HF, "
+                 "detects it; none maps nothing."),
     option("--strict-map", is_flag=True, section=MAPPING,
-            help="Refuse keys that neither --key-map nor a --rename maps (a --preset always refuses keys it does "
-                 "not know)."),
+            help="Refuse keys that neither --key-map nor --rename maps."),
     option("--megatron-args", metavar="JSON", section=MAPPING, callback=lambda c, p, v: _megatron_args(v),
-            help="Megatron-LM arguments of the model, for a megatron-* preset, as a JSON object or the path of a "
-                 "JSON file, e.g. '{\"rotary_interleaved\": true}': over those of SRC's common.pt, or those of the "
-                 "run that --to megatron's output is for."),
+            help="Megatron-LM arguments over SRC's own, for a megatron-* preset: JSON or a .json file."),
 )
 
 
@@ -183,9 +185,7 @@ def _storage_options(ctx: click.Context, param: click.Parameter, value: str | No
 storage_option = option(
     "--storage-options", metavar="JSON", callback=_storage_options, section=COMMON,
     envvar="CKPTKIT_STORAGE_OPTIONS",
-    help="For s3://, gs://, az://, hf:// paths: keyword arguments of their fsspec filesystem, e.g. "
-         "'{\"endpoint_url\": \"http://127.0.0.1:9000\"}' or '{\"profile\": \"prod\"}' for s3fs (default: "
-         "AWS_ENDPOINT_URL, AWS_PROFILE, ... as each library reads them).")
+    help="fsspec keyword arguments for s3://, gs://, az://, hf:// paths, e.g. '{\"profile\": \"prod\"}'.")
 
 
 def assets_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -196,21 +196,22 @@ def assets_dir(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return value
 
 
+# Kept off each command's --help (ckptkit help local lists them): few checkpoints are LOCAL ones.
 _LOCAL = (
-    option("--rank-files", metavar="PATTERN", section=LOCAL,
+    option("--rank-files", metavar="PATTERN", section=LOCAL, hidden=True,
             help="Rank file names with {rank} for the rank, e.g. 'shard_{rank}.pt' "
                  "(default: found by name; output: the source's, or rank{rank}.pt)."),
-    option("--model", metavar="PKG.MODULE:FACTORY", section=LOCAL,
+    option("--model", metavar="PKG.MODULE:FACTORY", section=LOCAL, hidden=True,
             help="Builds the FSDP1 model, to derive the flat-parameter layout where no "
                  "flat_layout.json has it."),
-    option("--auto-wrap", default="none", show_default=True, metavar="POLICY", section=LOCAL,
+    option("--auto-wrap", default="none", show_default=True, metavar="POLICY", section=LOCAL, hidden=True,
             help="FSDP auto-wrap policy of --model: none, size:<min_num_params> or "
                  "block:<module.path:Class>."),
-    option("--use-orig-params/--no-use-orig-params", default=None, section=LOCAL,
+    option("--use-orig-params/--no-use-orig-params", default=None, section=LOCAL, hidden=True,
             help="Whether FSDP wraps --model with use_orig_params (default: told by the saved sizes; "
                  "off for output)."),
     option("--param-dtype", type=click.Choice(["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),
-            section=LOCAL,
+            section=LOCAL, hidden=True,
             help="The dtype FSDP computes --model in: MixedPrecision(param_dtype=...), else the "
                  "parameters' dtype at wrap time. With use_orig_params FSDP aligns parameters to 16 bytes "
                  "of it (default: the dtype --model builds)."),
@@ -244,6 +245,8 @@ def mapping_options(default: str | None = None):
         return _apply(*_MAPPING)(run)
 
     return decorate
+
+
 def writing_options(command):
     """The common options of every command that writes a checkpoint, given to ``command`` as one
     :class:`ckptkit.io.options.WriteOptions`, ``options`` (progress and ranks are the run's to decide), and

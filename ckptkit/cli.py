@@ -200,25 +200,28 @@ def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, st
 ))
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
-@option("--to", "to", required=True, type=click.Choice(TO),
-         help="Target format (megatron: megatron-core's torch_dist, from an HF model; deepspeed-universal: "
-              "DeepSpeed's universal checkpoint, model and Adam state, which its engine loads at any ZeRO stage).")
-@option("--world-size", type=click.IntRange(min=1),
-         help="Ranks to lay the output out for (sharded, local, megatron; default: the source's world size).")
+@option("--to", "to", required=True, type=click.Choice(TO), metavar="FORM",
+         help=f"Target format: {', '.join(TO)} (megatron: megatron-core's torch_dist, from an HF model).")
+@option("--world-size", type=click.IntRange(min=1), metavar="N",
+         help="Ranks to lay the output out for (default: the source's).")
 @option("--max-shard-size", default=None, metavar="SIZE", callback=size,
          help="Largest output file, e.g. 5GB (hf, full).")
+@option("--dtype", default="keep", show_default=True,
+         type=click.Choice(["keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),
+         help="Cast floating tensors (full, sharded, megatron, hf); FP8 and MXFP4 weights are written as values, "
+              "their scales left out.")
 @option("--hf-assets", metavar="DIR", callback=assets_dir,
-         help="HF model directory whose config.json gives a --preset the head counts (default: SRC's own "
-              "config.json, or params.json beside it).")
+         help="HF model folder whose config.json gives a --preset its head counts (default: SRC's own).")
 @mapping_options()
 @writing_options
 @local_options
-def convert(src, dst, to, world_size, max_shard_size, mapping, options, quiet, as_json, **local) -> None:
+def convert(src, dst, to, world_size, max_shard_size, dtype, mapping, options, quiet, as_json, **local) -> None:
     """Convert SRC (any format) to DST in format --to; with a key mapping, the model part under new names."""
     from .ops.convert import ConvertOptions, convert as _convert
 
-    _write(_convert, src, dst, to=to, mapping=mapping, output=ConvertOptions(world_size=world_size,
-           max_shard_size=max_shard_size), local=local_from(**local), options=options, quiet=quiet, as_json=as_json)
+    output = ConvertOptions(world_size=world_size, max_shard_size=max_shard_size, dtype=dtype)
+    _write(_convert, src, dst, to=to, mapping=mapping, output=output, local=local_from(**local), options=options,
+           quiet=quiet, as_json=as_json)
 
 
 @cli.command(examples=(
@@ -247,26 +250,21 @@ def reshard(src, dst, world_size, options, quiet, as_json, **local) -> None:
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
 @option("--hf-assets", metavar="DIR", callback=assets_dir,
-         help="HF model directory whose every file but weights, training state and caches is copied: config, "
-              "tokenizer, generation config, sentence-transformers modules, model card (config.json names the dtype "
-              "written; its tie_word_embeddings decides whether lm_head.weight is left out; a --preset takes "
-              "its head counts).")
-@option("--dtype", default="keep", show_default=True,
+         help="HF model folder whose files but the weights are copied (config, tokenizer, card); its config "
+              "decides a tied head and a --preset's head counts.")
+@option("--dtype", default="keep", show_default=True, metavar="DTYPE",
          type=click.Choice(["keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32", "fp8"]),
-         help="Cast floating tensors; integer and bool tensors keep their dtype. fp8: linear layers' weights as "
-              "float8 e4m3 with 128x128 block scales (DeepSeek-V3's release form), the rest bf16.")
+         help="Cast floating tensors to bf16, fp16 or fp32; fp8: DeepSeek-V3's 128x128-block form.")
 @option("--keep-fp32", "keep_fp32", multiple=True, metavar="REGEX",
-         help="Under --dtype bf16|fp16, write floating tensors whose HF name matches in float32 (repeatable). "
-              "Modules the --hf-assets model class keeps in float32 (_keep_in_fp32_modules) are kept too.")
+         help="Under a cast, keep tensors whose HF name matches in float32 (repeatable; as the class's own).")
 @option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE", callback=size,
          help="Largest safetensors file.")
 @option("--model-key", default="auto", show_default=True,
-         help="Where the model sits, as a dotted path (model, ema.model, state_dict.net); 'auto' finds it: "
-              "a model/state_dict/model_state_dict/module section, else the tensors beside the training state.")
+         help="Where the model sits, as a dotted path (ema.model); auto finds it.")
 @option("--strip-prefix", "strip_prefixes", multiple=True, metavar="PREFIX",
          help="Also strip this leading key prefix (repeatable).")
 @option("--keep-wrapper-prefixes", is_flag=True,
-         help="Do not strip module., _orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.")
+         help="Keep module., _orig_mod. and FSDP's wrapper prefixes.")
 @mapping_options("auto")
 @writing_options
 @local_options
@@ -351,6 +349,29 @@ def demo(workdir) -> None:
     from .demo import run_demo
 
     run_demo(workdir)
+
+
+@cli.command("help", examples=("ckptkit help local", "ckptkit help workers", "ckptkit help export-hf"))
+@click.argument("topic", required=False)
+@click.pass_context
+def help_(ctx: click.Context, topic: str | None) -> None:
+    """More help: a topic that the commands' --help leaves out (local, workers), or a command's --help."""
+    from ._cli_help import TOPICS, topic as _topic
+
+    group = ctx.find_root().command
+    assert isinstance(group, click.Group)
+    if topic is None:
+        click.echo("Topics:\n" + "".join(f"  {name:<10}{what}\n" for name, what in TOPICS.items())
+                   + "Commands: ckptkit help COMMAND is its --help (ckptkit --help lists them).")
+        return
+    command = group.get_command(ctx, topic)
+    if command is not None:
+        with command.make_context(topic, ["--help"], parent=ctx.find_root(), resilient_parsing=True) as sub:
+            click.echo(command.get_help(sub))
+        return
+    convert_command = group.get_command(ctx, "convert")
+    assert convert_command is not None
+    click.echo(_topic(topic, ctx, convert_command), nl=False)
 
 
 from .harness.cli import harness  # noqa: E402  (torch-free until a cell runs)

@@ -387,22 +387,38 @@ def test_cli_version():
     assert result.exit_code == 0 and result.stdout.strip() == f"ckptkit, version {version('ckptkit')}"
 
 
-def test_cli_help_sections_common_then_local_last_with_examples():
+def test_cli_help_fits_one_screen_with_sections_common_last_and_examples():
+    """Each command's --help, at 80 columns, is one screen: its own options, the common ones, examples; the
+    LOCAL options and the whole of --workers are ckptkit help's."""
     mapping, parallel = ["Key mapping (applied in this order):"], ["Parallel writing:"]
     for command, sections in [("inspect", []), ("convert", mapping + parallel), ("reshard", parallel),
                               ("export-hf", mapping + parallel), ("verify", [])]:
-        text = run(command, "--help").stdout
+        text = CliRunner().invoke(cli, [command, "--help"], terminal_width=80).stdout
+        assert len(text.splitlines()) <= 60, (command, len(text.splitlines()))
         headings = [line for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-        assert headings == ["Options:", *sections, "Common options:", "LOCAL checkpoints (FSDP1 LOCAL_STATE_DICT):",
-                            "Examples:"], (command, headings)
-        common = text.split("Common options:")[1].split("LOCAL checkpoints")[0]
+        assert headings == ["Options:", *sections, "Common options:", "Examples:"], (command, headings)
+        common = text.split("Common options:")[1]
         assert "--debug" in common and "-h, --help" in common
-        local = text.split("LOCAL checkpoints (FSDP1 LOCAL_STATE_DICT):")[1].split("Examples:")[0]
-        assert "--rank-files PATTERN" in local and "--rank-files" not in text.split("LOCAL checkpoints")[0]
+        assert "--rank-files" not in text and "FSDP1 LOCAL_STATE_DICT checkpoints take more options: ckptkit help " \
+            "local." in text
         examples = text.split("Examples:\n")[1].splitlines()
         assert 2 <= len(examples) <= 3 and all(e.startswith(f"  ckptkit {command} ") for e in examples), examples
     assert "--max-memory SIZE" in run("verify", "--help").stdout
     assert "--max-shard-size SIZE" in run("export-hf", "--help").stdout
+
+
+def test_cli_help_topics_hold_what_the_commands_help_leaves_out():
+    local = run("help", "local")
+    assert local.exit_code == 0
+    for opt in ("--rank-files PATTERN", "--model PKG.MODULE:FACTORY", "--auto-wrap POLICY",
+                "--use-orig-params / --no-use-orig-params", "--param-dtype"):
+        assert opt in local.stdout, opt
+    workers = run("help", "workers")
+    assert workers.exit_code == 0 and "torchrun --nnodes M --nproc-per-node K" in workers.stdout
+    assert run("help", "export-hf").stdout == run("export-hf", "--help").stdout
+    listing = run("help").stdout
+    assert "local" in listing and "workers" in listing
+    assert_one_line_error(run("help", "lcoal"), "no help topic 'lcoal'; expected a command or one of local, workers")
 
 
 def test_cli_command_list_shows_whole_descriptions():

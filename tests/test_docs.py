@@ -66,6 +66,28 @@ def test_readme_is_a_five_minute_read_whose_links_resolve():
     assert not missing, missing
 
 
+def test_install_lines_of_readme_and_getting_started_hold_no_placeholder():
+    for doc in ("README.md", "docs/getting-started.md"):
+        blocks = re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.DOTALL)
+        lines = [line for block in blocks for line in block.splitlines() if line.startswith(("pip ", "git "))]
+        assert any(line.startswith("pip install ./ckptkit") for line in lines), doc
+        assert not [line for line in lines if re.search(r"<[^>]+>", line.split("#")[0])], doc
+
+
+def test_cli_reference_lists_every_command_and_the_guides_run_the_users_commands():
+    synopsis = re.search(r"```bash\n(.*?)```", (ROOT / "docs" / "reference" / "cli.md").read_text(), re.DOTALL)
+    assert synopsis is not None
+    listed = {line.split()[1] for line in synopsis.group(1).splitlines() if line.startswith("ckptkit ")}
+    assert listed == {name for name, command in cli.commands.items() if not command.hidden}
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        text = page.read_text()
+        # what a user runs is the command of their environment, not a clone's development venv
+        assert ".venv/bin/torchrun" not in text, page
+        # a cast computes in numpy: no page says it brings torch in
+        assert not re.search(r"a dtype cast (loads|imports) torch|import torch: only a dtype cast",
+                             " ".join(text.split())), page
+
+
 def test_no_development_history_in_readme_docs_package_or_tests():
     pattern = re.compile("this " + "round|issue [0-9]", re.IGNORECASE)
     found = []

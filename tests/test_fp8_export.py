@@ -202,3 +202,12 @@ def test_export_hf_fp8_with_the_releases_own_config_names_fp8_and_leaves_nothing
     assert "left out" not in result.output.replace("left out of --hf-assets", "")
     assert json.loads((tmp_path / "cli" / "config.json").read_text())["quantization_config"] == json.loads(
         (fp8_export / "config.json").read_text())["quantization_config"]
+
+
+def test_export_hf_fp8_with_workers_shares_the_weights_and_writes_what_one_process_writes(bf16_model, fp8_export,
+                                                                                          tmp_path):
+    report = ckptkit.export_hf(bf16_model, tmp_path / "two", hf_assets=bf16_model, dtype="fp8", max_memory=40_000,
+                               max_shard_size="100KB", workers=2)
+    assert report.workers == 2
+    assert {p.name: p.read_bytes() for p in (tmp_path / "two").iterdir()} == {
+        p.name: p.read_bytes() for p in fp8_export.iterdir()}

@@ -65,7 +65,8 @@ def test_to_float32_reads_each_dtype_as_torch_widens_it(name):
 
 
 def test_quantize_casts_to_e4m3fn_as_torch_casts_it_on_every_rounding_edge():
-    values = _edges()
+    nans = torch.tensor([0xFFFFFFFF, 0xFFC00000, 0xFF800001, 0x7F800001, 0xFFFFF000], dtype=torch.int64)
+    values = torch.cat([_edges(), nans.to(torch.int32).view(torch.float32)])  # the highest bit patterns too
     width = -(-len(values) // 128) * 128
     band = torch.cat([values, torch.zeros(width - len(values))]).reshape(1, width)
     got = quantize(band.numpy().copy(), "float32", np.ones(width // 128, np.float32), 128)

@@ -196,10 +196,20 @@ def test_export_hf_cast_reads_strided_views(tmp_path):
     assert_same_tree(load_hf(tmp_path / "hf"), {k: v.to(torch.float16) for k, v in views.items()})
 
 
-def test_verify_model_only_matches_export(tmp_path, full_ckpt):
+def test_verify_of_a_training_checkpoint_and_its_hf_export_compares_the_model_part_and_says_so(tmp_path, full_ckpt):
+    from safetensors.torch import save_file
+
     export_hf(full_ckpt, tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
     assert verify(full_ckpt, tmp_path / "hf", model_only=True).ok
-    assert not verify(full_ckpt, tmp_path / "hf").ok  # the optimizer and counters are only in the source
+    for a, b in ((full_ckpt, tmp_path / "hf"), (tmp_path / "hf", full_ckpt)):
+        report = verify(a, b)  # the optimizer and counters, only in the source, are not compared
+        assert report.ok and report.tensors == len(model) and report.hint is None
+        assert report.notes[0].startswith(f"{tmp_path / 'hf'} is a Hugging Face model folder: the model part of "
+                                          f"{full_ckpt} is compared with it (as --model-only)")
+    key = sorted(model)[0]
+    save_file({**model, key: model[key] + 1}, tmp_path / "hf" / "model.safetensors")
+    assert [d.key for d in verify(full_ckpt, tmp_path / "hf").differences] == [key]
 
 
 # ------------------------------------------------------------------------------------------ hf_assets

@@ -130,3 +130,21 @@ def test_a_refusal_stands_when_transformers_answer_comes_from_the_cache(llama, t
         kept.write_text("{not json")
     broken = run_cli_watching_imports(*args)
     assert broken[:2] == first[:2] and "transformers" in broken[2]
+
+
+def test_class_check_off_imports_neither_transformers_nor_torch_and_says_the_output_was_not_checked(
+        llama, tmp_path, monkeypatch):
+    """The first class check of a model imports torch and transformers' model code (seconds, hundreds of MB);
+    CKPTKIT_CLASS_CHECK=0 skips it, and the report says what was not checked."""
+    from _checks import run_cli_watching_imports
+    from ckptkit.models.classcache import CACHE_ENV
+    from ckptkit.models.hfclass import CHECK_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))  # nothing asked before
+    monkeypatch.setenv(CHECK_ENV, "0")
+    code, output, imported = run_cli_watching_imports("export-hf", str(llama / "model.safetensors"),
+                                                      str(tmp_path / "hf"), "--hf-assets", str(llama))
+    assert code == 0 and imported == set(), output
+    assert "not checked against transformers' class of" in output and f"({CHECK_ENV}=0)" in output
+    info = loading_info(tmp_path / "hf")
+    assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -52,8 +52,8 @@ MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 def layer(module: str) -> str:
     parts = module.split(".")
-    if module in ("ckptkit", "ckptkit.__main__", "ckptkit.cli", "ckptkit._cli_options", "ckptkit.demo",
-                  "ckptkit._startup", "ckptkit._process"):
+    if module in ("ckptkit", "ckptkit.__main__", "ckptkit.cli", "ckptkit._cli_options", "ckptkit._cli_help",
+                  "ckptkit.demo", "ckptkit._startup", "ckptkit._process"):
         return "top"
     if parts[1] in LAYERS:
         return parts[1]

@@ -124,3 +124,49 @@ def test_convert_gpt_oss_mxfp4_to_megatron_writes_dequantized_experts_as_gate_th
 
     _, info = GptOssForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_export_hf_cast_of_the_mxfp4_release_writes_transformers_dequantized_experts(mxfp4_release, tmp_path, dtype):
+    from transformers import GptOssForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src, quantized = mxfp4_release
+    report = ckptkit.export_hf(src, tmp_path / "hf", hf_assets=src, dtype=dtype)
+    got = load_hf(tmp_path / "hf")
+    wanted = torch.bfloat16 if dtype == "bf16" else torch.float32
+    for name in (k.removesuffix("_blocks") for k in quantized if k.endswith("_blocks")):
+        expected = convert_moe_packed_tensors(quantized[name + "_blocks"], quantized[name + "_scales"], dtype=wanted)
+        assert got[name].dtype == wanted and torch.equal(got[name], expected), name
+    assert not any(k.endswith(("_blocks", "_scales")) for k in got)
+    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert any("dequantized 4 MXFP4 weights" in n for n in report.notes)
+    _, info = GptOssForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    checked = ckptkit.verify(src, tmp_path / "hf")  # the rest of the model is float32 in the source, cast here
+    assert [d.key for d in checked.differences if d.key.endswith(("gate_up_proj", "down_proj"))] == []
+    assert any("4 quantized weights" in n for n in checked.notes)
+
+
+def test_mxfp4_scales_typed_e8m0_are_read_as_their_exponent_bytes(mxfp4_release, tmp_path):
+    """``float8_e8m0fnu`` scales hold the same byte as the released uint8 exponents (2^(b - 127)); e8m0's NaN code
+    gives NaN."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src, quantized = mxfp4_release
+    state = load_hf(src)
+    name = "model.layers.0.mlp.experts.down_proj"
+    exponents = state[name + "_scales"].clone()
+    exponents[1, 2, 0] = 0xFF
+    state[name + "_scales"] = exponents.view(torch.float8_e8m0fnu)
+    (tmp_path / "src").mkdir()
+    save_file(state, tmp_path / "src" / "model.safetensors")
+    (tmp_path / "src" / "config.json").write_bytes((src / "config.json").read_bytes())
+    ckptkit.export_hf(tmp_path / "src", tmp_path / "hf", dtype="bf16")
+    got = load_hf(tmp_path / "hf")[name]
+    expected = convert_moe_packed_tensors(quantized[name + "_blocks"], exponents)
+    scale = exponents.view(torch.float8_e8m0fnu).float().repeat_interleave(32, -1).transpose(1, 2)
+    nan = scale.isnan()
+    assert nan.sum() == 32 and got[nan].isnan().all()
+    assert torch.equal(got[~nan], expected[~nan])

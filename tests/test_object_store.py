@@ -33,6 +33,7 @@ from ckptkit.io.storage import storage_at, storage_for
 from ckptkit.io.storage.fsspec import upload as transfer
 from ckptkit.io.storage.fsspec.paths import RemotePath
 from ckptkit.io.storage.fsspec.reads import Job, RemoteFiles, coalesce
+from ckptkit.io.storage.local import staging
 from ckptkit.ops.convert import convert, reshard
 from ckptkit.ops.export import export_hf
 from ckptkit.ops.inspect import inspect, summary
@@ -332,6 +333,40 @@ def test_an_existing_destination_needs_overwrite_and_is_replaced_whole(s3, sourc
     assert digest(s3.get("out", tmp_path / "got")) == digest(tmp_path / "want")  # __2_0.distcp is gone too
 
 
+def test_an_overwrite_of_a_model_folder_keeps_its_other_files_even_when_the_run_dies(s3, sources, tmp_path):
+    """The old shards and index go, the tokenizer and model card stay; a run that dies before its commit leaves
+    them too, and the next run's clean-up of its output spares them."""
+    import shutil
+
+    from ckptkit.io.storage import storage_at
+    from ckptkit.io.storage.fsspec.staging import recover_objects
+
+    folder = Path(shutil.copytree(sources["hf"], tmp_path / "base"))
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "README.md").write_text("# base\n")
+    url = s3.put(folder, "base")
+    shards = [k for k in s3.objects("base") if k.endswith(".safetensors")]
+    assert len(shards) > 1
+    export_hf(sources["dcp"], url, overwrite=True)
+    assert s3.objects("base") == ["base/README.md", "base/model.safetensors", "base/tokenizer.json"]
+    export_hf(sources["dcp"], tmp_path / "want")
+    assert s3.fs.cat(f"{s3.name}/base/model.safetensors") == (tmp_path / "want" / "model.safetensors").read_bytes()
+    # A dead run of this host that had put a shard and not its index: its clean-up spares what it kept.
+    marker = f"{s3.name}/.base.ckptkit-partial-{staging.host_name()}-{_dead_pid()}"
+    s3.fs.pipe(marker, json.dumps({"commit": "model.safetensors.index.json",
+                                   "kept": ["README.md", "tokenizer.json"]}).encode())
+    s3.fs.rm(f"{s3.name}/base/model.safetensors")
+    s3.fs.pipe(f"{s3.name}/base/model-00001-of-00002.safetensors", b"half")
+    s3.fs.invalidate_cache()
+    recover_objects(storage_at(s3.url())[1])
+    assert s3.objects("base") == ["base/README.md", "base/tokenizer.json"] and not s3.leftovers()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
 def test_a_destination_inside_the_source_is_refused(s3, sources):
     url = s3.put(sources["dcp"], "ckpt")
     with pytest.raises(UsageError, match=rf"destination {url}/out overlaps the input {url}"):
@@ -339,7 +374,10 @@ def test_a_destination_inside_the_source_is_refused(s3, sources):
 
 
 def test_permission_denied_by_the_server_is_one_line_and_writes_nothing(s3, sources, moto_server):
-    """moto enforces IAM when asked to: a user allowed to read the bucket, not to write it."""
+    """moto enforces IAM when asked to: a user allowed to read the bucket, not to write it. The policy is
+    AmazonS3ReadOnlyAccess's (``s3:Get*``, ``s3:List*``), plus ``s3:Head*``: moto 5.2 checks a HEAD request
+    against its operation's name (``s3:HeadObject``) where AWS checks ``s3:GetObject``, and no AWS action
+    matches ``s3:Head*``, so the user may read and nothing more, with any moto."""
     import boto3
     from moto import settings
 
@@ -348,7 +386,7 @@ def test_permission_denied_by_the_server_is_one_line_and_writes_nothing(s3, sour
     iam.create_user(UserName="reader")
     resources = [f"arn:aws:s3:::{s3.name}", f"arn:aws:s3:::{s3.name}/*"]
     policy = {"Version": "2012-10-17", "Statement": [
-        {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": resources}]}
+        {"Effect": "Allow", "Action": ["s3:Get*", "s3:List*", "s3:Head*"], "Resource": resources}]}
     iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(policy))
     key = iam.create_access_key(UserName="reader")["AccessKey"]
     env = {**os.environ, "AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,6 +72,54 @@ def test_split_work_cuts_a_large_file_into_byte_ranges_that_cover_it_once():
     assert all(share for share in shares) and max(sum(s.nbytes for s in share) for share in shares) <= 50
     regions = [p for share in shares for s in share for p in s.parts if isinstance(p, Region)]
     assert sum(r.sizes[0] for r in regions) == 4 and len(regions) > 1  # the tensor cut into whole rows
+
+
+def fp8_export_plan(rows: tuple[int, ...], cols: int = 256):
+    """The HF plan of ``export-hf --dtype fp8`` of bf16 linear weights of ``rows`` x ``cols``, and the weights."""
+    from ckptkit.core.reshape import quantized_fp8
+    from ckptkit.formats.hf import HfIO, HfOptions
+
+    weights, tensors, offset = [], [], 0
+    for i, r in enumerate(rows):
+        w = TensorEntry(f"l{i}.q_proj.weight", (f"l{i}.q_proj.weight",), by_name("bfloat16"), (r, cols),
+                        (Chunk((0, 0), (r, cols), Span("/src", offset, 2 * r * cols)),))
+        offset += 2 * r * cols
+        weights.append(w)
+        tensors += quantized_fp8(w, w.key, by_name("float8_e4m3fn"), by_name("float32"))
+    norm = TensorEntry("norm.weight", ("norm.weight",), by_name("bfloat16"), (cols,),
+                       (Chunk((0,), (cols,), Span("/src", offset, 2 * cols)),))
+    from ckptkit.core.manifest import Format, Manifest
+
+    plan = HfIO().plan(Manifest(Format.SHARDED, "/src", (*tensors, norm)), HfOptions(max_shard_size=None))
+    return plan, weights
+
+
+def test_split_work_shares_an_fp8_export_by_weight_each_with_its_scales_after_its_values():
+    plan, weights = fp8_export_plan((384, 256, 128) * 6)
+    shares = split_work(plan.files, 2)
+    ranges = sorted((s.relpath, s.start, s.start + s.nbytes) for share in shares for s in share)
+    for fp in plan.files:  # every byte of every file written once
+        mine = [(a, b) for rel, a, b in ranges if rel == fp.relpath]
+        assert mine[0][0] == 0 and mine[-1][1] == fp.nbytes and all(x[1] == y[0] for x, y in itertools.pairwise(mine))
+    for w in weights:
+        owners = [(i, j, p.entry.derived.op) for i, share in enumerate(shares) for j, s in enumerate(share)
+                  for p in s.parts if isinstance(p, Region) and p.entry.derived is not None
+                  and p.entry.derived.inputs[0] is w]
+        assert len({i for i, _, _ in owners}) == 1, w.key  # one process reads the weight
+        assert [op for _, _, op in sorted(owners)] == ["quant_fp8", "fp8_scale"], w.key  # values, then scales
+    elements = [sum(p.entry.derived.inputs[0].numel for s in share for p in s.parts if isinstance(p, Region)
+                    and p.entry.derived is not None and p.entry.derived.op == "quant_fp8") for share in shares]
+    assert elements == [3 * (384 + 256 + 128) * 256] * 2  # the largest first, to the lighter share
+
+
+def test_choose_writers_counts_the_quantization_of_an_fp8_export():
+    from ckptkit.core.split import Work, choose_writers
+
+    plan, _ = fp8_export_plan((8192,) * 16, cols=4096)  # 0.5 GB of values: a copy's 0.3 s, a quantization's 2 s
+    copy_only = Work(sum(f.nbytes for f in plan.files), 48, len(plan.files), 17)
+    assert choose_writers(copy_only, 2)[0] == 1
+    n, why = choose_writers(Work.of(plan.files), 2)
+    assert n == 2, why
 
 
 def test_reshard_with_workers_writes_what_one_process_writes(tmp_path, dcp_ckpt, training_state):
@@ -155,7 +204,10 @@ def test_torchrun_failure_on_a_rank_fails_every_rank_with_one_line(tmp_path, dcp
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ckptkit: error: ")]
     assert len(errors) == 2 and all("__1_0.distcp" in e for e in errors), proc.stderr[-3000:]
-    assert "ckptkit/" not in proc.stderr  # torchrun's own report of the failed ranks, but no traceback of ours
+    # torchrun's own report of the failed ranks, but no traceback through ckptkit's code (wherever the clone is)
+    package = Path(ckptkit.__file__).resolve().parent
+    frames = [Path(f).resolve() for f in re.findall(r'File "([^"]+)", line \d+', proc.stderr)]
+    assert not [f for f in frames if f.is_relative_to(package)], proc.stderr[-3000:]
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 

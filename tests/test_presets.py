@@ -74,10 +74,26 @@ def test_model_shape_refuses_what_gives_no_head_dim(config, message):
         model_shape(config, "c")
 
 
-def test_preset_unknown_name_lists_the_known():
-    with pytest.raises(UsageError, match=r"--preset 'llama9': unknown; expected one of torchtitan-llama, ") as e:
-        preset("llama9")
-    assert all(name in str(e.value) for name in ("meta-llama", "megatron-qwen3-moe", "qwen2", "mistral"))
+@pytest.mark.parametrize("name, said", [
+    ("torchtitan-lama", "did you mean torchtitan-llama? 'ckptkit presets' lists every preset"),
+    ("megatron-qwen3moe", "did you mean megatron-qwen3-moe? 'ckptkit presets' lists every preset"),
+    ("bert", "'ckptkit presets' lists every preset"),  # nothing near enough: no guess
+])
+def test_preset_misspelt_name_says_the_nearest_and_where_the_list_is(name, said):
+    with pytest.raises(UsageError) as e:
+        preset(name)
+    assert str(e.value) == f"--preset {name!r}: unknown; {said}"
+
+
+def test_cli_preset_misspelt_is_one_short_line_naming_the_nearest():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "ckptkit", "export-hf", "src.pt", "out", "--preset",
+                           "torchtitan-lama"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr == (
+        "ckptkit: error: Invalid value for '--preset': 'torchtitan-lama': unknown; did you mean torchtitan-llama? "
+        "'ckptkit presets' lists every preset (see 'ckptkit export-hf --help')\n")
 
 
 def test_registry_finds_every_family_module_and_derives_detection_from_the_tables():

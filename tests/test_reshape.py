@@ -17,6 +17,7 @@ from ckptkit.core.dtypes import by_name
 from ckptkit.core.manifest import Chunk, TensorEntry
 from ckptkit.core.plan import FilePlan, Region
 from ckptkit.core.reshape import (
+    computed_in,
     dequantized,
     interleaved,
     join_along,
@@ -180,6 +181,22 @@ def test_dequantized_fp8_equals_torchs_block_arithmetic(tmp_path, rows, cols, ma
     got_bf16, = written(tmp_path, [dequantized(w, s, "w", by_name("float32"))], cast="bfloat16",
                         max_memory=max_memory)
     assert torch.equal(got_bf16, torch_reader_dequant(weight, scale, torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dequantized_computed_straight_into_a_cast_is_the_float32_result_cast(tmp_path, dtype):
+    """A cast of a dequantization (and of a stack of them, as experts are) computes the cast dtype from each tile's
+    table of float32 products rounded once: no float32 copy, the same bits as torch's reader then ``.to``."""
+    weights = [(torch.randn(300, 200, generator=G) * 4).to(torch.float8_e4m3fn) for _ in range(2)]
+    scales = [torch.rand(3, 2, generator=G) * 1e3 + 0.01 for _ in range(2)]  # products beyond float16's range too
+    parts = [dequantized(sharded(tmp_path, f"w{i}", w, [100]), sharded(tmp_path, f"s{i}", s, []), f"w{i}",
+                         by_name("float32")) for i, (w, s) in enumerate(zip(weights, scales, strict=True))]
+    to = by_name(dtype)
+    direct = [computed_in(parts[0], to), computed_in(stack("experts", parts), to)]
+    assert [e.dtype for e in direct] == [to, to] and direct[1].derived.inputs[0].dtype == to
+    got = written(tmp_path, direct, max_memory=5000)
+    expected = [torch_reader_dequant(w, s, getattr(torch, dtype)) for w, s in zip(weights, scales, strict=True)]
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], torch.stack(expected))
 
 
 def test_dequantized_refuses_a_scale_grid_that_does_not_cover_the_weight(tmp_path):

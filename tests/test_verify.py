@@ -88,6 +88,17 @@ def test_verify_nan_and_signed_zero(tmp_path):
     assert math.isnan(nan.value_a) and nan.value_b == 1.0
 
 
+def test_verify_cli_of_two_checkpoints_with_no_key_in_common_ends_with_a_hint(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+    torch.save({"module.w": torch.ones(2)}, tmp_path / "b.pt")
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path / "a.pt"), str(tmp_path / "b.pt")])
+    assert result.exit_code == 1
+    assert result.stdout.splitlines()[-1] == ("hint: no tensor key is on both sides: --model-only compares a training "
+                                              "checkpoint's model with an export of it; --strip-prefix and --rename "
+                                              "align other names")
+    assert verify(tmp_path / "a.pt", tmp_path / "b.pt", strip_prefixes=("module.",)).hint is None
+
+
 def test_verify_json_schema(tmp_path):
     torch.save({"x": torch.tensor([math.nan, 2.0]), "only_a": torch.ones(1), "step": 1}, tmp_path / "a.pt")
     torch.save({"x": torch.tensor([1.0, 2.0]), "step": 2}, tmp_path / "b.pt")
@@ -96,7 +107,7 @@ def test_verify_json_schema(tmp_path):
     assert result.exit_code == 1
     report = json.loads(result.stdout)  # strict JSON: no NaN or Infinity literals
     assert set(report) == {"schema_version", "a", "b", "format_a", "format_b", "ok", "checksums", "tensors", "objects",
-                           "bytes", "atol", "rtol", "notes", "differences"}
+                           "bytes", "atol", "rtol", "notes", "differences", "hint"}
     assert (report["schema_version"], report["ok"], report["atol"], report["rtol"]) == (SCHEMA_VERSION, False, 0.5,
                                                                                         None)
     by_key = {d["key"]: d for d in report["differences"]}

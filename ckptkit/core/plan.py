@@ -79,6 +79,9 @@ class WritePlan:
     commit: str | None = None
     """The file whose presence makes the output a checkpoint (DCP's ``.metadata``, an index): where the store
     cannot rename a directory into place (object stores), it is written last, after every other file."""
+    kept: tuple[str, ...] = ()
+    """Files and folders of the destination this output replaces that it keeps as they are, beside its own
+    (paths relative to it, a folder ending in ``/``): an overwrite of a model folder keeps its tokenizer."""
     total_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -33,9 +33,10 @@ from .boxes import extent
 from .dtypes import DType
 from .manifest import Chunk, Derived, Span, TensorEntry
 
-__all__ = ["FP8_MAX", "MXFP4_BLOCK", "dequantized", "dequantized_mxfp4", "interleaved", "join_along", "join_rows",
-           "materialize_rows", "quantized_fp8", "reshaped", "split_along", "split_rows", "squeeze0", "stack",
-           "take_rows", "transposed", "unsqueeze0", "unstack", "zeros"]
+__all__ = ["COMPUTED_IN_ANY_DTYPE", "FP8_MAX", "FP8_SCALE_DTYPES", "MXFP4_BLOCK", "computed_in", "dequantized",
+           "dequantized_mxfp4", "interleaved", "join_along", "join_rows", "materialize_rows", "quantized_fp8",
+           "reshaped", "split_along", "split_rows", "squeeze0", "stack", "take_rows", "transposed", "unsqueeze0",
+           "unstack", "zeros"]
 
 
 def _crop(c: Chunk, a: int, b: int, shift: int, itemsize: int) -> Chunk | None:
@@ -268,10 +269,41 @@ def dequantized(weight: TensorEntry, scale: TensorEntry, key: str, dtype: DType,
         raise UsageError(f"{weight.key!r}: {weight.dtype} {list(weight.shape)}; FP8 dequantization takes a 2-D "
                          "float8 weight")
     grid = tuple(-(-n // block) for n in weight.shape)
-    if scale.shape != grid or not scale.dtype.is_floating:
+    if scale.shape != grid:
         raise UsageError(f"{scale.key!r}: shape {list(scale.shape)} ({scale.dtype}); the {block}x{block} block grid "
                          f"of {weight.key!r} {list(weight.shape)} is {list(grid)} floats")
+    if scale.dtype.name not in FP8_SCALE_DTYPES:
+        raise UsageError(f"{scale.key!r}: {scale.dtype}; an FP8 block scale is read by value from one of "
+                         f"{', '.join(FP8_SCALE_DTYPES)}")
     return TensorEntry(key, (key,), dtype, weight.shape, (), derived=Derived("dequant_fp8", (weight, scale), block))
+
+
+FP8_SCALE_DTYPES = ("float32", "bfloat16", "float16", "float64", "float8_e8m0fnu", "float8_e4m3fn", "float8_e5m2",
+                    "float8_e4m3fnuz", "float8_e5m2fnuz")
+"""The dtypes of a ``weight_scale_inv`` that FP8 dequantization decodes by value, as torch's ``.float()`` does
+(a float64 scale rounded to float32, as torch's float32 product rounds it)."""
+COMPUTED_IN_ANY_DTYPE = ("dequant_fp8",)
+"""Computations whose result in a narrower dtype is computed straight into it (each tile's 256 results are
+float32 products, rounded once), bit for bit the float32 result cast."""
+_MOVES_ONLY = ("rows", "stack", "transpose", "interleave", "deinterleave")
+"""Computations that move their inputs' elements and compute none."""
+
+
+def computed_in(entry: TensorEntry, dtype: DType | None) -> TensorEntry:
+    """``entry`` computed straight into ``dtype`` (a cast of it), where it is a computation of
+    :data:`COMPUTED_IN_ANY_DTYPE` or moves elements of such computations alone: the same bits as computing it
+    and casting, without the wider copy. Any other entry, or no ``dtype``, is returned as it is."""
+    derived = entry.derived
+    if dtype is None or derived is None or dtype == entry.dtype or not dtype.is_floating:
+        return entry
+    if derived.op in COMPUTED_IN_ANY_DTYPE:
+        return dataclasses.replace(entry, dtype=dtype)
+    if derived.op not in _MOVES_ONLY or not derived.inputs:
+        return entry
+    inputs = tuple(computed_in(i, dtype) for i in derived.inputs)
+    if any(i.dtype != dtype for i in inputs):
+        return entry
+    return dataclasses.replace(entry, dtype=dtype, derived=dataclasses.replace(derived, inputs=inputs))
 
 
 MXFP4_BLOCK = 32
@@ -280,8 +312,9 @@ MXFP4_BLOCK = 32
 
 def dequantized_mxfp4(blocks: TensorEntry, scales: TensorEntry, key: str, dtype: DType) -> TensorEntry:
     """MXFP4 ``blocks`` (``[..., rows, groups, 16]`` uint8, two FP4 values a byte, low nibble first) times
-    2^(``scales`` - 127) (``[..., rows, groups]`` uint8, e8m0), as ``dtype`` ``[..., rows, groups x 32]``: what
-    transformers' ``convert_moe_packed_tensors`` computes before its final transpose.
+    2^(``scales`` - 127) (``[..., rows, groups]`` e8m0 exponents: uint8 as released, or ``float8_e8m0fnu``,
+    whose NaN code gives NaN), as ``dtype`` ``[..., rows, groups x 32]``: what transformers'
+    ``convert_moe_packed_tensors`` computes in ``dtype`` before its final transpose.
 
     Raises:
         UsageError: the blocks are not uint8 with 16 bytes a block, or the scales do not match them.
@@ -289,9 +322,10 @@ def dequantized_mxfp4(blocks: TensorEntry, scales: TensorEntry, key: str, dtype:
     if blocks.dtype.name != "uint8" or len(blocks.shape) < 3 or blocks.shape[-1] != MXFP4_BLOCK // 2:
         raise UsageError(f"{blocks.key!r}: {blocks.dtype} {list(blocks.shape)}; MXFP4 blocks are uint8 "
                          f"[..., rows, groups, {MXFP4_BLOCK // 2}]")
-    if scales.dtype.name != "uint8" or scales.shape != blocks.shape[:-1]:
+    if scales.dtype.name not in ("uint8", "float8_e8m0fnu") or scales.shape != blocks.shape[:-1]:
         raise UsageError(f"{scales.key!r}: {scales.dtype} {list(scales.shape)}; the scales of {blocks.key!r} "
-                         f"{list(blocks.shape)} are uint8 {list(blocks.shape[:-1])}")
+                         f"{list(blocks.shape)} are e8m0 exponents, uint8 or float8_e8m0fnu "
+                         f"{list(blocks.shape[:-1])}")
     shape = (*blocks.shape[:-2], blocks.shape[-2] * MXFP4_BLOCK)
     return TensorEntry(key, (key,), dtype, shape, (), derived=Derived("dequant_mxfp4", (blocks, scales)))
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from .manifest import TensorEntry
 from .plan import FilePlan, Part, Region, row_blocks
 
-__all__ = ["MIN_PIECE", "Slice", "Work", "choose_writers", "cut", "split_work"]
+__all__ = ["MIN_PIECE", "Slice", "Work", "by_tensor", "choose_writers", "cut", "seconds", "shares_inputs",
+           "split_work"]
 
 MIN_PIECE = 32 << 20
 """Bytes below which a file is not cut: each piece costs its writer an open and a few system calls."""
@@ -87,12 +89,15 @@ def cut(fp: FilePlan, size: int) -> list[Slice]:
 
 def split_work(files: tuple[FilePlan, ...], n: int, *, cut_files: bool = True,
                min_piece: int | None = None) -> tuple[tuple[Slice, ...], ...]:
-    """``files`` in ``n`` shares of about equal bytes, for ``n`` processes to write one share each.
+    """``files`` in ``n`` shares of about equal work, for ``n`` processes to write one share each.
 
-    With ``cut_files``, a file larger than a writer's share (and than ``min_piece``) is cut (:func:`cut`)
-    into pieces of about a quarter of a share; a smaller file goes whole. The largest piece goes first, to
-    the share with the fewest bytes so far (the lowest-numbered on a tie); within a share, pieces keep their
-    order in ``files`` and in their file.
+    With ``cut_files``, a file that computes tensors from one input apart (:func:`shares_inputs`) is shared out
+    tensor by tensor (:func:`by_tensor`); any other file larger than a writer's share (and than ``min_piece``)
+    is cut (:func:`cut`) into pieces of about a quarter of a share, and a smaller file goes whole. A piece's
+    work is its bytes, and the computation of its computed tensors (:func:`seconds`, as bytes copied in that
+    time). The largest piece goes first, to the share with the least work so far (the lowest-numbered on a
+    tie); within a share, pieces keep their order in ``files`` and in their file (an FP8 weight's values
+    before its scales).
 
     Args:
         files: the plan's files.
@@ -112,17 +117,107 @@ def split_work(files: tuple[FilePlan, ...], n: int, *, cut_files: bool = True,
     min_piece = MIN_PIECE if min_piece is None else min_piece
     share = -(-sum(f.nbytes for f in files) // n)
     piece = max(min_piece, -(-share // _PIECES_PER_WRITER), 1)
-    pieces: list[tuple[int, Slice]] = []
+    most = sum(_work(Slice(f.relpath, 0, f.parts)) for f in files) / n / _PIECES_PER_WRITER
+    pieces: list[tuple[int, tuple[Slice, ...]]] = []
     for index, fp in enumerate(files):
+        if cut_files and shares_inputs(fp):
+            pieces += [(index, group) for group in _tensor_pieces(fp, most, piece)]
+            continue
         whole = not cut_files or fp.nbytes <= max(share, min_piece)
-        pieces += [(index, s) for s in ([Slice(fp.relpath, 0, fp.parts)] if whole else cut(fp, piece))]
-    loads = [(0, i) for i in range(n)]
+        pieces += [(index, (s,)) for s in ([Slice(fp.relpath, 0, fp.parts)] if whole else cut(fp, piece))]
+    work = [sum(_work(s) for s in group) for _, group in pieces]
+    loads: list[tuple[float, int]] = [(0.0, i) for i in range(n)]
     shares: list[list[int]] = [[] for _ in range(n)]
-    for i in sorted(range(len(pieces)), key=lambda i: -pieces[i][1].nbytes):
-        nbytes, which = heapq.heappop(loads)
+    for i in sorted(range(len(pieces)), key=lambda i: -work[i]):
+        load, which = heapq.heappop(loads)
         shares[which].append(i)
-        heapq.heappush(loads, (nbytes + pieces[i][1].nbytes, which))
-    return tuple(tuple(pieces[i][1] for i in sorted(share)) for share in shares)
+        heapq.heappush(loads, (load + work[i], which))
+    order = sorted(range(len(pieces)), key=lambda i: (pieces[i][0], min(s.start for s in pieces[i][1])))
+    rank = {i: r for r, i in enumerate(order)}
+    return tuple(tuple(s for i in sorted(share, key=rank.__getitem__) for s in pieces[i][1]) for share in shares)
+
+
+def by_tensor(fp: FilePlan) -> list[tuple[Slice, ...]]:
+    """``fp`` as groups of slices, one group for each tensor computed from another and one for each run of
+    other parts between them. An FP8 weight's values and its scales, both computed from the weight, are one
+    group, the values first: the process that writes both reads the weight once, and computes its tile scales
+    as it quantizes it."""
+    groups: dict[object, list[Slice]] = {}
+    pos, run = 0, 0
+    for part in fp.parts:
+        derived = part.entry.derived if isinstance(part, Region) else None
+        if derived is None:
+            key: object = ("run", run)
+        else:
+            run += 1
+            key = derived.inputs[0] if derived.op in _SHARE_INPUT and derived.inputs else ("part", pos)
+        group = groups.setdefault(key, [])
+        if group and group[-1].start + group[-1].nbytes == pos:  # adjacent: one slice
+            group[-1] = Slice(fp.relpath, group[-1].start, (*group[-1].parts, part))
+        else:
+            group.append(Slice(fp.relpath, pos, (part,)))
+        pos += part.nbytes
+    # An FP8 weight's scales are computed with its values, from the same read of the weight: written after them.
+    return [tuple(sorted(g, key=_scales_last)) for g in groups.values()]
+
+
+def _scales_last(piece: Slice) -> bool:
+    return any(isinstance(p, Region) and p.entry.derived is not None and p.entry.derived.op == "fp8_scale"
+               for p in piece.parts)
+
+
+def _tensor_pieces(fp: FilePlan, most: float, piece: int) -> list[tuple[Slice, ...]]:
+    """:func:`by_tensor`'s groups of ``fp``, any group of more than ``most`` work (about a quarter of a
+    writer's) cut into slices of about ``piece`` bytes (:func:`cut`), so that one large tensor is still shared
+    out."""
+    out: list[tuple[Slice, ...]] = []
+    for group in by_tensor(fp):
+        if sum(_work(s) for s in group) <= most:
+            out.append(group)
+            continue
+        out += [(Slice(s.relpath, s.start + c.start, c.parts),) for s in group
+                for c in cut(FilePlan(s.relpath, s.parts), piece)]
+    return out
+
+
+_SHARE_INPUT = ("quant_fp8", "fp8_scale")
+"""Computations whose outputs read the same input (an FP8 weight's values and its tile scales)."""
+
+
+def shares_inputs(fp: FilePlan) -> bool:
+    """Whether ``fp`` computes tensors from one input apart (an FP8 weight's values and its scales), which
+    :func:`by_tensor` keeps together."""
+    return any(isinstance(p, Region) and p.entry.derived is not None and p.entry.derived.op in _SHARE_INPUT
+               for p in fp.parts)
+_SECONDS_PER_ELEMENT = {"quant_fp8": 4e-9, "fp8_scale": 1e-9, "dequant_fp8": 1.5e-9, "dequant_mxfp4": 3e-9}
+"""About what a computed tensor costs per element read, on one core of a machine like the bench's, beyond
+copying its bytes; other computations move elements only."""
+_MOVE_SECONDS = 0.5e-9
+
+
+def seconds(part: Part) -> float:
+    """About what writing ``part`` costs one writer: its bytes at a kernel copy's speed, and for a computed
+    tensor its computation (an FP8 tile scale reads the whole tile)."""
+    copy = part.nbytes / _COPY_RATE
+    if not isinstance(part, Region) or part.entry.derived is None:
+        return copy
+    return copy + part.nbytes // max(1, part.dtype.itemsize) * _per_element(part.entry)
+
+
+def _per_element(entry: TensorEntry) -> float:
+    """Seconds per element of computing ``entry``: its computation's, and its computed inputs' (the most)."""
+    derived = entry.derived
+    if derived is None:
+        return 0.0
+    own = _SECONDS_PER_ELEMENT.get(derived.op, _MOVE_SECONDS)
+    if derived.op == "fp8_scale":  # a scale reads its whole tile
+        own *= derived.block * derived.block
+    return own + max((_per_element(i) for i in derived.inputs), default=0.0)
+
+
+def _work(piece: Slice) -> float:
+    """A piece's work in bytes copied in the same time."""
+    return sum(seconds(p) for p in piece.parts) * _COPY_RATE
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,14 +230,18 @@ class Work:
     files: int
     pieces: int
     """The most writers the plan can be shared between: its files, or with files cut, pieces of
-    :data:`MIN_PIECE` bytes."""
+    :data:`MIN_PIECE` bytes (or computed tensors, where there are more of those)."""
+    compute: float = 0.0
+    """Seconds of computation beyond the copying (computed tensors: :func:`seconds`)."""
 
     @classmethod
     def of(cls, files: tuple[FilePlan, ...], *, cut_files: bool = True) -> Work:
         nbytes = sum(f.nbytes for f in files)
         regions = sum(isinstance(p, Region) for f in files for p in f.parts)
-        pieces = -(-nbytes // MIN_PIECE) if cut_files else sum(f.nbytes > 0 for f in files)
-        return cls(nbytes, regions, len(files), pieces)
+        computed = [p for f in files for p in f.parts if isinstance(p, Region) and p.entry.derived is not None]
+        compute = sum(seconds(p) - p.nbytes / _COPY_RATE for p in computed)
+        pieces = max(-(-nbytes // MIN_PIECE), len(computed)) if cut_files else sum(f.nbytes > 0 for f in files)
+        return cls(nbytes, regions, len(files), pieces, compute)
 
 
 def choose_writers(work: Work, cores: int) -> tuple[int, str]:
@@ -160,7 +259,7 @@ def choose_writers(work: Work, cores: int) -> tuple[int, str]:
     Returns:
         The number of writers (1 or more) and the reason, for the report.
     """
-    seconds = work.nbytes / _COPY_RATE + work.regions * _PER_REGION
+    seconds = work.nbytes / _COPY_RATE + work.regions * _PER_REGION + work.compute
     most = max(1, min(cores, work.pieces, int(seconds / _WRITER_SECONDS)))
     n = min(range(1, most + 1), key=lambda k: seconds / k + _START * (k > 1))
     what = (f"{work.nbytes / 1e9:.2f} GB in {work.files} file{'s' * (work.files != 1)}, {work.regions} tensor "

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from ..core.manifest import Manifest
+from ..errors import FormatError
 
 __all__ = ["LAYOUT", "PARTS", "is_save_state", "merged", "parts_of", "trainer_step"]
 
@@ -22,6 +23,8 @@ PARTS = (("model", "pytorch_model_fsdp_0"), ("optimizer", "optimizer_0"))
 LAYOUT = "accelerate save_state"
 TRAINER_STATE = "trainer_state.json"
 _METADATA = ".metadata"
+_MAX_STATE = 256 << 20
+"""The largest ``trainer_state.json`` read: its log history grows with the run, but not to this."""
 
 
 def is_save_state(path: Path) -> bool:
@@ -54,10 +57,23 @@ def parts_of(manifest: Manifest) -> tuple[tuple[str, str], ...] | None:
 
 
 def trainer_step(path: Path) -> int | None:
-    """``global_step`` of the Trainer's ``trainer_state.json`` in ``path``, if there is one."""
+    """``global_step`` of the Trainer's ``trainer_state.json`` in ``path``, if there is one.
+
+    Raises:
+        FormatError: the file is there but is not JSON that can be read (too deeply nested included).
+    """
+    file = path / TRAINER_STATE
     try:
-        data = json.loads((path / TRAINER_STATE).read_bytes()[:1 << 24])
-    except (OSError, ValueError):
+        if file.stat().st_size > _MAX_STATE:
+            raise FormatError(f"{file}: {file.stat().st_size:,} bytes; the Trainer's state is expected under "
+                              f"{_MAX_STATE >> 20} MiB")
+        text = file.read_bytes()
+    except OSError:
         return None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{file}: not the Trainer's state JSON that can be read ({str(e)[:80]}); expected an "
+                          "object with global_step") from None
     step = data.get("global_step") if isinstance(data, dict) else None
     return step if isinstance(step, int) else None

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from ..codecs.pickle_read import Call, Record
 from ..codecs.torchzip_read import load_blob
 from ..core.dtypes import DType, parse_floating
-from ..core.manifest import Format, Manifest, ObjectEntry, Path_, TensorRef, key_of, map_tensor_refs
+from ..core.manifest import Format, Manifest, ObjectEntry, Path_, TensorEntry, TensorRef, key_of, map_tensor_refs
 from ..core.plan import Region, WritePlan
 from ..errors import FormatError, IncompleteCheckpointError, UsageError
 from .run_args import RUN_ARGS_GLOBALS
@@ -89,6 +89,8 @@ class Target:
     state_groups: tuple[str, ...] | None = None
     """Top-level groups that are neither the model nor optimizer state, for a format with
     :attr:`FormatIO.keeps_state_apart`; None: only what the source kept apart."""
+    cast: DType | None = None
+    """Floating tensors are cast to this dtype, by a format with :attr:`FormatIO.casts`; None: kept."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -101,6 +103,10 @@ class FormatOptions:
 
     cast: DType | None = None
     """Floating tensors are cast to this dtype; others keep theirs."""
+
+    def cast_of(self, tensor: TensorEntry) -> DType | None:
+        """The dtype ``tensor`` is written in when that is not its own."""
+        return cast_for(tensor.dtype, self.cast)
 
 
 class FormatIO(abc.ABC):
@@ -120,6 +126,8 @@ class FormatIO(abc.ABC):
     keeps_state_apart: ClassVar[bool] = False
     """Writes the training state that is neither model nor optimizer apart (Lightning's ``meta.pt``), given as
     :attr:`Target.state_groups`."""
+    casts: ClassVar[bool] = False
+    """Writes floating tensors in the dtype :attr:`Target.cast` asks (``convert --dtype``)."""
 
     @classmethod
     @abc.abstractmethod

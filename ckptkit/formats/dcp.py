@@ -148,6 +148,7 @@ class DcpIO(FormatIO):
     names = ("sharded", "megatron")  # megatron: megatron-core's files beside the DCP ones
     ranked = True
     keeps_state_apart = True
+    casts = True
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -238,7 +239,7 @@ class DcpIO(FormatIO):
         return Manifest(Format.SHARDED, str(root), tuple(tensors), tuple(objects), world, tuple(details))
 
     def options(self, target: Target, manifest: Manifest) -> DcpOptions:
-        return DcpOptions(world_size=target.world_size, meta_groups=target.state_groups,
+        return DcpOptions(cast=target.cast, world_size=target.world_size, meta_groups=target.state_groups,
                           megatron=target.to == "megatron" or megatron.is_megatron(manifest),
                           parts=accelerate.parts_of(manifest))
 

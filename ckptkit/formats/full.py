@@ -52,6 +52,7 @@ class FullOptions(FormatOptions):
 class FullIO(FormatIO):
     format = Format.FULL
     names = ("full",)
+    casts = True
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -97,7 +98,7 @@ class FullIO(FormatIO):
 
     def options(self, target: Target, manifest: Manifest) -> FullOptions:
         single = target.max_shard_size is None and Path(target.destination).suffix in SUFFIXES
-        return FullOptions(max_shard_size=target.max_shard_size, single_file=single)
+        return FullOptions(cast=target.cast, max_shard_size=target.max_shard_size, single_file=single)
 
     def plan(self, manifest: Manifest, options: FullOptions) -> WritePlan:
         regions = {t.key: Region.whole(t, cast_for(t.dtype, options.cast)) for t in manifest.tensors}

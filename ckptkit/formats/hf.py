@@ -46,6 +46,7 @@ class HfIO(FormatIO):
     format = Format.HF
     names = ("hf",)
     hf_model = True
+    casts = True
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -82,7 +83,7 @@ class HfIO(FormatIO):
         return Manifest(Format.HF, str(path.absolute()), tuple(tensors), (), None, tuple(dict(details).items()))
 
     def options(self, target: Target, manifest: Manifest) -> HfOptions:
-        return HfOptions(max_shard_size=target.max_shard_size)
+        return HfOptions(cast=target.cast, max_shard_size=target.max_shard_size)
 
     def not_held(self, manifest: Manifest) -> tuple[str, ...]:
         if not manifest.objects:

@@ -186,7 +186,7 @@ def _array(region: Region, read: Read) -> Any:
 
 
 def _dequantized(region: Region, derived: Derived, read: Read) -> Any:
-    from .floats import DECODES, ENCODES, to_float32
+    from .floats import DECODES, ENCODES
     from .fp8 import dequantize
 
     weight, scale = derived.inputs
@@ -198,9 +198,23 @@ def _dequantized(region: Region, derived: Derived, read: Read) -> Any:
                           f"{', '.join(DECODES)} into {', '.join(ENCODES)}")
     br, bc = r0 // b, c0 // b
     grid = ((r0 + rows - 1) // b - br + 1, (c0 + cols - 1) // b - bc + 1) if rows * cols else (0, 0)
-    scales = to_float32(_array(Region(scale, (br, bc), grid), read), scale.dtype.name)
+    scales = _scale_values(Region(scale, (br, bc), grid), read)
     return dequantize(_array(Region(weight, (r0, c0), (rows, cols)), read), scales, (r0, c0), b, weight.dtype.name,
                       out)
+
+
+def _scale_values(region: Region, read: Read) -> Any:
+    """A region of block scales as float32 values: a float8 scale decoded by its format (an e8m0 byte ``b`` is
+    2^(b - 127)), as torch's ``.float()`` decodes it; a wider float widened (float64 rounded)."""
+    from .floats import DECODES, ENCODES, decode_table, to_float32
+
+    name = region.entry.dtype.name
+    if name in DECODES:
+        return decode_table(name)[_elements(region, read)]
+    if name in ENCODES:
+        return to_float32(_array(region, read), name)
+    raise FormatError(f"{region.entry.key!r}: {name} is not a dtype of block scales FP8 dequantization reads "
+                      f"({', '.join(ENCODES + DECODES)})")
 
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -219,12 +233,15 @@ def _mxfp4(region: Region, derived: Derived, read: Read):
         return torch.empty(region.sizes, dtype=dtype)
     g0, g1 = c0 // width, (c0 + cols - 1) // width + 1
     blk = _tensor(Region(blocks, (*lead, g0, 0), (*counts, g1 - g0, blocks.shape[-1])), read)
-    exp = _tensor(Region(scales, (*lead, g0), (*counts, g1 - g0)), read).to(torch.int32) - 127
+    codes = _elements(Region(scales, (*lead, g0), (*counts, g1 - g0)), read)  # e8m0 exponents: the bytes
+    exp = torch.from_numpy(codes.astype("int32")) - 127
     lut = torch.tensor(FP4_VALUES, dtype=dtype)
     out = torch.empty((*blk.shape[:-1], width), dtype=dtype)
     out[..., 0::2] = lut[(blk & 0x0F).to(torch.int)]
     out[..., 1::2] = lut[(blk >> 4).to(torch.int)]
     torch.ldexp(out, exp.unsqueeze(-1), out=out)
+    if scales.dtype.name == "float8_e8m0fnu":  # its code 0xFF is NaN, where a uint8 exponent 255 is 2^128
+        out.masked_fill_((exp == 128).unsqueeze(-1), math.nan)
     flat = out.reshape(*counts, (g1 - g0) * width)
     return flat[..., c0 - g0 * width:c0 - g0 * width + cols].contiguous()
 
@@ -253,6 +270,9 @@ def _fp8(region: Region, derived: Derived, read: Read) -> Any:
         band = _array(box, read)
         a, z = max(top, r0), min(bottom, r0 + nr)
         scale = _scales_of(key, box, read, b, band)
+        if c0 == left:  # the box's columns start at a tile's: quantized straight into the output
+            quantize(band[a - top:z - top, :nc], weight.dtype.name, scale, b, out[a - r0:z - r0])
+            continue
         values = quantize(band[a - top:z - top, :c0 - left + nc], weight.dtype.name, scale, b)
         out[a - r0:z - r0] = values[:, c0 - left:]
     return out
@@ -297,5 +317,10 @@ def block_budget(region: Region, max_memory: int) -> int:
     out = region.dtype.itemsize
     if region.entry.derived is None:
         return max(1, max_memory * out // (region.entry.dtype.itemsize + out))
-    working = working_bytes(region.entry.derived)
-    return max(1, min(max_memory, COMPUTE_MEMORY) * out // (region.entry.dtype.itemsize + out + working))
+    derived = region.entry.derived
+    per_element = region.entry.dtype.itemsize + out + working_bytes(derived)
+    budget = max(1, min(max_memory, COMPUTE_MEMORY) * out // per_element)
+    if derived.op == "quant_fp8" and region.sizes and region.sizes[0]:  # whole bands of tiles: each read once
+        row = region.nbytes // region.sizes[0] or 1
+        budget = max(derived.block, budget // row // derived.block * derived.block) * row
+    return budget

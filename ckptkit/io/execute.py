@@ -30,7 +30,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from .. import errors
 from ..core.plan import WritePlan
-from ..core.split import Slice, split_work
+from ..core.split import Slice, shares_inputs, split_work
 from ..errors import CheckpointError, FormatError, UsageError
 from .options import WriteOptions
 from .storage import Staged, Storage, storage_for
@@ -69,14 +69,19 @@ def execute(plan: WritePlan, dst: Any, storage: Storage, options: WriteOptions,
     """
     dst = storage.check(dst, overwrite=options.overwrite, sources=sources)
     with storage.stage(dst, plan, overwrite=options.overwrite, fsync=options.fsync) as staged:
-        staged.write(whole_files(plan), max_memory=options.max_memory, fsync=options.fsync, progress=progress,
-                     streamed=streamed(sources))
+        stream = streamed(sources)
+        staged.write(whole_files(plan, storage.shared_writes and not stream), max_memory=options.max_memory,
+                     fsync=options.fsync, progress=progress, streamed=stream)
         staged.commit()
     return dst
 
 
-def whole_files(plan: WritePlan) -> tuple[Slice, ...]:
-    """Every file of ``plan``, whole, as one share."""
+def whole_files(plan: WritePlan, in_any_order: bool = False) -> tuple[Slice, ...]:
+    """Every file of ``plan`` as one share: whole, or where its byte ranges may be written in ``in_any_order``
+    and it computes tensors, in the order :func:`ckptkit.core.split.split_work` writes them (an FP8 weight's
+    values before its scales, which are computed with them)."""
+    if in_any_order and any(shares_inputs(fp) for fp in plan.files):
+        return split_work(plan.files, 1)[0]
     return tuple(Slice(fp.relpath, 0, fp.parts) for fp in plan.files)
 
 

@@ -22,7 +22,7 @@ except ModuleNotFoundError as e:  # installed without its dependencies, into an 
     raise ModuleNotFoundError("casts and (de)quantization compute with numpy, a dependency of ckptkit that is not "
                               "installed here: pip install numpy", name="numpy") from e
 
-__all__ = ["DECODES", "ENCODES", "convert", "decode_table", "e4m3", "encode", "held", "to_float32"]
+__all__ = ["DECODES", "ENCODES", "convert", "decode_table", "e4m3_into", "encode", "held", "to_float32"]
 
 _BITS = {"float64": np.float64, "float32": np.uint32, "float16": np.float16, "bfloat16": np.uint16}
 """How each dtype a conversion reads or writes is held in numpy: as itself, or as its bits."""
@@ -112,18 +112,20 @@ def convert(data: np.ndarray, src: str, dst: str) -> np.ndarray:
     return out
 
 
-def e4m3(values: np.ndarray) -> np.ndarray:
-    """float32 ``values`` (a fresh array, overwritten) as float8 e4m3fn bytes, looked up in :data:`_E4M3` by
-    their sign, exponent, three mantissa bits, the next bit and whether any bit below it is set: all that
-    rounding to nearest even decides by, in a few integer passes."""
-    bits = values.view(np.uint32)
-    key = bits >> 19
-    key <<= 1
-    bits &= np.uint32(0x7FFFF)
-    bits += np.uint32(0x7FFFF)
-    bits >>= 19
-    key |= bits
-    return _E4M3.take(key)
+def e4m3_into(bits: np.ndarray, key: np.ndarray, out: np.ndarray) -> None:
+    """float32 values, as their ``bits`` (uint32, overwritten), as float8 e4m3fn bytes in ``out``, looked up in
+    :data:`_E4M3` by their sign, exponent, four mantissa bits and whether any bit below them is set: all that
+    rounding to nearest even decides by, in four integer passes into ``key`` (a uint32 buffer of their shape)
+    and one gather."""
+    np.right_shift(bits, 18, out=key)  # sign, exponent, 5 mantissa bits (the fifth ORed with those below)
+    np.left_shift(bits, 14, out=bits)  # the 18 bits below them
+    ones = _ONES[:bits.size] if bits.size <= _ONES.size else np.ones(bits.size, np.uint32)
+    np.minimum(bits, ones.reshape(bits.shape), out=bits)  # any of them set (against an array: numpy's fast loop)
+    np.bitwise_or(key, bits, out=key)
+    _E4M3.take(key, out=out, mode="clip")
+
+
+_ONES = np.ones(1 << 16, np.uint32)
 
 
 def _e4m3_rounded(values: np.ndarray) -> np.ndarray:

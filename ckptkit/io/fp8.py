@@ -8,10 +8,12 @@ float32 divided by the tile's largest magnitude / 448, cast to e4m3fn.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from ..core.reshape import FP8_MAX
-from .floats import decode_table, e4m3, encode, to_float32
+from .floats import decode_table, e4m3_into, encode, to_float32
 
 __all__ = ["dequantize", "quantize", "tile_scales"]
 
@@ -33,16 +35,20 @@ def dequantize(weight: np.ndarray, scales: np.ndarray, first: tuple[int, int], b
         The box in ``dtype``, as :data:`ENCODES` holds it.
     """
     (r0, c0), (rows, cols) = first, weight.shape
-    results = encode(np.ascontiguousarray(scales.reshape(-1, 1) * decode_table(fmt)), dtype).reshape(-1)
-    tile_rows = ((np.arange(r0, r0 + rows) // block - r0 // block) * scales.shape[1] * 256).astype(np.uint32)
-    tile_cols = ((np.arange(c0, c0 + cols) // block - c0 // block) * 256).astype(np.uint32)
+    products = np.ascontiguousarray(scales.reshape(-1, 1) * decode_table(fmt))  # float32, rounded once
+    results = encode(products, dtype).reshape(*scales.shape, 256)
     out = np.empty(weight.shape, results.dtype)
-    step = max(1, _CHUNK * _CHUNK // 8 // max(cols, 1))  # rows a pass: about 128K elements, held in cache
-    for r in range(0, rows, step):
-        index = np.add(weight[r:r + step], tile_cols, dtype=np.uint32)
-        index += tile_rows[r:r + step, None]
-        results.take(index, out=out[r:r + step])
+    row_cuts, col_cuts = _cuts(r0, rows, block), _cuts(c0, cols, block)
+    for i, (top, bottom) in enumerate(row_cuts):
+        for j, (left, right) in enumerate(col_cuts):  # one gather a tile, by the codes themselves
+            results[i, j].take(weight[top:bottom, left:right], out=out[top:bottom, left:right], mode="clip")
     return out
+
+
+def _cuts(start: int, n: int, block: int) -> list[tuple[int, int]]:
+    """The ranges of ``[0, n)`` that fall in one tile each, for a box starting at ``start``."""
+    edges = [0, *range(block - start % block, n, block), n]
+    return [(a, b) for a, b in itertools.pairwise(edges) if a < b]
 
 
 _CHUNK = 1024
@@ -74,16 +80,40 @@ def tile_scales(bits: np.ndarray, name: str, block: int) -> np.ndarray:
     return padded.reshape(-1, block).max(axis=1) / np.float32(FP8_MAX)
 
 
-def quantize(bits: np.ndarray, name: str, scales: np.ndarray, block: int) -> np.ndarray:
+def quantize(bits: np.ndarray, name: str, scales: np.ndarray, block: int, out: np.ndarray | None = None
+             ) -> np.ndarray:
     """A band (columns from a tile's first) of dtype ``name`` (as :data:`ENCODES` holds it) in float32, divided
     by its tiles' ``scales`` (an all-zero tile's scale is 0, and it is divided by 1) and cast to float8 e4m3fn as
-    torch casts: its bytes, ``bits``' shape."""
-    divisors = np.repeat(np.where(scales > 0, scales, np.float32(1)), block)
-    out = np.empty(bits.shape, np.uint8)
-    with np.errstate(invalid="ignore"):  # NaN, and infinities divided by infinite scales, stay NaN
-        for c in range(0, bits.shape[1], _CHUNK):
-            chunk = bits[:, c:c + _CHUNK]
-            out[:, c:c + _CHUNK] = e4m3(to_float32(chunk, name) / divisors[c:c + chunk.shape[1]])
+    torch casts: its bytes, ``bits``' shape, into ``out`` where given.
+
+    A few rows at a time (about :data:`_ELEMENTS`), through two buffers made once: a fresh array a pass costs
+    more than the pass."""
+    rows, cols = bits.shape
+    divisors = np.repeat(np.where(scales > 0, scales, np.float32(1)), block)[:cols]
+    out = np.empty(bits.shape, np.uint8) if out is None else out
+    step = max(1, _ELEMENTS // max(cols, 1))
+    size = min(rows, step) * cols
+    work, keys = np.empty(size, np.uint32), np.empty(size, np.uint32)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN, and infinities over infinite scales, stay NaN
+        for r in range(0, rows, step):
+            chunk = bits[r:r + step]
+            values, key = work[:chunk.size].reshape(chunk.shape), keys[:chunk.size].reshape(chunk.shape)
+            _widen(chunk, name, values)
+            wide = values.view(np.float32)
+            np.divide(wide, divisors, out=wide)
+            e4m3_into(values, key, out[r:r + step])
     return out
 
 
+def _widen(bits: np.ndarray, name: str, into: np.ndarray) -> None:
+    """``bits`` (dtype ``name`` as :data:`ENCODES` holds it) as float32 bits in ``into``, as torch widens."""
+    if name == "bfloat16":
+        np.left_shift(bits, 16, out=into, dtype=np.uint32)
+    elif name == "float32":
+        np.copyto(into, bits.view(np.uint32))
+    else:
+        np.copyto(into.view(np.float32), bits, casting="same_kind")
+
+
+_ELEMENTS = 1 << 16
+"""Elements quantized at once: the buffers (a few times this in bytes) stay in the CPU's cache."""

@@ -15,6 +15,7 @@ custom code (``auto_map``), which is not run.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +27,16 @@ from .hfconfig import model_class
 from .preset import Preset
 from .registry import PRESETS
 
-__all__ = ["ClassKeys", "check_class", "class_keys"]
+__all__ = ["CHECK_ENV", "ClassKeys", "check_asked", "check_class", "class_keys"]
+
+CHECK_ENV = "CKPTKIT_CLASS_CHECK"
+"""Set to ``0`` to skip the check: asking transformers the first time imports torch and its model code (seconds,
+some 300 MB); the report then says the output was not checked."""
+
+
+def check_asked() -> bool:
+    """Whether the class check runs: unless ``$CKPTKIT_CLASS_CHECK`` is ``0`` (or ``off``, ``false``, ``no``)."""
+    return os.environ.get(CHECK_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 @dataclass(frozen=True)
@@ -167,6 +177,9 @@ def check_class(config: dict, keys: Sequence[str], where: str, keep_names: bool,
     """
     if mapped_by is not None and config.get("model_type") in mapped_by.model_types:
         return ()
+    if not check_asked():
+        return (f"not checked against transformers' class of {where} ({CHECK_ENV}=0): keys it would not load, or "
+                "weights it would initialise afresh, are not found",)
     found = class_keys(config, keys)
     if found is None:
         return ()

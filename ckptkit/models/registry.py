@@ -14,7 +14,7 @@ from .megatron_args import MEGATRON_SIDE
 from .preset import Preset
 
 __all__ = ["DETECT", "FAMILIES", "MEGATRON", "MEGATRON_REFUSED", "PRESETS", "TIE_DEFAULTS", "UNMAPPED", "family_of",
-           "kin", "preset"]
+           "kin", "preset", "unknown_preset"]
 
 SIDES = ("torchtitan", "Meta", MEGATRON_SIDE)
 """The frameworks whose tables convert, in the order their presets are listed; tables that check HF's own names
@@ -96,7 +96,17 @@ def preset(name: str) -> Preset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise UsageError(f"--preset {name!r}: unknown; expected one of {', '.join(PRESETS)}") from None
+        raise UsageError(f"--preset {name!r}: {unknown_preset(name)}") from None
+
+
+def unknown_preset(name: str, also: tuple[str, ...] = ()) -> str:
+    """Why ``name`` is no preset, in a few words: the nearest name (of :data:`PRESETS` and ``also``), and where
+    the list of all of them is."""
+    import difflib
+
+    close = difflib.get_close_matches(name, [*also, *PRESETS], n=1, cutoff=0.6)
+    guess = f"did you mean {close[0]}? " if close else ""
+    return f"unknown; {guess}'ckptkit presets' lists every preset"
 
 
 def family_of(p: Preset) -> Family | None:

@@ -33,6 +33,10 @@ class ConvertOptions:
     source); the other forms have no ranks and refuse more than 1."""
     max_shard_size: int | str | None = None
     """Largest output file of a FULL or HF output (``"5GB"``, ``"1GiB"`` or bytes); None: one file."""
+    dtype: CastName = "keep"
+    """``keep``, or the cast of floating tensors (``bf16``, ``fp16``, ``fp32`` or their long names) of a ``full``,
+    ``sharded``, ``megatron`` or ``hf`` output; quantized weights (FP8 blocks, MXFP4) are then written as values,
+    their scales left out (:mod:`ckptkit.models.quantized`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +89,7 @@ class ConvertKeywords(WriteKeywords, MappingKeywords, total=False):
 
     world_size: int | None
     max_shard_size: int | str | None
+    dtype: CastName
 
 
 class ExportKeywords(WriteKeywords, MappingKeywords, total=False):

@@ -17,18 +17,22 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
+from ..core.dtypes import DType, parse_cast
 from ..core.manifest import Format, FormName, Manifest
 from ..core.plan import FilePlan, WritePlan
+from ..core.reshape import computed_in
 from ..errors import UsageError
 from ..formats import FormatIO, FormatOptions, LocalOptions, Target, locate, writer_for
+from ..formats.base import cast_for
 from ..formats.dcp import check_blobs
-from ..formats.replace import check_replaceable
+from ..formats.replace import Replacement, check_replaceable, replacement
 from ..io.execute import all_ranks, execute_distributed
 from ..io.options import WriteOptions
 from ..io.parallel import execute_parallel, writers
 from ..io.progress import progress_bar
 from ..io.storage import Storage, storage_at
 from ..models.mapping import KeyMapping
+from ..models.quantized import Dequantized, dequantize
 from ._model import model_part
 from ._options import (
     ConvertKeywords,
@@ -118,17 +122,32 @@ def write(manifest: Manifest, io: FormatIO, dst: Path | str, target: Target | Fo
     # Decoded now, whatever the target: a DCP writer copies them verbatim, and a damaged one means a checkpoint
     # torch cannot load, which no output may hide.
     check_blobs(manifest)
-    plan = io.plan(manifest, io.options(target, manifest) if isinstance(target, Target) else target)
+    layout = io.options(target, manifest) if isinstance(target, Target) else target
+    plan = io.plan(computed_in_written_dtypes(manifest, layout), layout)
     plan = WritePlan(plan.files + extra_files, single_file=plan.single_file, commit=plan.commit)
+    replaced = Replacement()
     if options.overwrite:
         check_replaceable(out, single_file=plan.single_file)
+        replaced = replacement(out, plan)
+        plan = dataclasses.replace(plan, kept=replaced.kept)
     n, why = _execute(plan, storage, out, sources, options, io.format.value)
     ws = target.world_size if isinstance(target, Target) and io.ranked else None
     # A single-file output is DST itself, whatever name the plan gave its one file.
     written = tuple((out.name if plan.single_file else f.relpath, f.nbytes) for f in plan.files)
     return Report(manifest.root, manifest.format, str(dst), io.format, len(manifest.tensors), len(manifest.objects),
                   plan.total_bytes, len(plan.files), time.perf_counter() - start, ws, notes, written,
-                  changes.renamed, changes.dropped, changes.cast, changes.permuted, options.dry_run, n, why)
+                  changes.renamed, changes.dropped, changes.cast, changes.permuted, options.dry_run, n, why,
+                  kept=replaced.kept, removed=replaced.removed)
+
+
+def computed_in_written_dtypes(manifest: Manifest, layout: FormatOptions) -> Manifest:
+    """``manifest`` with each computed tensor that ``layout`` casts computed straight into its written dtype
+    where that gives the same bits (:func:`ckptkit.core.reshape.computed_in`: an FP8 dequantization into bf16
+    writes no float32 copy first)."""
+    tensors = tuple(computed_in(t, layout.cast_of(t)) for t in manifest.tensors)
+    if all(a is b for a, b in zip(tensors, manifest.tensors, strict=True)):
+        return manifest
+    return dataclasses.replace(manifest, tensors=tensors)
 
 
 def _execute(plan: WritePlan, storage: Storage, out: Path, sources: tuple[Path, ...], options: WriteOptions,
@@ -184,12 +203,13 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
             names for ``hf`` (default there: ``"auto"``, the family's, by ``model_type`` and the keys), a
             ``megatron-*`` one for ``megatron`` (default: the one for ``model_type``); ``hf_assets`` gives it the
             model's counts; ``megatron_args`` are the run's (for ``megatron``: the run the output is for).
-        output: What the output is (:class:`ckptkit.ConvertOptions`): its ranks, its largest file.
+        output: What the output is (:class:`ckptkit.ConvertOptions`): its ranks, its largest file, its ``dtype``
+            (quantized weights then written as values, their scales left out: :mod:`ckptkit.models.quantized`).
         local: How to read or write a LOCAL checkpoint: rank file names, and how FSDP wraps the model.
         options: How the output is written (:class:`ckptkit.WriteOptions`): overwrite, dry run, processes.
         **keywords: Fields of ``mapping`` (``preset``, ``renames``, ``key_map``, ``strict_map``, ``hf_assets``,
             ``megatron_args``, as :func:`ckptkit.key_mapping` reads them), of ``output`` (``world_size``,
-            ``max_shard_size``) and of ``options`` (``overwrite=True``, ``workers=4``).
+            ``max_shard_size``, ``dtype``) and of ``options`` (``overwrite=True``, ``workers=4``).
 
     Returns:
         What was written (or, with ``dry_run``, would be): files and sizes, keys renamed and left out, notes.
@@ -206,16 +226,38 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     mapping = mapping_of(mapping, keywords)
     io = writer_for(to, local)
     mapping = dataclasses.replace(mapping, preset="auto") if mapping.preset is None and io.hf_model else mapping
+    cast = _cast(output.dtype, io)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     found = locate(src, local)
     manifest = found.reader.read(found.path)
     world_size, notes = _world_size(output.world_size, manifest, io)
+    manifest, values = _values(manifest, cast, output.dtype)
     manifest, changes, model_notes = model_part(manifest, io, to, mapping, found.path)
     target = Target(to=to, destination=str(dst), world_size=world_size,
                     max_shard_size=parse_size(output.max_shard_size),
-                    state_groups=meta_groups(manifest) if io.keeps_state_apart else None)
-    return write(manifest, io, dst, target, options, src=src, notes=_read_from(found.note) + notes + model_notes,
-                 changes=changes)
+                    state_groups=meta_groups(manifest) if io.keeps_state_apart else None, cast=cast)
+    casts = tuple((t.key, c.name) for t in manifest.tensors if (c := cast_for(t.dtype, cast)) is not None)
+    changes = dataclasses.replace(changes, dropped=values.dropped + changes.dropped, cast=casts)
+    return write(manifest, io, dst, target, options, src=src,
+                 notes=_read_from(found.note) + notes + values.notes() + model_notes, changes=changes)
+
+
+def _cast(dtype: str, io: FormatIO) -> DType | None:
+    """The cast ``--dtype`` asks of ``io``'s output."""
+    cast = parse_cast(dtype)
+    if cast is not None and not io.casts:
+        raise UsageError(f"--dtype {dtype}: {_a(io.format.value)} checkpoint is written in its source's dtypes "
+                         "(--to full, sharded, megatron or hf cast)")
+    return cast
+
+
+def _values(manifest: Manifest, cast: DType | None, dtype: str) -> tuple[Manifest, Dequantized]:
+    """``manifest`` with its quantized weights as values where ``cast`` writes values
+    (:mod:`ckptkit.models.quantized`)."""
+    if cast is None:
+        return manifest, Dequantized(manifest.tensors)
+    found = dequantize(manifest.tensors, f"--dtype {dtype}")
+    return dataclasses.replace(manifest, tensors=found.tensors), found
 
 
 def _read_from(note: str | None) -> tuple[str, ...]:

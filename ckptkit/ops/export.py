@@ -43,6 +43,7 @@ from ..io.sources import Files
 from ..io.storage import storage_at
 from ..models.hfconfig import INPUT_EMBEDDINGS, TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
 from ..models.mapping import KeyMapping
+from ..models.quantized import QUANTIZED, dequantize
 from ..models.resolve import Plan
 from ._fp8 import fp8_config, quantize_fp8
 from ._model import plan_of
@@ -95,12 +96,6 @@ def _untie(tensors: list[TensorEntry], config: dict, max_memory: int) -> tuple[l
     return [t for t in tensors if t is not head], f"lm_head.weight left out: tied to {embed.key} ({why})"
 
 
-_QUANTIZED = re.compile(r"(_scale_inv|weight_scale|_blocks|_scales|qweight|qzeros|\.SCB|absmax|quant_map|"
-                        r"weight_packed|input_scale)$")
-"""Names of the tensors a quantized release holds beside (or for) its weights: FP8 block scales, MXFP4's blocks
-and scales, GPTQ/AWQ's packed weights, bitsandbytes' and compressed-tensors' scales."""
-
-
 def _without_quantization(config: dict, tensors: list[TensorEntry], cast: DType | None) -> tuple[dict, str | None]:
     """``config`` without its ``quantization_config`` where the weights written (after the ``cast``) are not in a
     quantized form (no float8 or integer weights, none of the tensors a quantized release holds beside them):
@@ -110,7 +105,7 @@ def _without_quantization(config: dict, tensors: list[TensorEntry], cast: DType 
         return config, None
     written = {t.key: cast if cast is not None and t.dtype.is_floating else t.dtype for t in tensors}
     quantized = [k for k, dtype in written.items()
-                 if _QUANTIZED.search(k) or dtype.name.startswith(("float8", "int", "uint")) and k.endswith("weight")]
+                 if QUANTIZED.search(k) or dtype.name.startswith(("float8", "int", "uint")) and k.endswith("weight")]
     if quantized:
         return config, None
     method = quant.get("quant_method") if isinstance(quant, dict) else None
@@ -194,6 +189,7 @@ def export_hf(src: Path | str, dst: Path | str, *, mapping: KeyMapping | None = 
     cast, keep_patterns = _cast_rule(output.dtype, output.keep_fp32)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     part = _model_part(src, local, output, mapping)
+    part = _values(part, output.dtype) if cast is not None and not fp8 else part
     part = _with_assets(part, storage_of(options), cast, options.max_memory, fp8)
     part, quantized = _quantized(part) if fp8 else (part, frozenset[str]())
     layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(output.max_shard_size), quantized)
@@ -212,6 +208,13 @@ def _cast_rule(dtype: str, keep_fp32: Iterable[str]) -> tuple[DType | None, tupl
     if keep_patterns and cast is None:
         raise UsageError("--keep-fp32 keeps tensors in float32 under a cast: use it with --dtype bf16 or fp16")
     return cast, keep_patterns
+
+
+def _values(part: _Part, dtype: str) -> _Part:
+    """``part`` with its quantized weights as values (:mod:`ckptkit.models.quantized`), which the cast writes."""
+    found = dequantize(part.tensors, f"--dtype {dtype}")
+    return dataclasses.replace(part, tensors=found.tensors, dropped=part.dropped + found.dropped,
+                               notes=part.notes + found.notes())
 
 
 def _quantized(part: _Part) -> tuple[_Part, frozenset[str]]:

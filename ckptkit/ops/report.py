@@ -50,6 +50,11 @@ class Report:
     """Peak resident bytes of the process (the command line's, from its start); None where not measured."""
     peak_memory_workers: int | None = None
     """Peak resident bytes of the largest other writer process, where there were some."""
+    kept: tuple[str, ...] = ()
+    """Files and folders of the destination an overwrite replaced that the output keeps (a model folder's
+    tokenizer, configs, card), relative to it; a folder ends in ``/``."""
+    removed: tuple[str, ...] = ()
+    """Files and folders of the destination an overwrite replaced that are gone: neither written nor kept."""
 
     def lines(self) -> list[str]:
         ws = f" for {count(self.world_size, 'rank')}" if self.world_size else ""
@@ -79,6 +84,10 @@ class Report:
         for dtype, keys in by_dtype.items():
             out += [f"  written as {dtype}: all {len(keys)} tensors"] if len(keys) == self.tensors else \
                 _listing(f"written as {dtype}", keys)
+        for verb, done, names in (("remove", "removed", self.removed), ("keep", "kept", self.kept)):
+            if names:
+                out.append(f"  {f'would {verb}' if self.dry_run else done} of the destination replaced: "
+                           + _names(names))
         if self.workers_why:
             out.append(f"  workers: {self.workers} ({self.workers_why})")
         out += [f"  note: {n}" for n in self.notes]
@@ -99,11 +108,20 @@ class Report:
                 "left_out": [{"key": key, "why": why} for key, why in self.dropped],
                 "cast": [{"key": key, "dtype": dtype} for key, dtype in self.cast], "notes": list(self.notes),
                 "workers": self.workers, "workers_why": self.workers_why, "seconds": round(self.seconds, 3),
-                "peak_memory_bytes": self.peak_memory, "peak_memory_workers_bytes": self.peak_memory_workers}
+                "peak_memory_bytes": self.peak_memory, "peak_memory_workers_bytes": self.peak_memory_workers,
+                "kept": list(self.kept), "removed": list(self.removed)}
 
 
 _FILES_SHOWN = 12
 _LAYER = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
+_NAMES_SHOWN = 20
+
+
+def _names(names: tuple[str, ...]) -> str:
+    more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
+    return ", ".join(names[:_NAMES_SHOWN]) + more
 
 
 def _listing(title: str, rows: list[tuple[str, str, str]]) -> list[str]:

@@ -27,6 +27,7 @@ from ..io.sources import Files, read_region
 from ..io.storage import storage_at
 from ..models.hfconfig import INPUT_EMBEDDINGS, tie_word_embeddings
 from ..models.mapping import KeyMapping, Renames, parse_rename, rename_keys
+from ..models.quantized import both_as_values
 from . import checksums
 from .select import model_keys, select_model
 
@@ -93,6 +94,8 @@ class VerifyReport:
     rtol: float | None = None
     """The tolerances of a numeric comparison; both None: bit for bit."""
     notes: tuple[str, ...] = field(default=())
+    hint: str | None = None
+    """What to try where nothing could be compared (no key on both sides), printed last."""
 
     @property
     def ok(self) -> bool:
@@ -109,7 +112,8 @@ class VerifyReport:
         return {"schema_version": SCHEMA_VERSION, "a": self.a, "b": self.b, "format_a": self.format_a.value,
                 "format_b": self.format_b.value if self.format_b else None, "ok": self.ok, "checksums": self.checksums,
                 "tensors": self.tensors, "objects": self.objects, "bytes": self.bytes, "atol": self.atol,
-                "rtol": self.rtol, "notes": list(self.notes), "differences": [d.to_json() for d in self.differences]}
+                "rtol": self.rtol, "notes": list(self.notes), "differences": [d.to_json() for d in self.differences],
+                "hint": self.hint}
 
     def lines(self) -> list[str]:
         what = (f"{count(self.tensors, 'tensor')} ({human_size(self.bytes)}) and "
@@ -128,7 +132,7 @@ class VerifyReport:
         out += [f"  {d.key}: {d.what}" for d in self.differences]
         if not self.numeric and any(d.what.startswith("dtype ") for d in self.differences):
             out.append("  (--atol/--rtol compare values across dtypes)")
-        return out
+        return out + ([f"hint: {self.hint}"] if self.hint else [])
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -306,9 +310,13 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
         return _verify_alone(pa, max_memory, progress, local)
     mapping = KeyMapping(renames=tuple(parse_rename(r) if isinstance(r, str) else (r[0], r[1]) for r in renames))
     prefixes = tuple(strip_prefixes)
-    (fa, ma), (fb, mb) = (_read(p, local, model_only, prefixes) for p in (pa, storage_at(b, storage_options)[1]))
+    fa, fb = locate(pa, local), locate(storage_at(b, storage_options)[1], local)
+    model_only, auto = _model_only(model_only, fa, fb, str(a), str(b))
+    ma, mb = (_read(f, model_only, prefixes) for f in (fa, fb))
     ta, oa, notes_a = _entries(ma, model_only, prefixes, mapping)
     tb, ob, notes_b = _entries(mb, model_only, prefixes, mapping)
+    (ta, tb), as_values = both_as_values(ta, tb, (str(a), str(b)), atol is not None or rtol is not None)
+    notes_a += as_values
     with Files() as files:
         notes_a += _written_once(ta, tb, str(a), fb.path, files, max_memory)
         notes_b += _written_once(tb, ta, str(b), fa.path, files, max_memory)
@@ -317,16 +325,32 @@ def verify(a: Path | str, b: Path | str | None = None, *, model_only: bool = Fal
     diffs = _differences(str(a), str(b), (ta, oa), (tb, ob), max_memory, atol, rtol, progress)
     return VerifyReport(str(a), str(b), ma.format, mb.format, len(common), len([k for k in oa if k in ob]), total,
                         tuple(diffs), atol=atol, rtol=rtol,
-                        notes=tuple(f.note for f in (fa, fb) if f.note) + notes_a + notes_b)
+                        notes=tuple(f.note for f in (fa, fb) if f.note) + auto + notes_a + notes_b,
+                        hint=None if common or not (ta and tb) else _NO_KEY_IN_COMMON)
 
 
-def _read(path: Path, local: LocalOptions | None, model_only: bool, prefixes: tuple[str, ...]
-          ) -> tuple[Located, Manifest]:
-    """The checkpoint at ``path`` and its manifest: with ``model_only``, the model's chunks alone, as export_hf
-    reads them."""
-    found = locate(path, local)
+_NO_KEY_IN_COMMON = ("no tensor key is on both sides: --model-only compares a training checkpoint's model with an "
+                     "export of it; --strip-prefix and --rename align other names")
+
+
+def _model_only(asked: bool, fa: Located, fb: Located, a: str, b: str) -> tuple[bool, tuple[str, ...]]:
+    """Whether the model parts alone are compared, and the note saying so where that was not asked: a Hugging
+    Face folder holds a model and nothing else, so against any other checkpoint only its model compares."""
+    if asked:
+        return True, ()
+    hf = [name for f, name in ((fa, a), (fb, b)) if f.reader.format is Format.HF]
+    if len(hf) != 1:
+        return False, ()
+    other = b if hf[0] == a else a
+    return True, (f"{hf[0]} is a Hugging Face model folder: the model part of {other} is compared with it (as "
+                  "--model-only), its optimizer and other training state are not",)
+
+
+def _read(found: Located, model_only: bool, prefixes: tuple[str, ...]) -> Manifest:
+    """The manifest of the checkpoint ``found``: with ``model_only``, the model's chunks alone, as export_hf reads
+    them."""
     wanted = model_keys(strip_prefixes=prefixes) if model_only else None
-    return found, found.reader.read(found.path) if wanted is None else found.reader.read_part(found.path, wanted)
+    return found.reader.read(found.path) if wanted is None else found.reader.read_part(found.path, wanted)
 
 
 _HEAD = "lm_head.weight"

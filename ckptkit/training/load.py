@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from ..core.dtypes import by_name
 from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry, map_tensor_refs
 from ..core.plan import Region
 from ..core.tree import unflatten
@@ -20,6 +21,7 @@ from ..formats._accelerate import PARTS, is_save_state, trainer_step
 from ..formats.deepspeed import DeepSpeedIO, tag_directory
 from ..io.execute import gloo_group
 from ..io.sources import Files, read_region
+from ..models.quantized import as_values_against
 from ..models.wrappers import strip_wrapper_names
 from ..ops import checksums
 from ..ops.select import ModelSelection, optimizer_sections, select_model
@@ -205,6 +207,21 @@ def _resolve(path: Path) -> Path:
     return run_directory.resolve(path)
 
 
+def _as_values(manifest: Manifest, tensors: tuple[TensorEntry, ...], msd: dict[str, Any]) -> dict[str, TensorEntry]:
+    """The model's tensors by key, each FP8 or MXFP4 weight that the model holds in a floating dtype read as its
+    values in that dtype, its scales left out (:func:`ckptkit.models.quantized.as_values_against`), as
+    transformers' ``from_pretrained`` dequantizes a release: never float8 codes copied as if they were values."""
+    side = {t.key: t for t in tensors}
+    model = {n: TensorEntry(n, (n,), by_name(str(v.dtype).removeprefix("torch.")), tuple(v.shape), ())
+             for n, v in msd.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    values, n = as_values_against(side, model, numeric=False)
+    if n and manifest.format is Format.SHARDED:
+        raise UsageError(f"{manifest.root}: {n} FP8 or MXFP4 weights with their scales, which the model holds as "
+                         "values: a DCP is loaded as it is; write it with its values first (ckptkit convert SRC DST "
+                         "--to sharded --dtype bf16)")
+    return values
+
+
 def _with_tied_aliases(model: torch.nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:
     """Fill keys a save left out because they alias another parameter (a tied ``lm_head``)."""
     named = list(model.named_parameters(remove_duplicate=False))
@@ -228,9 +245,10 @@ def _model_sources(manifest: Manifest, sel: ModelSelection, model: torch.nn.Modu
                    strict: bool) -> dict[str, TensorEntry]:
     """The checkpoint entry for each key of the model's state dict; under ``strict``, every key must have
     one and every model key of the checkpoint must be used, else the error lists them all."""
-    have = _with_tied_aliases(model, {t.key: t for t in sel.tensors})
+    values = _as_values(manifest, sel.tensors, msd)
+    have = _with_tied_aliases(model, values)
     missing = [n for n in msd if n not in have]
-    unexpected = [t.key for t in sel.tensors if t.key not in msd]
+    unexpected = [k for k in values if k not in msd]
     if strict and (missing or unexpected):
         problems = [f"checkpoint lacks {len(missing)} keys the model needs: {_listing(missing)}"] if missing else []
         problems += [f"it holds {len(unexpected)} model keys the model does not have: {_listing(unexpected)}"

@@ -317,7 +317,9 @@ def _write_snapshot(job: _Save, snapshot: dict[str, Any], rank: int, hf_assets: 
         _write_hf(snapshot["model"], job.staging.path, hf_assets)
         training = {k: v for k, v in snapshot.items() if k != "model"}
         if training:  # safetensors holds weights only: the rest goes beside them, for load() to resume
-            dcp.save(training, checkpoint_id=str(job.staging.path / TRAINING_STATE), no_dist=True)
+            # Rank 0 writes the whole of it alone (no_dist), which torch would warn "assumes a single process".
+            with single_process_quiet():
+                dcp.save(training, checkpoint_id=str(job.staging.path / TRAINING_STATE), no_dist=True)
 
 
 def _publish(job: _Save, error: BaseException | None) -> None:

@@ -219,3 +219,21 @@ def test_convert_to_deepspeed_universal_refuses_optimizer_state_numbered_by_torc
                tmp_path / "src.pt")
     with pytest.raises(IncompleteCheckpointError, match="optimizer state for '0' but no model tensor .* numbers"):
         ckptkit.convert(tmp_path / "src.pt", tmp_path / "uc", to="deepspeed-universal")
+
+
+@pytest.mark.parametrize(("steps", "message"), [
+    # The parameter whose step differs from the others' is named, wherever it sits.
+    ((5.0, 5.0, 5.0, 5.0, 7.0), r"p4: optimizer step 7 where 4 parameters have step 5"),
+    ((5.0, 2.5), r"p1: optimizer step 2.5 is not a whole number"),
+])
+def test_convert_to_deepspeed_universal_names_the_parameter_whose_step_differs(tmp_path, steps, message):
+    from ckptkit.errors import FormatError
+
+    names = [f"p{i}" for i in range(len(steps))]
+    state = {n: {"step": torch.tensor(s), "exp_avg": torch.ones(2), "exp_avg_sq": torch.ones(2)}
+             for n, s in zip(names, steps, strict=True)}
+    torch.save({"model": {n: torch.ones(2) for n in names},
+                "optim": {"state": state, "param_groups": [{"lr": 0.5, "params": names}]}}, tmp_path / "src.pt")
+    with pytest.raises(FormatError, match=message):
+        ckptkit.convert(tmp_path / "src.pt", tmp_path / "uc", to="deepspeed-universal")
+    assert not (tmp_path / "uc").exists()

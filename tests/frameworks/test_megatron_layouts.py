@@ -235,7 +235,10 @@ def _one_rank_run(root: Path, tp: int = 1, pp: int = 1, ranks: int = 1, **args) 
                 for name, shape in (("self_attention.linear_qkv.weight", (12, 4)), ("mlp.linear_fc1.weight", (16, 4)),
                                     ("input_layernorm.weight", (4,)))},
              "decoder.layers.0.mlp.linear_fc1._extra_state": None}
-    unknown, te = args.pop("unknown", False), args.pop("te", False)
+    unknown, te, dtype = args.pop("unknown", False), args.pop("te", False), args.pop("layer_1_dtype", None)
+    if dtype is not None:  # one layer saved in another dtype than the others
+        values = (torch.arange(48.0) / 2 - 10).reshape(12, 4)
+        model["decoder.layers.1.self_attention.linear_qkv.weight"] = values.to(dtype)
     namespace = argparse.Namespace(num_layers=2, num_attention_heads=2, hidden_size=4, swiglu=True,
                                    tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **args)
     (root / "release" / "mp_rank_00").mkdir(parents=True)
@@ -269,12 +272,21 @@ def test_megatron_legacy_rank_file_of_a_one_rank_run_reads_as_its_checkpoint(tmp
     ({"tp": 2}, "mp_rank_00_000_001", "expert-parallel rank file"),
     ({"tp": 2}, None, "missing mp_rank_01"),
     ({"tp": 2, "ranks": 2, "unknown": True}, None, "'decoder.layers.mlp.adapter.weight' has no known tensor-parallel"),
+    # A layer in another dtype than the stack's: its bytes read as float32 would be other values.
+    ({"layer_1_dtype": torch.float64}, None, "linear_qkv.weight' of layer 1 is float64 where layer 0's is float32"),
+    ({"layer_1_dtype": torch.int32}, None, "linear_qkv.weight' of layer 1 is int32 where layer 0's is float32"),
+    # Two directories of one rank: neither is read in place of the other.
+    ({}, "both", "mp_rank_00 and mp_rank_00_000 are both tensor rank 0, pipeline rank 0"),
 ])
 def test_megatron_legacy_layouts_it_cannot_join_are_refused_in_one_line(tmp_path, args, where, message):
+    import shutil
+
     args = dict(args)
     tp, pp, ranks = args.pop("tp", 1), args.pop("pp", 1), args.pop("ranks", 1)
     root = _one_rank_run(tmp_path / "ckpt", tp=tp, pp=pp, ranks=ranks, **args)
-    if where is not None:
+    if where == "both":
+        shutil.copytree(root / "release" / "mp_rank_00", root / "release" / "mp_rank_00_000")
+    elif where is not None:
         (root / "release" / "mp_rank_00").rename(root / "release" / where)
     code, text = _run("inspect", root)
     assert code != 0 and message in text and len(text.strip().splitlines()) == 1, text

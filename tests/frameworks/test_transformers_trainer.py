@@ -65,3 +65,18 @@ def test_trainer_checkpoint_directory_loads_model_optimizer_and_step(saved, tmp_
     assert_same_tree(optim["state"], expected["optimizer"]["state"])
     assert all("initial_lr" in g for g in optim["param_groups"])
     assert_resumes(tmp_path / "r3", expected)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"global_step": 2'],
+                         ids=["nested-too-deep", "cut-short"])
+def test_trainer_load_of_an_unreadable_trainer_state_is_one_line_naming_it(saved, tmp_path, text):
+    import shutil
+
+    from ckptkit.errors import FormatError
+
+    ckpt, _ = saved
+    shutil.copytree(ckpt, tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "trainer_state.json").write_text(text)
+    with pytest.raises(FormatError, match=r"trainer_state\.json: not the Trainer's state JSON") as raised:
+        ckptkit.load(tmp_path / "ckpt", tiny_llama())
+    assert "\n" not in str(raised.value)

@@ -10,6 +10,7 @@ under the model section that holds all of them (``model``, ``state_dict``, ``mod
 from __future__ import annotations
 
 import struct
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,8 +186,22 @@ def read_step(src: Source) -> int:
                 values[name] = struct.unpack(code, bytes(read_region(Region.whole(entry), files)))[0]
             else:
                 values[name] = object_value(entry)
-    distinct = {float(v) for v in values.values()}
-    if len(distinct) != 1 or not next(iter(distinct)).is_integer():
-        shown = ", ".join(f"{n}={v}" for n, v in list(values.items())[:4])
-        raise FormatError(f"steps differ or are not whole ({shown}); DeepSpeed keeps one step for every parameter")
-    return int(distinct.pop())
+    return _one_step(values)
+
+
+def _one_step(values: dict[str, float]) -> int:
+    """The step every parameter has; the first parameter whose step is not whole, or differs from the step most
+    parameters have, is named."""
+    odd = next((n for n, v in values.items() if not float(v).is_integer()), None)
+    if odd is not None:
+        raise FormatError(f"{odd}: optimizer step {values[odd]} is not a whole number of steps")
+    counts = Counter(float(v) for v in values.values())
+    if not counts:
+        raise FormatError("no parameter has an optimizer step")
+    step, n = counts.most_common(1)[0]
+    others = [name for name, v in values.items() if float(v) != step]
+    if others:
+        more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
+        raise FormatError(f"{others[0]}: optimizer step {values[others[0]]:g}{more} where {n} parameters have step "
+                          f"{step:g}; DeepSpeed keeps one step for every parameter")
+    return int(step)

@@ -23,8 +23,9 @@ Megatron presets map it. Every chunk of a joined tensor is a byte range of one r
   (its local shards' state) are left out, and named in the manifest's ``left out`` fact.
 
 Refused, in one line each: a single rank file of a run with T > 1 or P > 1 (it holds a part of each weight);
-a missing rank file; uneven or virtual pipeline stages; expert-parallel rank files; a tensor-parallel tensor
-whose name has no known split. A run directory whose tracker names a ``torch_dist`` iteration is pointed at it.
+a missing rank file, or two directories of one rank (``mp_rank_00`` and ``mp_rank_00_000``); uneven or virtual
+pipeline stages; expert-parallel rank files; a tensor-parallel tensor whose name has no known split; the layers of
+one key saved in different dtypes. A run directory whose tracker names a ``torch_dist`` iteration is pointed at it.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class MegatronLegacyIO(ReadOnlyIO):
             return _read_rank_file(path)
         if (path / TRACKER).is_file():
             path = _iteration_dir(path)
-        return _Join(path, {_coordinates(d): d / FILE for d in _rank_dirs(path)}).manifest()
+        return _Join(path, _rank_files(path)).manifest()
 
 
 def _iteration_dir(root: Path) -> Path:
@@ -96,6 +97,19 @@ def _iteration_dir(root: Path) -> Path:
         raise IncompleteCheckpointError(f"{tracker} names iteration {text}, but {root / name} holds no "
                                         f"mp_rank_*/{FILE}")
     return root / name
+
+
+def _rank_files(root: Path) -> dict[tuple[int, int], Path]:
+    """The rank files of the iteration directory ``root`` by (tensor rank, pipeline rank); two directories of
+    one rank (``mp_rank_00`` and ``mp_rank_00_000``) are refused, naming both."""
+    files: dict[tuple[int, int], Path] = {}
+    for d in sorted(_rank_dirs(root)):
+        at = _coordinates(d)
+        if at in files:
+            raise FormatError(f"{root}: {files[at].parent.name} and {d.name} are both tensor rank {at[0]}, "
+                              f"pipeline rank {at[1]}; remove the one that is not of this run")
+        files[at] = d / FILE
+    return files
 
 
 def _coordinates(rank_dir: Path) -> tuple[int, int]:
@@ -146,7 +160,8 @@ def legacy_args(root: Path) -> tuple[Path, Any] | None:
         return None
     if root.is_dir() and (root / TRACKER).is_file():
         root = _iteration_dir(root)
-    file = root if root.is_file() else sorted(d / FILE for d in _rank_dirs(root))[0]
+    files = {} if root.is_file() else _rank_files(root)
+    file = files[min(files)] if files else root
     return file, _load(file)["args"]
 
 
@@ -250,6 +265,7 @@ class _Join:
                 raise FormatError(f"{self.root}: {key.replace('layers.', f'layers.{gone[0]}.')!r} is missing: its "
                                   f"other layers have it (layers that differ are not supported yet)")
             joined = [self._joined(f"{key} of layer {n}", by_layer[n]) for n in layers]
+            self._one_dtype(key, by_layer)
             shapes = {shape for shape, _ in joined}
             if len(shapes) != 1:
                 raise FormatError(f"{self.root}: {key!r} has shapes {sorted(shapes)} across layers; ckptkit stacks "
@@ -259,6 +275,17 @@ class _Join:
                                 tuple(chunks))
         entry.validate()
         return entry
+
+    def _one_dtype(self, key: str, by_layer: dict[int | None, dict[int, tuple[Path, TensorRef]]]) -> None:
+        """Refuse layers of one key saved in different dtypes: a stack has one, and reading a layer's bytes as
+        another dtype's would give other values (Megatron-LM's own load casts each into its parameter)."""
+        first = by_layer[0][0][1].dtype
+        for n, ranks in sorted(by_layer.items(), key=lambda item: item[0] or 0):
+            file, ref = ranks[0]
+            if ref.dtype != first:
+                raise FormatError(f"{file}: {key!r} of layer {n} is {ref.dtype.name} where layer 0's is "
+                                  f"{first.name}; ckptkit stacks the layers of a key in one dtype: save them in one "
+                                  "dtype (as the model's parameters hold them)")
 
     def _joined(self, key: str, ranks: dict[int, tuple[Path, TensorRef]]) -> tuple[tuple[int, ...], list[Chunk]]:
         """The global shape of one tensor and its chunks, from its tensor-parallel ranks' shards."""

@@ -170,7 +170,11 @@ class _MemoryStaged(Staged):
                 if len(data) != fp.nbytes:
                     raise FormatError(f"{self._target(fp.relpath)}: expected {fp.nbytes} bytes, found {len(data)}")
                 files[self._target(fp.relpath).key] = data
-            for key in [k for k in FILES if k == self.dst.key or k.startswith(self.dst.key + "/")]:
+            root, kept = self.dst.key + "/", self.plan.kept
+            for key in [k for k in FILES if k == self.dst.key or k.startswith(root)]:
+                rel = key.removeprefix(root)
+                if key != self.dst.key and (rel in kept or rel.startswith(tuple(k for k in kept if k[-1:] == "/"))):
+                    continue  # a file of the old DST the output keeps (a model folder's tokenizer)
                 del FILES[key]  # the old DST goes as the new one comes: one step, as no reader runs meanwhile
             FILES.update(files)
         finally:

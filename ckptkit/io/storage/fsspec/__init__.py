@@ -93,8 +93,8 @@ class FsspecStorage(Storage):
         if not plan.files:
             raise UsageError(f"{dst}: nothing to write")
         commit = plan.commit or plan.files[-1].relpath
-        return _ObjectStaged(stage_object(dst, replace=overwrite, commit=None if plan.single_file else commit),
-                             plan, commit)
+        return _ObjectStaged(stage_object(dst, replace=overwrite, commit=None if plan.single_file else commit,
+                                          keep=plan.kept), plan, commit)
 
     def recover(self, directory: Any) -> list[str]:
         return recover_objects(self.path(directory))

@@ -122,9 +122,11 @@ def _is_committed(dst: RemotePath, commit: str | None) -> bool:
     return dst.is_file() if commit is None else (dst / commit).exists()
 
 
-def stage_object(dst: RemotePath, *, replace: bool, commit: str | None) -> ObjectStaging:
+def stage_object(dst: RemotePath, *, replace: bool, commit: str | None, keep: tuple[str, ...] = ()) -> ObjectStaging:
     """Clean up after dead runs beside ``dst``, check it, put this run's marker beside it and, with ``replace``,
-    remove the old DST: its commit file first, so that no reader ever sees old files beside new ones.
+    remove the old DST: its commit file first, so that no reader ever sees old files beside new ones; but the
+    files and folders ``keep`` names (paths relative to DST, a folder's ending in ``/``) stay, as they do when
+    the run dies before its commit.
 
     ``commit`` is the plan's commit file, None when DST is the single file itself (an upload replaces an old
     object atomically as it completes, so the old one stays until then).
@@ -138,7 +140,7 @@ def stage_object(dst: RemotePath, *, replace: bool, commit: str | None) -> Objec
     if not replace and dst.exists():
         raise UsageError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
     marker = dst.parent / owned_name(dst.name, "partial")
-    note = {"host": host_name(), "pid": os.getpid(), "dst": str(dst), "commit": commit}
+    note = {"host": host_name(), "pid": os.getpid(), "dst": str(dst), "commit": commit, "kept": list(keep)}
     try:
         marker.fs.pipe_file(marker.path, (json.dumps(note) + "\n").encode())
     except Exception as e:
@@ -148,7 +150,7 @@ def stage_object(dst: RemotePath, *, replace: bool, commit: str | None) -> Objec
         _remove_objects([path for path, _ in writers])  # replace=True takes over from them
         if commit is not None and replace and dst.exists():
             _remove_objects([dst / commit])
-            _remove_tree(dst)
+            _remove_tree(dst, keep)
         abort_uploads(dst, under=commit is not None)
     except BaseException:
         staging.abort()
@@ -156,9 +158,18 @@ def stage_object(dst: RemotePath, *, replace: bool, commit: str | None) -> Objec
     return staging
 
 
-def _remove_tree(dst: RemotePath) -> None:
+def _remove_tree(dst: RemotePath, keep: tuple[str, ...] | list[str] = ()) -> None:
+    """Remove every object under ``dst`` but those ``keep`` names (relative paths; a folder's ends in ``/``)."""
     try:
-        dst.fs.rm(dst.path, recursive=True)
+        if not keep:
+            dst.fs.rm(dst.path, recursive=True)
+            return
+        files, folders = {k for k in keep if not k.endswith("/")}, tuple(k for k in keep if k.endswith("/"))
+        root = dst.path.rstrip("/") + "/"
+        gone = [p for p in dst.fs.find(dst.path) if p.startswith(root)
+                and p[len(root):] not in files and not p[len(root):].startswith(folders)]
+        if gone:
+            dst.fs.rm(gone)
     except FileNotFoundError:
         pass
     except Exception as e:
@@ -180,8 +191,10 @@ def _markers(directory: RemotePath, name: str | None = None) -> list[tuple[Remot
             note = json.loads(entry.read_bytes()[:_SMALL_FILE])
         except (ValueError, OSError):
             note = {}
+        kept = note.get("kept") if isinstance(note, dict) else None
         found.append((entry, {"host": m["host"], "pid": int(m["pid"]), "name": m["name"],
-                              "commit": note.get("commit") if isinstance(note, dict) else None}))
+                              "commit": note.get("commit") if isinstance(note, dict) else None,
+                              "kept": [k for k in kept if isinstance(k, str)] if isinstance(kept, list) else []}))
     return found
 
 
@@ -208,7 +221,7 @@ def recover_objects(directory: RemotePath) -> list[str]:
                         + (f"; aborted {uploads} unfinished uploads" if uploads else "") + ")")
         else:
             if m["commit"] is not None:
-                _remove_tree(dst)
+                _remove_tree(dst, m["kept"])
             uploads = abort_uploads(dst, under=m["commit"] is not None)
             done.append(f"removed {dst.name}, which it had not completed"
                         + (f", and {uploads} unfinished uploads" if uploads else "") + f"; removed {marker.name}")

@@ -69,7 +69,7 @@ class _LocalStaged(Staged):
                                   f"wrote it, found {'no file' if size is None else f'{size} bytes'}; is DST on a "
                                   "filesystem every process shares?")
         return self.staging.commit(replace=self.overwrite, file=self.plan.files[0].relpath if self.single_file
-                                   else None, fsync=self.fsync)
+                                   else None, fsync=self.fsync, keep=self.plan.kept)
 
     def abort(self) -> None:
         self.staging.abort()

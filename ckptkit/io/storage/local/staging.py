@@ -4,7 +4,9 @@
    staging directory ``.NAME.ckptkit-partial-HOST-PID`` beside DST: on the same filesystem, so that the
    commit is a rename. HOST and PID say whose it is, so a later run can tell a leftover from a run in flight.
 2. The writers fill ``staging.path``.
-3. :meth:`Staging.commit` writes the completion marker (saves), then moves the result into place in one step:
+3. :meth:`Staging.commit` carries the files of the old DST the output keeps (a model folder's tokenizer:
+   :func:`carry`, hard links) into the staging directory, writes the completion marker (saves), then moves the
+   result into place in one step:
    ``renameat2(RENAME_EXCHANGE)`` swaps it with an existing DST (``replace=True``), so DST is never missing,
    and ``renameat2(RENAME_NOREPLACE)`` refuses a DST that another run put there meanwhile. The old copy,
    now under the staging name, is removed afterwards; the directory is fsynced with ``fsync`` or a marker.
@@ -38,7 +40,7 @@ from pathlib import Path
 
 from ....errors import UsageError
 
-__all__ = ["COMPLETE", "LEFTOVER", "Staging", "check_destination", "recover", "stage"]
+__all__ = ["COMPLETE", "LEFTOVER", "Staging", "carry", "check_destination", "recover", "stage"]
 
 COMPLETE = ".ckptkit-complete"
 """The completion marker a save's step directory holds (written by :meth:`Staging.commit`)."""
@@ -178,12 +180,20 @@ class Staging:
         self.dst, self.path, self._lock_fd, self.owner = dst, path, lock_fd, owner
 
     def commit(self, *, replace: bool, file: str | None = None, marker: str | None = None,
-               fsync: bool = False) -> Path:
+               fsync: bool = False, keep: tuple[str, ...] = ()) -> Path:
         """Move the staged output (or its one ``file``) to ``dst`` in one step and return ``dst``.
 
-        ``replace=False`` refuses a DST that exists by now (exit 2); ``replace=True`` swaps it out atomically.
+        ``replace=False`` refuses a DST that exists by now (exit 2); ``replace=True`` swaps it out atomically,
+        the files and folders of the old DST named in ``keep`` carried into the output first (hard links where
+        the filesystem has them), so that DST is the old folder or the new one with them, never a mix.
         ``marker`` is written as the completion marker first; ``fsync`` makes the staged tree durable first.
         """
+        if replace and keep and file is None:
+            try:
+                carry(self.dst, self.path, keep)
+            except BaseException:
+                self.abort()
+                raise
         if marker is not None:
             write_file(self.path / COMPLETE, marker, fsync=True)
         if fsync:
@@ -228,6 +238,30 @@ class Staging:
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
         if exc is not None:
             self.abort()
+
+
+def carry(old: Path, new: Path, keep: tuple[str, ...]) -> None:
+    """Put the files and folders ``keep`` names (relative paths, a folder's ending in ``/``) of the directory
+    ``old`` at the same places in ``new``: hard links (the same bytes, nothing copied), copies where the
+    filesystem has no links, links as links. One that is gone meanwhile is skipped."""
+    for rel in keep:
+        src, dst = old / rel.rstrip("/"), new / rel.rstrip("/")
+        if not _exists(src) or _exists(dst):
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            os.symlink(os.readlink(src), dst)
+        elif src.is_dir():
+            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(src, dst)
+
+
+def _link_or_copy(src: str | Path, dst: str | Path) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
 
 
 def stage(dst: Path | str, *, replace: bool) -> Staging:
