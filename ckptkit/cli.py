@@ -208,8 +208,8 @@ def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, st
          help="Largest output file, e.g. 5GB (hf, full).")
 @option("--dtype", default="keep", show_default=True,
          type=click.Choice(["keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),
-         help="Cast floating tensors (full, sharded, megatron, hf); FP8 and MXFP4 weights are written as values, "
-              "their scales left out.")
+         metavar="keep|bf16|fp16|fp32",
+         help="Cast floating tensors (full, sharded, megatron, hf); FP8 and MXFP4 weights become values.")
 @option("--hf-assets", metavar="DIR", callback=assets_dir,
          help="HF model folder whose config.json gives a --preset its head counts (default: SRC's own).")
 @mapping_options()
