@@ -45,11 +45,13 @@ class _StorageKey:
 
 @dataclass(frozen=True, slots=True)
 class PartsTensor:
-    """A 1-D tensor whose storage is ``parts`` in a row: pieces of other tensors and padding (an FSDP1 flat
-    parameter rebuilt from the original parameters)."""
+    """A tensor whose storage is ``parts`` in a row: pieces of other tensors and padding (an FSDP1 flat
+    parameter rebuilt from the original parameters), or bytes a writer computed (a scalar it writes)."""
 
     dtype: DType
     parts: tuple[Part, ...]
+    shape: tuple[int, ...] | None = None
+    """The tensor's shape; None: 1-D, of all its elements."""
 
     @property
     def nbytes(self) -> int:
@@ -65,7 +67,8 @@ def _tensorize(tree: Any, records: list[tuple[str, tuple[Part, ...]]]) -> Any:
     storage records, looking inside :class:`Call` and :class:`Record` nodes too."""
     if isinstance(tree, (Region, PartsTensor)):
         key = str(len(records))
-        shape = tuple(tree.sizes) if isinstance(tree, Region) else (tree.numel,)
+        shape = tuple(tree.sizes) if isinstance(tree, Region) else tree.shape if tree.shape is not None else (
+            tree.numel,)
         records.append((f"data/{key}", (tree,) if isinstance(tree, Region) else tree.parts))
         args = (_StorageKey(key, tree.nbytes, tree.dtype), 0, shape, row_major(shape), False,
                 Call(ref("collections", "OrderedDict"), ()))

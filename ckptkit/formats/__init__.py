@@ -3,7 +3,7 @@
 Offers :func:`detect` and :func:`locate` (the reader of a path), :func:`io_for` (a format's reader and
 writer), :func:`writer_for` (the writer a ``convert --to`` name asks for), :data:`WRITABLE` and :data:`TO`
 (what is written, and by which names), :class:`Target` and :class:`LocalOptions` (what an output is asked
-to be), and the entry helpers :func:`object_value` and :func:`is_empty_container`.
+to be), and the entry helpers :func:`object_value`, :func:`scalar_value` and :func:`is_empty_container`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any
 from ..core.manifest import Format, Manifest
 from ..errors import CheckpointError, FormatError, UsageError
 from ..io.storage import storage_at
-from .base import FormatIO, FormatOptions, LocalOptions, Target, is_empty_container, object_value
+from .base import FormatIO, FormatOptions, LocalOptions, Target, is_empty_container, object_value, scalar_value
 from .megatron import WEIGHTS, nemo2_weights
 from .run_directory import LATEST, is_run_directory, latest_step
 
 __all__ = ["TO", "WRITABLE", "FormatIO", "FormatOptions", "LocalOptions", "Located", "Target", "detect", "io_for",
-           "is_empty_container", "locate", "object_value", "read", "writer_for"]
+           "is_empty_container", "locate", "object_value", "read", "scalar_value", "writer_for"]
 
 # Order matters: a DCP directory may also carry safetensors or .bin side files; its .metadata decides. torch's
 # unconsolidated HF storage writer shards are safetensors files told apart by their headers, before HF. Other

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import json
 import re
+import struct
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,8 @@ from ..errors import FormatError, IncompleteCheckpointError, UsageError
 from .run_args import RUN_ARGS_GLOBALS
 
 __all__ = ["RANK", "FormatIO", "LocalOptions", "ReadOnlyIO", "Target", "FormatOptions", "rank_pattern", "cast_for",
-           "index_json", "is_empty_container", "plain_object", "read_index", "regions_in", "split_files"]
+           "index_json", "is_empty_container", "plain_object", "read_index", "regions_in", "scalar_value",
+           "split_files"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -186,6 +188,30 @@ def object_value(entry: ObjectEntry) -> Any:
     if entry.blob is None:
         return entry.value
     return load_blob(entry.blob, where=f"object {entry.key!r}", extra_globals=RUN_ARGS_GLOBALS)
+
+
+_SCALARS = {"float32": "<f", "float64": "<d", "float16": "<e", "int64": "<q", "int32": "<i"}
+
+
+def scalar_value(entry: TensorEntry | ObjectEntry, files: Any = None) -> Any:
+    """The value of a scalar entry (a step, a count): an object's value, or a one-element tensor's number, read
+    from its few bytes (through ``files``, an open :class:`ckptkit.io.sources.Files`, where given).
+
+    Raises:
+        FormatError: A tensor of more than one element, or of a dtype other than float or int 16-64 bit.
+    """
+    if isinstance(entry, ObjectEntry):
+        return object_value(entry)
+    code = _SCALARS.get(entry.dtype.name)
+    if code is None or entry.shape not in ((), (1,)):
+        raise FormatError(f"{entry.key!r}: a tensor of dtype {entry.dtype}, shape {list(entry.shape)}; expected "
+                          "one number")
+    from ..io.sources import Files, read_region
+
+    if files is not None:
+        return struct.unpack(code, bytes(read_region(Region.whole(entry), files)))[0]
+    with Files() as opened:
+        return struct.unpack(code, bytes(read_region(Region.whole(entry), opened)))[0]
 
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, TensorRef, DType)

@@ -16,10 +16,11 @@ from ..models.mapping import KeyMapping, MappedKeys
 from ..models.matching import NameTable
 from ..models.resolve import Plan, Towards, resolve
 from ._optimizer import Entry, MapFn, carry_training_state
+from ._step import saved_step
 from .report import Changes
 from .select import ModelSelection, optimizer_sections, select_model
 
-__all__ = ["MEGATRON_STEP_0", "TO_MEGATRON", "model_part", "plan_of", "towards"]
+__all__ = ["TO_MEGATRON", "megatron_common", "model_part", "plan_of", "towards"]
 
 TO_MEGATRON = "megatron"
 """The ``--to`` name of a megatron-core checkpoint: SHARDED, with megatron-core's names and files."""
@@ -82,7 +83,11 @@ def model_part(manifest: Manifest, io: FormatIO, to: str, mapping: KeyMapping, s
         config = plan.config
         if config is not None and config.is_hf:
             notes += plan.check_class(config.data, [t.key for t in tensors], str(config.path))
-    objects = (*extra_states(tensors), *MEGATRON_STEP_0) if direction == "megatron" else ()
+    objects: tuple[ObjectEntry, ...] = ()
+    if direction == "megatron":
+        step = saved_step(manifest)
+        objects = (*extra_states(tensors), *megatron_common(step.value if step else 0))
+        notes += (f"common.pt: iteration {step.value}, the step the source records ({step.where})",) if step else ()
     if direction == "megatron" and mapping.megatron_args:
         notes += ("common.pt holds no run arguments (Megatron-LM checks a checkpoint's against its own): pass the "
                   "same --megatron-args to read this checkpoint back",)
@@ -115,7 +120,9 @@ def _into_titan(plan: Plan, mapped: MappedKeys) -> bool:
             and not table.find(table.hf, key))
 
 
-MEGATRON_STEP_0 = tuple(ObjectEntry(k, (k,), v, sidecar=COMMON) for k, v in (("checkpoint_version", 3.0),
-                                                                              ("iteration", 0)))
-"""``common.pt`` of a model written for megatron-core: the state Megatron-LM's loader reads beside the model
-(its checkpoint format version, and the step, 0), and no run arguments or optimizer."""
+def megatron_common(iteration: int) -> tuple[ObjectEntry, ...]:
+    """``common.pt`` of a model written for megatron-core: the state Megatron-LM's loader reads beside the model
+    (its checkpoint format version, and the step, ``iteration``), and no run arguments or optimizer."""
+    return tuple(ObjectEntry(k, (k,), v, sidecar=COMMON) for k, v in (("checkpoint_version", 3.0),
+                                                                      ("iteration", iteration)))
+

@@ -13,10 +13,17 @@ Under a key mapping each part follows its parameter:
 - any other state tensor (Adafactor's factored rows, Shampoo's preconditioners) cannot follow a split or a
   row reorder, and is refused by name; so is state that names no parameter of the model (kept by index).
 
+Each param group holds ``initial_lr``, which a torch LR scheduler adds to the groups of the optimizer it is
+built on, and which the loads that match the saved groups' fields to the live ones want (torchtitan's
+``load_flat_optim_state_dict``, ``set_state_dict`` of a flattened state dict): the group's own where it was
+saved, else the base rate the source's scheduler kept (a torch scheduler's ``base_lrs``, megatron-core's
+``max_lr``), else the group's ``lr``.
+
 Written into torchtitan's names, the state takes torchtitan's own layout (``optimizer``, param groups
-flattened per parameter), which its ``CheckpointManager`` loads; otherwise it keeps the source's. The rest of
-the training state (scheduler, train state, dataloader) is carried as saved. Pure planning: nothing is read
-but the small ``params`` lists.
+flattened per parameter), which its ``CheckpointManager`` loads, with the ``train_state`` and ``lr_scheduler``
+it loads beside them (:mod:`._titan_state`); otherwise it keeps the source's. The rest of the training state
+(scheduler, train state, dataloader, the step) is carried as saved. Pure planning: nothing is read but the
+small ``params`` lists, the base rates and the step.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from ..errors import UsageError
 from ..formats import object_value
 from ..models.completeness import listed
 from ..models.mapping import MappedKeys
+from ._titan_state import titan_train_state
 from .select import ModelSelection, optimizer_sections, training_groups
 
 __all__ = ["Carried", "Entry", "carry_training_state"]
@@ -40,6 +48,9 @@ MapFn = Callable[[tuple[TensorEntry, ...]], MappedKeys]
 """The conversion's key mapping, applied to tensors named like the model's (selected) weights."""
 TITAN_SECTION = "optimizer"
 _STATE, _GROUPS = "state.", "param_groups."
+_INITIAL_LR = "initial_lr"
+_STEPS = ("step", "global_step")
+"""Top-level values that record the training step (``ckptkit.save``'s, Lightning's), carried as training state."""
 
 
 @dataclass(frozen=True)
@@ -128,11 +139,13 @@ def carry_training_state(manifest: Manifest, sel: ModelSelection, model: MappedK
     outs = _Outputs(sel, model)
     names = optimizer_sections(manifest)
     titan = TITAN_SECTION if into_titan and len(names) == 1 else None
+    base_lrs = _base_lrs(manifest)
     entries: list[Entry] = []
     notes: list[str] = []
     for name in names:
         sec = _section(manifest, name)
-        carried = _state(manifest, sec, outs, map_fn, titan) + _groups(sec, outs, titan) + tuple(sec.other)
+        carried = (_state(manifest, sec, outs, map_fn, titan) + _groups(sec, outs, titan, base_lrs)
+                   + tuple(sec.other))
         entries += carried
         notes.append(f"optimizer {name!r} carried under the mapped names" + (
             f", as torchtitan keeps it ({titan!r}, param groups per parameter)" if titan else "") +
@@ -143,11 +156,24 @@ def carry_training_state(manifest: Manifest, sel: ModelSelection, model: MappedK
         raise UsageError(f"{manifest.root}: optimizer state {listed(unread)} is not laid out as "
                          "state.<parameter>.<slot>, so a key mapping cannot carry it; convert the model alone with "
                          "--to hf")
-    rest = [g for g in training_groups(manifest) if g not in tops]
+    steps = [g for g in _STEPS if any(o.path == (g,) for o in manifest.objects)]
+    rest = [g for g in training_groups(manifest) if g not in tops] + steps
     entries += [e for e in manifest.entries if str(e.path[0]) in rest]
     if rest:
         notes.append(f"training state carried as saved: {', '.join(rest)}")
+    if titan:
+        added, said = titan_train_state(manifest, rest)
+        entries += added
+        notes += said
     return Carried(tuple(entries), (*sorted(tops), *rest), tuple(notes))
+
+
+def _base_lrs(manifest: Manifest) -> list[float] | None:
+    """The base learning rate of each param group that a torch LR scheduler saved (its ``base_lrs``), if the
+    checkpoint holds one scheduler's."""
+    found = [v for o in manifest.objects if o.path[-1] == "base_lrs" and isinstance(v := object_value(o), list)
+             and all(isinstance(x, (int, float)) for x in v)]
+    return found[0] if len(found) == 1 else None
 
 
 def _state(manifest: Manifest, sec: _Section, outs: _Outputs, map_fn: MapFn, titan: str | None) -> tuple[Entry, ...]:
@@ -198,14 +224,15 @@ def _state_entry(e: Entry, section: str, fqn: str, new: str, slot: str, titan: s
     return _moved(e, len(section) + 1 + len(_STATE), fqn, new)
 
 
-def _groups(sec: _Section, outs: _Outputs, titan: str | None) -> tuple[Entry, ...]:
-    """The param groups' entries under the mapped names: per parameter, or numbered with ``params`` renamed."""
+def _groups(sec: _Section, outs: _Outputs, titan: str | None, base_lrs: list[float] | None) -> tuple[Entry, ...]:
+    """The param groups' entries under the mapped names: per parameter, or numbered with ``params`` renamed;
+    each with its ``initial_lr`` (see the module docstring)."""
     start = len(sec.name) + 1 + len(_GROUPS)
     out: list[Entry] = []
     for fqn, fields in sec.per_param.items():
         for new in outs.outputs(fqn) if fqn in outs.selected else ():
             out += [_placed(e, titan, f"{_GROUPS}{new}.{f}") if titan else _moved(e, start, fqn, new)
-                    for f, e in fields.items()]
+                    for f, e in _with_initial_lr(fields, None).items()]
     for index, fields in sec.numbered.items():
         params = fields.get("params")
         listed_params = object_value(params) if isinstance(params, ObjectEntry) else None
@@ -214,6 +241,8 @@ def _groups(sec: _Section, outs: _Outputs, titan: str | None) -> tuple[Entry, ..
                              f"group's parameter names, found {listed_params!r:.60}; a key mapping carries "
                              "optimizer state by its parameters' names")
         renamed = [new for p in listed_params if p in outs.selected for new in outs.outputs(p)]
+        base = base_lrs[int(index)] if base_lrs is not None and len(base_lrs) == len(sec.numbered) else None
+        fields = _with_initial_lr(fields, base)
         if titan:
             out += [_placed(e, titan, f"{_GROUPS}{new}.{f}") for new in renamed for f, e in fields.items()
                     if f != "params"]
@@ -221,3 +250,18 @@ def _groups(sec: _Section, outs: _Outputs, titan: str | None) -> tuple[Entry, ..
             out += [e for f, e in fields.items() if f != "params"]
             out.append(ObjectEntry(params.key, params.path, list(dict.fromkeys(renamed))))  # type: ignore[union-attr]
     return tuple(out)
+
+
+def _with_initial_lr(fields: dict[str, Entry], base: float | None) -> dict[str, Entry]:
+    """A group's ``fields`` with ``initial_lr``: as saved, else ``base`` (the source scheduler's), megatron-core's
+    ``max_lr`` or the group's ``lr``."""
+    if _INITIAL_LR in fields or "lr" not in fields:
+        return fields
+    lr, peak = fields["lr"], fields.get("max_lr")
+    value = base if base is not None else object_value(peak) if isinstance(peak, ObjectEntry) else (
+        object_value(lr) if isinstance(lr, ObjectEntry) else None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return fields
+    key = lr.key[:-len("lr")] + _INITIAL_LR
+    path = (*lr.path[:-1], str(lr.path[-1])[:-len("lr")] + _INITIAL_LR)
+    return {**fields, _INITIAL_LR: ObjectEntry(key, path, float(value))}

@@ -24,6 +24,7 @@ from ..io.sources import Files, read_region
 from ..models.quantized import as_values_against
 from ..models.wrappers import strip_wrapper_names
 from ..ops import checksums
+from ..ops._step import optimizer_step, recorded_step
 from ..ops.select import ModelSelection, optimizer_sections, select_model
 from .fsdp1_offload import settle_offloaded_fsdp1
 from .save import SIDE_KEYS, TRAINING_STATE, local_path, single_process_quiet
@@ -124,7 +125,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, *, optimizer: torch.op
     optimizer_loaded = _load_state(ckpt, manifest, training, model, optimizer if load_optimizer else None, strict)
     if scheduler is not None and load_scheduler and "scheduler" in side:
         scheduler.load_state_dict(side["scheduler"])
-    step = side["step"] if "step" in side else _saved_step(ckpt, manifest)
+    step = side["step"] if "step" in side else _saved_step(ckpt, manifest, training)
     return LoadResult(ckpt, step, side.get("extra"), optimizer_loaded)
 
 
@@ -181,17 +182,22 @@ def _training_state(ckpt: Path) -> Manifest | None:
     return detect(directory).read(directory) if directory.is_dir() else None
 
 
-def _saved_step(ckpt: Path, manifest: Manifest) -> int | None:
-    """The step another framework saved (DeepSpeed's ``global_steps``, the HF Trainer's ``global_step``), or
-    the one ``ckptkit.save`` recorded in ``ckptkit.json``, for a checkpoint that holds no ``step`` itself."""
-    steps = dict(manifest.details).get("global_steps")
-    if steps is not None and str(steps).isdigit():
-        return int(steps)
+def _saved_step(ckpt: Path, manifest: Manifest, training: Manifest | None) -> int | None:
+    """The step a checkpoint that holds no ``step`` of ckptkit's own records: another framework's
+    (:func:`ckptkit.ops._step.recorded_step`: torchtitan's ``train_state``, megatron-core's ``iteration``,
+    DeepSpeed's ``global_steps``, ...), the HF Trainer's ``global_step``, the one ``ckptkit.save`` recorded in
+    ``ckptkit.json``, or else the optimizer's own step."""
+    found = recorded_step(manifest) or (recorded_step(training) if training is not None else None)
+    if found is not None:
+        return found.value
     trainer = trainer_step(ckpt)
     if trainer is not None:
         return trainer
     record = checksums.read_record(ckpt)
-    return record.step if record is not None else None
+    if record is not None and record.step is not None:
+        return record.step
+    found = optimizer_step(training) if training is not None else None
+    return found.value if found is not None else None
 
 
 def _resolve(path: Path) -> Path:

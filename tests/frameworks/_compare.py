@@ -29,7 +29,7 @@ def _adamw_like(expected: dict):
     return model, torch.optim.AdamW(groups, lr=0.5)
 
 
-def assert_resumes(ckpt: Path, expected: dict, step: int | None = None) -> None:
+def assert_resumes(ckpt: Path, expected: dict, step: int) -> None:
     """``ckptkit.load`` of ``ckpt`` gives the saved model, the optimizer's state and the step."""
     model, opt = _adamw_like(expected)
     result = ckptkit.load(ckpt, model, optimizer=opt)

@@ -1,10 +1,5 @@
-"""Rank functions for resuming in DeepSpeed 0.19.8's own engine: an FSDP2 run (torch's ``fully_shard`` and AdamW,
-saved with DCP), the same run saved in torchtitan's layout, and DeepSpeed ZeRO runs that resume from a universal
-checkpoint, or save one of their own.
-
-Both train the same tiny model on the same global batch per step, split evenly over the ranks, with gradients
-clipped to a norm of 1.0 (DeepSpeed's default ``gradient_clipping``, which a universal checkpoint written from
-another framework does not carry), so a resumed run is on the uninterrupted run's trajectory to rounding.
+"""A DeepSpeed 0.19.8 ZeRO run that saves its own checkpoint (which ``ds_to_universal`` then converts), on CPU
+gloo ranks: a tiny model of odd sizes, one global batch per step split evenly over the ranks.
 
 One CPU shim, inside the DeepSpeed ranks only: ``deepspeed.comm.torch.build_shm_op`` returns None, so the engine
 does not compile its shared-memory all-reduce op with g++ (minutes here); it then all-reduces through gloo.
@@ -13,7 +8,6 @@ does not compile its shared-memory all-reduce op with g++ (minutes here); it the
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +20,7 @@ LR, CLIP = 1e-2, 1.0
 
 
 class Net(nn.Module):
-    """Odd sizes, so that FSDP2's and ZeRO's partitions cut parameters unevenly."""
+    """Odd sizes, so that ZeRO's partitions cut parameters unevenly."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -48,23 +42,9 @@ def _net() -> Net:
     return Net()
 
 
-def _llama() -> nn.Module:
-    from _workers import tiny_llama
-
-    return tiny_llama()
-
-
-MODELS = {"net": (_net, VOCAB), "llama": (_llama, 64)}
-"""The model each run trains, and its vocabulary: ``Net``, or transformers' tiny Llama (untied head)."""
-
-
-def _loss(model, tokens: torch.Tensor, kind: str) -> torch.Tensor:
-    return model(tokens) if kind == "net" else model(input_ids=tokens, labels=tokens).loss
-
-
-def _tokens(step: int, rank: int, world: int, kind: str = "net") -> torch.Tensor:
+def _tokens(step: int, rank: int, world: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + step)
-    batch = torch.randint(0, MODELS[kind][1], (GLOBAL_BATCH, SEQ), generator=g)
+    batch = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
     per = GLOBAL_BATCH // world
     return batch[rank * per:(rank + 1) * per]
 
@@ -75,62 +55,7 @@ def _mean(loss: torch.Tensor) -> float:
     return total.item() / dist.get_world_size()
 
 
-# ---------------------------------------------------------------------------------------------------- FSDP2
-
-
-def _report(rank: int, result: str, value: dict[str, Any]) -> None:
-    """Rank 0 saves ``value`` to ``result``: tensors returned through the spawn queue would be shared memory that
-    the rank's exit takes away."""
-    if rank == 0:
-        torch.save(value, result)
-    dist.barrier()
-
-
-def fsdp2_run(rank: int, world: int, out: str, result: str, save_after: int, steps: int,
-              layout: str = "dcp") -> None:
-    """Steps 1..``steps`` of FSDP2 training, saving after step ``save_after`` into ``out``: ``{"model", "optim"}``
-    with DCP (``layout="dcp"``, ``Net``), or torchtitan's ``CheckpointManager`` layout (``layout="torchtitan"``,
-    the tiny Llama: its save calls as ``_workers.torchtitan_save`` replays them, model keys at the top beside a
-    flattened ``optimizer`` and ``train_state``). Saves the losses and the final full parameters into ``result``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        get_state_dict,
-    )
-    from torch.distributed.fsdp import fully_shard
-
-    dist.init_process_group("gloo")
-    kind = "net" if layout == "dcp" else "llama"
-    model = MODELS[kind][0]()
-    for block in [model.fc1] if kind == "net" else model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(1, steps + 1):
-        loss = _loss(model, _tokens(step, rank, world, kind), kind)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(_mean(loss))
-        if step == save_after and layout == "dcp":
-            msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
-        elif step == save_after:
-            flat = StateDictOptions(flatten_optimizer_state_dict=True)
-            dcp.save({**get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt, options=flat),
-                      "train_state": {"step": step, "ntokens_seen": step * GLOBAL_BATCH * SEQ}}, checkpoint_id=out)
-    final = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    _report(rank, result, {"losses": losses, "params": {k: v.clone() for k, v in final.items()}})
-
-
-# ------------------------------------------------------------------------------------------------ DeepSpeed
-
-
-def _engine(stage: int, universal: bool, kind: str = "net"):
+def _engine(stage: int):
     import importlib
 
     import deepspeed
@@ -140,49 +65,25 @@ def _engine(stage: int, universal: bool, kind: str = "net"):
     config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // int(os.environ["WORLD_SIZE"]),
               "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
-              "zero_optimization": {"stage": stage}, "checkpoint": {"load_universal": universal}}
-    model = MODELS[kind][0]()
+              "zero_optimization": {"stage": stage}}
+    model = _net()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
 
-def _ds_steps(engine, rank: int, world: int, first: int, last: int, kind: str = "net") -> list[float]:
+def _ds_steps(engine, rank: int, world: int, first: int, last: int) -> list[float]:
     losses = []
     for step in range(first, last + 1):
-        loss = _loss(engine, _tokens(step, rank, world, kind), kind)
+        loss = engine(_tokens(step, rank, world))
         engine.backward(loss)
         engine.step()
         losses.append(_mean(loss))
     return losses
 
 
-def _full_params(engine, stage: int) -> dict[str, torch.Tensor]:
-    if stage < 3:
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    import deepspeed
-
-    params = list(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters([p for _, p in params]):
-        return {n: p.detach().clone() for n, p in params}
-
-
-def ds_resume(rank: int, world: int, load_dir: str, result: str, stage: int, first: int, last: int,
-              kind: str = "net") -> None:
-    """A DeepSpeed ZeRO-``stage`` engine loads the universal checkpoint in ``load_dir`` (by its
-    ``latest_universal``) and trains steps ``first``..``last``. Saves what it loaded, its losses and its final
-    parameters into ``result``."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    engine = _engine(stage, universal=True, kind=kind)
-    path, _ = engine.load_checkpoint(load_dir)
-    loaded = {"path": path, "global_steps": engine.global_steps,
-              "lr": [g["lr"] for g in engine.optimizer.param_groups]}
-    losses = _ds_steps(engine, rank, world, first, last, kind)
-    _report(rank, result, {"loaded": loaded, "losses": losses, "params": _full_params(engine, stage)})
-
-
 def ds_save(rank: int, world: int, save_dir: str, stage: int, steps: int) -> None:
     """A DeepSpeed ZeRO-``stage`` engine trains ``steps`` steps and saves its own checkpoint into ``save_dir``."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    engine = _engine(stage, universal=False)
+    engine = _engine(stage)
     _ds_steps(engine, rank, world, 1, steps)
     engine.save_checkpoint(save_dir, tag=f"global_step{steps}")

@@ -1,6 +1,6 @@
 """A megatron-core run with its ``DistributedOptimizer`` on 2 gloo CPU ranks (data parallel), saved as
-Megatron-LM saves it with ``distrib_optim_sharding_type="dp_reshardable"``, and the same run resumed from
-ckptkit's HF-named conversion in plain FSDP2 with transformers' Llama and torch's AdamW.
+Megatron-LM saves it with ``distrib_optim_sharding_type="dp_reshardable"``: the resume matrix's megatron-core
+source, whose recipe every source of the matrix follows (:mod:`_matrix`).
 
 The model is :mod:`_megatron`'s tiny Llama (float32 parameters, local spec, TP=1), trained 6 steps of one
 global batch (4 sequences, 2 per rank) with Megatron's Adam (torch's ``AdamW`` underneath), clipping at
@@ -17,7 +17,7 @@ megatron-core's DistributedOptimizer runs on CPU given two shims, inside these r
 from __future__ import annotations
 
 import os
-from typing import Any
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -93,7 +93,7 @@ def to_hf(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
     return {prefix + names[rest]: value}
 
 
-def _optimizer_states(opt, model) -> dict[str, list[tuple]]:
+def optimizer_states(opt, model) -> dict[str, list[tuple]]:
     """This rank's part of megatron-core's own per-parameter state: for each parameter (by name) it owns elements
     of, its shape, the range of its flattened elements the rank owns, and the optimizer's states of them
     (``param``: the fp32 main parameter; ``exp_avg``, ``exp_avg_sq``)."""
@@ -108,14 +108,15 @@ def _optimizer_states(opt, model) -> dict[str, list[tuple]]:
     return out
 
 
-def megatron_run(rank: int, world: int, out: str) -> None:
-    """6 steps, saving after step 3 (``<out>/step-3`` fully parallel, ``<out>/step-3-plain`` not); rank 0 writes
-    ``<out>/expected.pt``: the losses, the final weights (HF names) and logits of :func:`_megatron.tokens`; every
-    rank ``<out>/states{rank}.pt``: its part of the optimizer's per-parameter state at the save."""
+def megatron_source(out: str) -> None:
+    """6 steps on the default process group, saving after step 3 (``<out>/step-3`` fully parallel,
+    ``<out>/step-3-plain`` not); rank 0 writes ``<out>/expected.pt``: the losses, the final weights (HF names)
+    and logits of :func:`_megatron.tokens`; every rank ``<out>/states{rank}.pt``: its part of the optimizer's
+    per-parameter state at the save."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rank, world = dist.get_rank(), dist.get_world_size()
     parallel_state.initialize_model_parallel()
     model = meg.build("llama", 1)
     g = torch.Generator().manual_seed(5)  # the same weights on both data-parallel ranks
@@ -133,7 +134,7 @@ def megatron_run(rank: int, world: int, out: str) -> None:
             if step == SAVED:
                 _save(model, opt, f"{out}/step-{SAVED}", fully_parallel=True)
                 _save(model, opt, f"{out}/step-{SAVED}-plain", fully_parallel=False)
-                torch.save(_optimizer_states(opt.chained_optimizers[0], model), f"{out}/states{rank}.pt")
+                torch.save(optimizer_states(opt.chained_optimizers[0], model), f"{out}/states{rank}.pt")
 
         _train(rank, world, model, ddp, opt, range(1, STEPS + 1), f"{out}/expected.pt", saved)
     meg._done()
@@ -196,89 +197,20 @@ def _save(model, opt, path: str, fully_parallel: bool) -> None:
     meg._stop_writer_manager()
 
 
-def resume(rank: int, world: int, ckpt: str, out: str) -> None:
-    """Steps 4-6 in plain FSDP2 from ``ckpt`` (HF names, model and optimizer) with torch's AdamW set up as
-    Megatron's was; and a control with the same weights and a fresh AdamW. Rank 0 writes ``<out>/resumed.pt``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
-    from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaForCausalLM
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results: dict[str, Any] = {}
-    try:
-        for case in ("resumed", "fresh optimizer"):
-            torch.manual_seed(99)
-            hf = LlamaForCausalLM(hf_config())
-            for layer in hf.model.layers:
-                fully_shard(layer)
-            fully_shard(hf)
-            decay = [p for p in hf.parameters() if p.dim() > 1]  # Megatron's groups: 1-D parameters take no decay
-            opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD},
-                                     {"params": [p for p in hf.parameters() if p.dim() == 1], "weight_decay": 0.0}],
-                                    lr=LR, betas=BETAS, eps=EPS)
-            msd, osd = get_state_dict(hf, opt)
-            if case == "resumed":
-                dcp.load({**msd, "optimizer": osd}, checkpoint_id=ckpt)
-                set_state_dict(hf, opt, model_state_dict=msd, optim_state_dict=osd)
-            else:
-                dcp.load(msd, checkpoint_id=ckpt)
-                set_model_state_dict(hf, msd)
-            losses = []
-            for step in range(SAVED + 1, STEPS + 1):
-                ids = batch(step, rank, world)
-                loss = _loss(hf(ids).logits, ids)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP)
-                opt.step()
-                opt.zero_grad()
-                losses.append(_mean(loss, world))
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            weights = get_model_state_dict(hf, options=StateDictOptions(full_state_dict=True))
-            with torch.no_grad():
-                logits = hf(meg.tokens()).logits
-            results[case] = {"losses": losses, "model": weights, "logits": logits}
-        if rank == 0:
-            torch.save(results, f"{out}/resumed.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def megatron_resume(rank: int, world: int, ckpt: str, out: str) -> None:
-    """Steps 4-6 in megatron-core from ``ckpt`` (``convert --to megatron`` of the run's conversion): its own
-    ``dist_checkpointing.load`` of the model and of the DistributedOptimizer (``dp_reshardable``, one bucket);
-    rank 0 writes ``<out>/megatron-resumed.pt``: the losses, the final weights (HF names) and logits; every rank
-    ``<out>/loaded{rank}.pt``: its part of the optimizer's per-parameter state as loaded."""
-    from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel()
-    model = meg.build("llama", 1, seed=3)  # weights unlike the saved ones: a tensor not loaded shows
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # CUDA shim 1, as in megatron_run
-    with _CudaOnCpu():  # CUDA shim 2, as in megatron_run
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
-        opt = _optimizer(ddp)
-        # Without TE or apex, state_dict() reads the step from the optimizer's state: megatron-core's own dummy
-        # step makes it (the load then overwrites every state and the step).
-        opt.chained_optimizers[0]._init_optimizer_states_with_dummy_values()
-        msd = model.sharded_state_dict()
-        osd = opt.sharded_state_dict(msd, is_loading=True,
-                                     metadata={"distrib_optim_sharding_type": "dp_reshardable"})
-        state = dist_checkpointing.load({**msd, "optimizer": osd}, ckpt)
-        model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
-        with torch.no_grad():  # float32 main parameters are views of the model's, which require grad
-            opt.load_state_dict(state["optimizer"])
-        # megatron-core 0.16.1 with torch's AdamW (no TE, no apex) loads each parameter's step from the state the
-        # dummy step above made (1), one tensor shared by all, not the saved one; it does so for its own
-        # checkpoints too. The saved step is in the param groups it loaded: put it back, one tensor each.
-        inner = opt.chained_optimizers[0].optimizer
-        for group in inner.param_groups:
-            for param in group["params"]:
-                inner.state[param]["step"] = torch.tensor(float(group["step"]))
-        torch.save(_optimizer_states(opt.chained_optimizers[0], model), f"{out}/loaded{rank}.pt")
-        _train(rank, world, model, ddp, opt, range(SAVED + 1, STEPS + 1), f"{out}/megatron-resumed.pt")
-    meg._done()
+def per_parameter_states(out: Path, prefix: str = "states") -> dict[str, dict[str, torch.Tensor]]:
+    """megatron-core's per-parameter state that :func:`optimizer_states` wrote for every rank
+    (``<out>/<prefix><rank>.pt``), each rank's range put in place, under HF names."""
+    whole: dict[str, dict[str, torch.Tensor]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for rank in range(2):
+        for name, (shape, start, end, states) in torch.load(out / f"{prefix}{rank}.pt", weights_only=True).items():
+            shapes[name] = shape
+            for slot, value in states.items():
+                numel = int(torch.tensor(shape).prod())
+                whole.setdefault(name, {}).setdefault(slot, torch.full((numel,), float("nan")))[start:end] = value
+    hf: dict[str, dict[str, torch.Tensor]] = {}
+    for name, slots in whole.items():
+        for slot, flat in slots.items():
+            for key, value in to_hf(name, flat.reshape(shapes[name])).items():
+                hf.setdefault(key, {})[slot] = value
+    return hf

@@ -1,11 +1,9 @@
-"""DeepSpeed's universal checkpoint, checked with DeepSpeed 0.19.8's own engine and converter on CPU.
+"""DeepSpeed's universal checkpoint, checked with torch's readers and DeepSpeed 0.19.8's own converter on CPU.
 
-An FSDP2 run (torch's ``fully_shard`` and AdamW, 2 gloo ranks) saves with DCP after step 3 and goes on to step 6
-uninterrupted. ckptkit writes the step-3 save as a universal checkpoint; DeepSpeed's engine loads it with
-``load_universal`` under ZeRO-2 on 1 rank and ZeRO-3 on 3 ranks and trains steps 4-6: its losses and final
-parameters must be the uninterrupted run's to rounding (a resume with a fresh optimizer is 1e-2 off). The same
-for a tiny Llama saved in torchtitan's layout after step 2 and resumed under ZeRO-1. And DeepSpeed's own
-``ds_to_universal`` output, read by ckptkit, must hold DeepSpeed's own tensors.
+ckptkit writes a plain FSDP2 save (the resume matrix's) as a universal checkpoint, which must hold the save's
+tensors as torch reads them; DeepSpeed's own ``ds_to_universal`` output, read by ckptkit, must hold DeepSpeed's
+own tensors. Every framework's save resumed by DeepSpeed's engine from a universal checkpoint (ZeRO-2, and
+ZeRO-3 for one) is a cell of the resume matrix (``test_resume_matrix.py``).
 """
 
 from __future__ import annotations
@@ -20,81 +18,28 @@ import torch
 from click.testing import CliRunner
 
 import ckptkit
-from _ds_universal import Net, ds_resume, ds_save, fsdp2_run
+from _ds_universal import Net, ds_save
 from _spawn import spawn
 from ckptkit.cli import cli
 from ckptkit.errors import IncompleteCheckpointError, UsageError
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed is not installed (bin/_env installs deepspeed==0.19.8)")
-NOISE = 1e-5
-"""Rounding between two runs of the same arithmetic in different partitions: seen up to 2.4e-7."""
-
-
 @pytest.fixture(scope="module")
-def fsdp2(tmp_path_factory) -> tuple[Path, dict]:
-    out = tmp_path_factory.mktemp("fsdp2")
-    spawn(fsdp2_run, 2, str(out / "step3"), str(out / "run.pt"), 3, 6)
-    return out / "step3", torch.load(out / "run.pt", weights_only=True)
-
-
-@pytest.fixture(scope="module")
-def universal(fsdp2, tmp_path_factory) -> tuple[Path, ckptkit.Report]:
+def universal(matrix_sources, tmp_path_factory) -> tuple[Path, Path, ckptkit.Report]:
+    """The resume matrix's plain FSDP2 save (transformers' Llama, AdamW in two groups, step 3) and its universal
+    checkpoint."""
     out = tmp_path_factory.mktemp("universal") / "ds"
-    return out, ckptkit.convert(fsdp2[0], out, to="deepspeed-universal")
-
-
-def _resumed(universal_dir: Path, tmp_path: Path, stage: int, world: int, first: int = 4, last: int = 6,
-             kind: str = "net") -> dict:
-    spawn(ds_resume, world, str(universal_dir), str(tmp_path / "resumed.pt"), stage, first, last, kind)
-    return torch.load(tmp_path / "resumed.pt", weights_only=True)
-
-
-def _assert_on_the_uninterrupted_run(resumed: dict, uninterrupted: dict, saved_at: int = 3) -> None:
-    assert resumed["loaded"]["global_steps"] == saved_at
-    losses = torch.tensor(resumed["losses"]) - torch.tensor(uninterrupted["losses"][saved_at:])
-    assert losses.abs().max() < NOISE, losses
-    assert resumed["params"].keys() == uninterrupted["params"].keys()
-    for name, value in uninterrupted["params"].items():
-        assert (resumed["params"][name] - value).abs().max() < NOISE, name
+    return matrix_sources / "fsdp2", out, ckptkit.convert(matrix_sources / "fsdp2", out, to="deepspeed-universal")
 
 
 @needs_deepspeed
-def test_convert_to_deepspeed_universal_resumes_zero2_on_one_rank_on_the_uninterrupted_run(fsdp2, universal,
-                                                                                          tmp_path):
-    resumed = _resumed(universal[0], tmp_path, stage=2, world=1)
-    assert resumed["loaded"]["path"].endswith("global_step3/mp_rank_00_model_states.pt")
-    _assert_on_the_uninterrupted_run(resumed, fsdp2[1])
-
-
-@needs_deepspeed
-def test_convert_to_deepspeed_universal_resumes_zero3_on_three_ranks_on_the_uninterrupted_run(fsdp2, universal,
-                                                                                             tmp_path):
-    resumed = _resumed(universal[0], tmp_path, stage=3, world=3)
-    assert resumed["loaded"]["path"].endswith("global_step3/zero_pp_rank_0_mp_rank_00_model_states.pt")
-    _assert_on_the_uninterrupted_run(resumed, fsdp2[1])
-
-
-@needs_deepspeed
-def test_convert_torchtitan_layout_to_deepspeed_universal_resumes_zero1_on_the_uninterrupted_run(tmp_path):
-    pytest.importorskip("transformers")
-    spawn(fsdp2_run, 2, str(tmp_path / "step-2"), str(tmp_path / "run.pt"), 2, 4, "torchtitan")
-    report = ckptkit.convert(tmp_path / "step-2", tmp_path / "ds", to="deepspeed-universal")
-    assert report.notes == ("left out: train_state (a universal checkpoint holds the model and the optimizer; "
-                            "gradient clipping and loss scaling come from the engine's config)",)
-    groups = torch.load(tmp_path / "ds" / "global_step2" / "zero" / "optimizer_state.pt")["param_groups"]
-    assert len(groups) == 1 and groups[0]["lr"] == 1e-2 and len(groups[0]["params"]) == 21
-    resumed = _resumed(tmp_path / "ds", tmp_path, stage=1, world=1, first=3, last=4, kind="llama")
-    _assert_on_the_uninterrupted_run(resumed, torch.load(tmp_path / "run.pt", weights_only=True), saved_at=2)
-
-
-@needs_deepspeed
-def test_convert_to_deepspeed_universal_writes_the_step3_state_as_torch_loads_it(fsdp2, universal, tmp_path):
+def test_convert_to_deepspeed_universal_writes_the_step3_state_as_torch_loads_it(universal, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(fsdp2[0], tmp_path / "step3.pt")
+    src, out, report = universal
+    dcp_to_torch_save(src, tmp_path / "step3.pt")
     saved = torch.load(tmp_path / "step3.pt", weights_only=True)
-    out, report = universal
     assert (out / "latest_universal").read_text() == "global_step3"
     zero = out / "global_step3" / "zero"
     for name, weight in saved["model"].items():
@@ -109,8 +54,12 @@ def test_convert_to_deepspeed_universal_writes_the_step3_state_as_torch_loads_it
     assert groups == saved["optim"]["param_groups"]
     states = torch.load(out / "global_step3" / "mp_rank_00_model_states.pt", weights_only=True)
     assert (states["global_steps"], states["dp_world_size"], states["module"]) == (3, 2, {})
-    assert report.notes == ()
-    verified = CliRunner().invoke(cli, ["verify", str(fsdp2[0]), str(out)])
+    assert report.notes == ("2 param groups, whose first parameters are model.embed_tokens.weight, "
+                            "model.layers.0.input_layernorm.weight: DeepSpeed's load gives their hyperparameters to "
+                            "the engine's groups by position, so build those in this order; under ZeRO-3 its load "
+                            "gives the first group's to every group and one step tensor to all, so set the others' "
+                            "and copy the step after it",)
+    verified = CliRunner().invoke(cli, ["verify", str(src), str(out)])
     assert verified.exit_code == 0 and verified.output.endswith("identical\n"), verified.output
 
 

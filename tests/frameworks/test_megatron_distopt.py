@@ -1,24 +1,27 @@
-"""megatron-core's DistributedOptimizer, saved ``dp_reshardable``, resumes in plain FSDP2 through ckptkit
-(:mod:`_megatron_distopt`).
+"""megatron-core's DistributedOptimizer, saved ``dp_reshardable``, split into per-parameter state by ckptkit
+(:mod:`_megatron_distopt`), and joined back by ``convert --to megatron``.
 
 megatron-core trains its tiny Llama (float32 parameters) with its DistributedOptimizer on 2 data-parallel gloo
-ranks for 3 steps and saves as Megatron-LM does: the optimizer's state as flat per-bucket buffers. ckptkit
-converts it with ``--preset megatron-llama`` into an HF-named FSDP2 DCP at 3 ranks, model and optimizer. Two
-oracles: megatron-core's own per-parameter state at the save (``_get_main_param_and_optimizer_states`` over
-each rank's range of each parameter), which the converted moments equal exactly; and the run itself, which
-the conversion resumed in FSDP2 with transformers' Llama and torch's AdamW (steps 4-6) follows, losses,
-weights and logits, where a fresh AdamW does not.
+ranks for 3 steps and saves as Megatron-LM does: the optimizer's state as flat per-bucket buffers (the resume
+matrix's megatron-core source, :func:`matrix_sources`). ckptkit converts it with ``--preset megatron-llama``
+into an HF-named FSDP2 DCP at 3 ranks, model and optimizer. The oracle is megatron-core's own per-parameter
+state at the save (``_get_main_param_and_optimizer_states`` over each rank's range of each parameter), which
+the converted moments equal exactly. The resumes of these conversions, in FSDP2 and in megatron-core itself,
+are cells of the resume matrix (``test_resume_matrix.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import ckptkit
+from ckptkit.cli import cli
 from ckptkit.core.dtypes import by_name
 from ckptkit.core.manifest import Manifest
 from ckptkit.formats import read
@@ -27,23 +30,18 @@ from ckptkit.formats.megatron import split_buckets
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 import _megatron_distopt as md  # noqa: E402  (imports megatron-core lazily, after the skip)
-from _spawn import spawn  # noqa: E402
-
-NOISE = 1e-5
-"""megatron-core's and transformers' forwards differ in float rounding: the resumed run stays within 1e-6 of
-the uninterrupted one."""
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[Path, dict, dict]:
-    out = tmp_path_factory.mktemp("megatron-distopt")
-    spawn(md.megatron_run, 2, str(out))
+def runs(matrix_sources, tmp_path_factory) -> tuple[Path, Path]:
+    """megatron-core's saves (``step-3`` fully parallel, ``step-3-plain`` not, and its per-parameter states), and a
+    directory with their HF-named conversions (``hf``, ``hf-plain``) and the model's ``assets``."""
+    src, out = matrix_sources / "megatron", tmp_path_factory.mktemp("megatron-distopt")
     md.hf_config().save_pretrained(out / "assets")
-    for src, dst in (("step-3", "hf"), ("step-3-plain", "hf-plain")):
-        ckptkit.convert(out / src, out / dst, to="sharded", world_size=3, preset="megatron-llama",
+    for name, dst in (("step-3", "hf"), ("step-3-plain", "hf-plain")):
+        ckptkit.convert(src / name, out / dst, to="sharded", world_size=3, preset="megatron-llama",
                         hf_assets=out / "assets")
-    spawn(md.resume, 2, str(out / "hf"), str(out))
-    return out, torch.load(out / "expected.pt", weights_only=True), torch.load(out / "resumed.pt", weights_only=True)
+    return src, out
 
 
 def _dcp_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -58,30 +56,11 @@ def _dcp_tensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _megatron_states(out: Path, prefix: str = "states") -> dict[str, dict[str, torch.Tensor]]:
-    """megatron-core's per-parameter state (``<prefix><rank>.pt``), every rank's range put in place, under HF
-    names."""
-    whole: dict[str, dict[str, torch.Tensor]] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for rank in range(2):
-        for name, (shape, start, end, states) in torch.load(out / f"{prefix}{rank}.pt", weights_only=True).items():
-            shapes[name] = shape
-            for slot, value in states.items():
-                numel = int(torch.tensor(shape).prod())
-                whole.setdefault(name, {}).setdefault(slot, torch.full((numel,), float("nan")))[start:end] = value
-    hf: dict[str, dict[str, torch.Tensor]] = {}
-    for name, slots in whole.items():
-        for slot, flat in slots.items():
-            for key, value in md.to_hf(name, flat.reshape(shapes[name])).items():
-                hf.setdefault(key, {})[slot] = value
-    return hf
-
-
 @pytest.mark.parametrize("saved", ["hf", "hf-plain"], ids=["fully-parallel-save", "plain-save"])
 def test_convert_splits_the_buckets_into_megatron_cores_own_per_parameter_state(runs, saved):
-    out, _, _ = runs
+    src, out = runs
     converted = _dcp_tensors(out / saved)
-    oracle = _megatron_states(out)
+    oracle = md.per_parameter_states(src)
     assert len(oracle) == 21
     for name, slots in oracle.items():
         for slot in ("exp_avg", "exp_avg_sq"):
@@ -91,25 +70,9 @@ def test_convert_splits_the_buckets_into_megatron_cores_own_per_parameter_state(
         assert torch.equal(converted[name], slots["param"]), name
 
 
-def test_convert_megatron_distributed_optimizer_resumes_in_fsdp2_on_the_trajectory(runs):
-    _, expected, resumed = runs
-    run = resumed["resumed"]
-    assert run["losses"] == pytest.approx(expected["losses"][md.SAVED:], abs=NOISE)
-    assert run["model"].keys() == expected["model"].keys()
-    worst = max((run["model"][k] - expected["model"][k]).abs().max().item() for k in expected["model"])
-    assert worst < NOISE, worst
-    assert (run["logits"] - expected["logits"]).abs().max().item() < NOISE
-
-
-def test_resume_with_a_fresh_adamw_leaves_the_megatron_trajectory_by_far_more_than_the_tolerance(runs):
-    _, expected, resumed = runs
-    control, oracle = resumed["fresh optimizer"]["model"], expected["model"]
-    assert max((control[k] - oracle[k]).abs().max().item() for k in oracle) > 100 * NOISE
-
-
 def test_convert_reports_the_split_and_the_main_parameters_left_out(runs, tmp_path):
-    out, _, _ = runs
-    report = ckptkit.convert(out / "step-3", tmp_path / "hf", to="sharded", preset="megatron-llama",
+    src, out = runs
+    report = ckptkit.convert(src / "step-3", tmp_path / "hf", to="sharded", preset="megatron-llama",
                              hf_assets=out / "assets", dry_run=True)
     assert "optimizer: DistributedOptimizer buckets (3) split into exp_avg, exp_avg_sq of 15 parameters" in report.notes
     assert any(n.startswith("left out: the DistributedOptimizer's fp32 main parameters")
@@ -119,10 +82,10 @@ def test_convert_reports_the_split_and_the_main_parameters_left_out(runs, tmp_pa
 
 
 def test_reshard_keeps_the_buckets_as_megatron_core_saved_them(runs, tmp_path):
-    out, _, _ = runs
-    ckptkit.convert(out / "step-3", tmp_path / "same", to="sharded", world_size=2)
+    src, _ = runs
+    ckptkit.convert(src / "step-3", tmp_path / "same", to="sharded", world_size=2)
     keys = set(read(tmp_path / "same").keys)
-    assert {k for k in read(out / "step-3").keys if "bucket_idx_0" in k} <= keys
+    assert {k for k in read(src / "step-3").keys if "bucket_idx_0" in k} <= keys
     assert not any(".state." in k for k in keys)
 
 
@@ -186,38 +149,12 @@ def test_split_refuses_the_groups_of_a_run_that_decays_qk_layernorms(runs):
 
 
 
-@pytest.fixture(scope="module")
-def joined(runs) -> tuple[Path, dict]:
-    """The run's conversion converted back with ``--to megatron``, and megatron-core's own resume of it."""
-    out = runs[0]
-    report = ckptkit.convert(out / "hf", out / "megatron", to="megatron", hf_assets=out / "assets")
-    assert any("joined into megatron-core's DistributedOptimizer bucket" in n for n in report.notes), report.notes
-    spawn(md.megatron_resume, 2, str(out / "megatron"), str(out))
-    return out, torch.load(out / "megatron-resumed.pt", weights_only=True)
-
-
-def test_convert_to_megatron_joins_the_state_megatron_cores_own_load_restores(joined):
-    out, _ = joined
-    loaded, saved = _megatron_states(out, "loaded"), _megatron_states(out)
-    assert loaded.keys() == saved.keys()
-    for name, slots in saved.items():
-        for slot in ("param", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(loaded[name][slot], slots[slot]), (name, slot)
-
-
-def test_convert_to_megatron_resumes_in_megatron_core_on_the_trajectory(runs, joined):
-    _, expected, _ = runs
-    _, resumed = joined
-    assert resumed["losses"] == pytest.approx(expected["losses"][md.SAVED:], abs=NOISE)
-    worst = max((resumed["model"][k] - expected["model"][k]).abs().max().item() for k in expected["model"])
-    assert worst < NOISE, worst
-    assert (resumed["logits"] - expected["logits"]).abs().max().item() < NOISE
-
-
-def test_convert_to_megatron_refuses_to_join_a_model_outside_megatron_cores_tables(joined):
+def test_convert_to_megatron_refuses_to_join_a_model_outside_megatron_cores_tables(runs, tmp_path):
     from ckptkit.formats.megatron import join_buckets
 
-    model = tuple(t for t in read(joined[0] / "megatron").tensors if not t.key.startswith("optimizer."))
+    out = runs[1]
+    ckptkit.convert(out / "hf", tmp_path / "megatron", to="megatron", hf_assets=out / "assets")
+    model = tuple(t for t in read(tmp_path / "megatron").tensors if not t.key.startswith("optimizer."))
     odd = tuple(dataclasses.replace(t, key=t.key.replace("linear_proj", "linear_out")) for t in model)
     with pytest.raises(ckptkit.CheckpointError, match="not all in megatron-core's GPTModel tables .* parameter order"):
         join_buckets(odd, (), "optimizer")
@@ -226,18 +163,37 @@ def test_convert_to_megatron_refuses_to_join_a_model_outside_megatron_cores_tabl
         join_buckets(halves, (), "optimizer")
 
 
-def test_convert_to_megatron_refuses_plain_torch_param_groups_by_the_fields_megatron_core_needs(runs, tmp_path):
+def _saved_with(tmp_path: Path, groups) -> Path:
+    """A one-process ``dcp.save`` of transformers' Llama and an AdamW over ``groups(model)`` after one step."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM(md.hf_config())
-    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() > 1]},
-                             {"params": [p for p in model.parameters() if p.dim() == 1], "weight_decay": 0.0}])
+    opt = torch.optim.AdamW(groups(model), lr=md.LR)
     model(md.batch(1, 0, 1)).logits.sum().backward()
     opt.step()
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "fsdp"), no_dist=True)
-    with pytest.raises(ckptkit.CheckpointError, match=r"param group 0 .* needs the group's wd_mult, lr_mult, "
-                                                      r"is_expert_parallel, is_decoupled_lr"):
-        ckptkit.convert(tmp_path / "fsdp", tmp_path / "megatron", to="megatron", hf_assets=runs[0] / "assets")
+    return tmp_path / "fsdp"
+
+
+@pytest.mark.parametrize(("groups", "message"), [
+    # one group, AdamW's default weight decay on every parameter, norms included
+    (lambda m: m.parameters(), r"'decoder\.layers\.self_attention\.linear_qkv\.layer_norm_weight' \(a 1-D parameter "
+                               r"or bias\) trained with weight_decay=0\.01: megatron-core decays no 1-D parameter or "
+                               r"bias"),
+    # the embedding at a rate of its own
+    (lambda m: [{"params": [m.model.embed_tokens.weight], "lr": 1e-3},
+                {"params": [p for n, p in m.named_parameters() if n != "model.embed_tokens.weight"]}],
+     r"'decoder\.layers\.self_attention\.linear_proj\.weight' has lr=0\.01 where 'embedding\.word_embeddings\."
+     r"weight' has 0\.001: megatron-core keeps all decayed parameters in one param group"),
+], ids=["norms-decayed", "embedding-lr"])
+def test_convert_to_megatron_refuses_param_groups_megatron_cores_grouping_cannot_hold_naming_the_parameter(
+        runs, tmp_path, groups, message):
+    src = _saved_with(tmp_path, groups)
+    result = CliRunner().invoke(cli, ["convert", str(src), str(tmp_path / "megatron"), "--to", "megatron",
+                                      "--hf-assets", str(runs[1] / "assets")])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert re.search(message, result.stderr), result.stderr
+    assert not (tmp_path / "megatron").exists()

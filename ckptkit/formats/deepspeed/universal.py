@@ -10,7 +10,7 @@ engine loads at any ZeRO stage and data-parallel size with ``"checkpoint": {"loa
     SAVE_DIR/<tag>/zero/<param>/fp32.pt             {"param": the fp32 master weight, "cat_dim": 0}
     SAVE_DIR/<tag>/zero/<param>/exp_avg.pt          {"param": Adam's first moment, "cat_dim": 0}
     SAVE_DIR/<tag>/zero/<param>/exp_avg_sq.pt       {"param": Adam's second moment, "cat_dim": 0}
-    SAVE_DIR/<tag>/zero/<param>/step.pt             the optimizer's step (a tensor, not a dict)
+    SAVE_DIR/<tag>/zero/<param>/step.pt             the optimizer's step (a 0-d tensor, not a dict)
 
 Each parameter is whole, under the name the engine's module gives it, so writing one from any checkpoint with
 per-parameter Adam state is a copy of byte ranges: a parameter's moments are its optimizer entries
@@ -29,12 +29,13 @@ Read back as ``model.<param>`` (fp32), ``optim.state.<param>.{exp_avg,exp_avg_sq
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ...codecs.torchzip_read import read_archive
-from ...codecs.torchzip_write import archive_parts
+from ...codecs.torchzip_write import PartsTensor, archive_parts
 from ...core.dtypes import by_name
 from ...core.manifest import Format, Manifest, ObjectEntry, TensorEntry, TensorRef
 from ...core.plan import Bytes, FilePlan, Region, WritePlan
@@ -88,6 +89,12 @@ class DeepSpeedUniversalIO(FormatIO):
         notes = [f"{len(src.others)} model tensors without optimizer state (buffers, frozen or tied parameters: "
                  f"{', '.join(src.others[:3])}) kept in the model states' module, which DeepSpeed's universal load "
                  "does not read: the engine keeps its own"] if src.others else []
+        if len(src.groups) > 1:
+            firsts = ", ".join(names[0] for _, names in src.groups if names)
+            notes.append(f"{len(src.groups)} param groups, whose first parameters are {firsts}: DeepSpeed's load gives "
+                         "their hyperparameters to the engine's groups by position, so build those in this order; "
+                         "under ZeRO-3 its load gives the first group's to every group and one step tensor to all, so "
+                         "set the others' and copy the step after it")
         if src.left_out:
             notes.append("left out: " + ", ".join(src.left_out) + " (a universal checkpoint holds the model and "
                          "the optimizer; gradient clipping and loss scaling come from the engine's config)")
@@ -109,9 +116,16 @@ def _fp32(entry: TensorEntry) -> Region:
     return Region.whole(entry, None if entry.dtype == _FLOAT32 else _FLOAT32)
 
 
-def _step_value(src: Source, name: str) -> Any:
+def _step_value(src: Source, name: str) -> Region | PartsTensor:
+    """Parameter ``name``'s step as DeepSpeed's loader takes it: a 0-d tensor, which torch's Adam wants of every
+    parameter's ``step`` (a source that keeps it as a number, megatron-core's param groups, gets a float32 one)."""
     step = src.steps[name]
-    return Region.whole(step) if isinstance(step, TensorEntry) else object_value(step)
+    if isinstance(step, TensorEntry):
+        return Region.whole(step)
+    value = object_value(step)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FormatError(f"{step.key}: the step is {value!r:.40}; a universal checkpoint holds a number")
+    return PartsTensor(_FLOAT32, (Bytes(struct.pack("<f", value)),), shape=())
 
 
 def _plan(src: Source, options: UniversalOptions) -> WritePlan:

@@ -9,22 +9,20 @@ under the model section that holds all of them (``model``, ``state_dict``, ``mod
 
 from __future__ import annotations
 
-import struct
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from ...core.manifest import Manifest, ObjectEntry, TensorEntry
-from ...core.plan import Region
 from ...errors import FormatError, IncompleteCheckpointError, UsageError
-from ..base import object_value
+from ..base import object_value, scalar_value
+from ..megatron import has_buckets
 
 __all__ = ["Source", "read_step", "source_of"]
 
 _OPTIMIZERS = ("optim", "optimizer", "optimizer_0", "optim_state", "optimizer_state_dict")
 _MODELS = ("model", "state_dict", "model_state_dict", "module", "")
 _SLOTS = frozenset({"exp_avg", "exp_avg_sq", "step"})
-_SCALARS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 
 Entry = TensorEntry | ObjectEntry
 
@@ -84,7 +82,8 @@ def source_of(manifest: Manifest) -> Source:
     object asked about again gets the same answer without working it out again.
 
     Raises:
-        UsageError: The checkpoint holds no optimizer state, or an optimizer other than Adam's kind.
+        UsageError: The checkpoint holds no optimizer state (or megatron-core's buckets, which a preset splits), or
+            an optimizer other than Adam's kind.
         IncompleteCheckpointError: A parameter lacks a moment, its step or its weight.
         FormatError: A moment's shape is not its weight's.
     """
@@ -97,6 +96,10 @@ def source_of(manifest: Manifest) -> Source:
 
 def _source_of(manifest: Manifest) -> Source:
     optim = next((p for p in _OPTIMIZERS if any(t.key.startswith(p + ".state.") for t in manifest.tensors)), None)
+    if optim is None and has_buckets(manifest):
+        raise UsageError(f"{manifest.root}: megatron-core's DistributedOptimizer keeps its state in buckets, not per "
+                         "parameter; convert with its family's Megatron preset (--preset megatron-llama ...) and "
+                         "--hf-assets, which splits them into each parameter's state under HF names")
     if optim is None:
         raise UsageError(f"{manifest.root}: holds no optimizer state (optim.state.<param>.exp_avg, ...), which a "
                          "universal checkpoint carries; for the weights alone write --to full and load them with "
@@ -135,7 +138,8 @@ def _tensor(entry: Entry, manifest: Manifest) -> TensorEntry:
 def _groups(manifest: Manifest, optim: str, names: list[str]) -> tuple[tuple[dict[str, Any], list[str]], ...]:
     """The param groups' hyperparameters and parameter names: listed (``<optim>.param_groups.<i>.<field>``), or
     flattened per parameter (``<optim>.param_groups.<param>.<field>``, torchtitan's), where parameters with the
-    same hyperparameters make one group."""
+    same hyperparameters make one group, the groups in the order of their first parameter in the model (as a
+    training script that builds a decayed and an undecayed group lists them)."""
     fields: dict[int, dict[str, Any]] = {}
     per_param: dict[str, dict[str, Any]] = {}
     head = f"{optim}.param_groups."
@@ -145,7 +149,7 @@ def _groups(manifest: Manifest, optim: str, names: list[str]) -> tuple[tuple[dic
         elif o.key.startswith(head) and (split := o.key[len(head):].rpartition("."))[0] in names:
             per_param.setdefault(split[0], {})[split[2]] = object_value(o)
     if not fields and per_param:
-        return _grouped(per_param)
+        return _grouped(per_param, names)
     if not fields:
         return (({}, names),)
     out = []
@@ -156,10 +160,10 @@ def _groups(manifest: Manifest, optim: str, names: list[str]) -> tuple[tuple[dic
     return tuple(out)
 
 
-def _grouped(per_param: dict[str, dict[str, Any]]) -> tuple[tuple[dict[str, Any], list[str]], ...]:
+def _grouped(per_param: dict[str, dict[str, Any]], names: list[str]) -> tuple[tuple[dict[str, Any], list[str]], ...]:
     groups: list[tuple[dict[str, Any], list[str]]] = []
-    for name, hyper in per_param.items():
-        hyper = {k: v for k, v in hyper.items() if k != "params"}
+    for name in (n for n in names if n in per_param):
+        hyper = {k: v for k, v in per_param[name].items() if k != "params"}
         same = next((g for g in groups if g[0] == hyper), None)
         if same is None:
             groups.append((hyper, [name]))
@@ -174,18 +178,10 @@ def read_step(src: Source) -> int:
     Raises:
         FormatError: Steps differ between parameters, or one is not a whole number.
     """
-    from ...io.sources import Files, read_region
+    from ...io.sources import Files
 
-    values: dict[str, float] = {}
     with Files() as files:
-        for name, entry in src.steps.items():
-            if isinstance(entry, TensorEntry):
-                code = _SCALARS.get(entry.dtype.name)
-                if code is None or entry.shape not in ((), (1,)):
-                    raise FormatError(f"{entry.key}: a step of dtype {entry.dtype}, shape {list(entry.shape)}")
-                values[name] = struct.unpack(code, bytes(read_region(Region.whole(entry), files)))[0]
-            else:
-                values[name] = object_value(entry)
+        values = {name: scalar_value(entry, files) for name, entry in src.steps.items()}
     return _one_step(values)
 
 

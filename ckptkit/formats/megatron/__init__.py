@@ -3,7 +3,8 @@
 One idea a module: :mod:`.torch_dist` (``metadata.json`` and ``common.pt`` beside a DCP directory, read and
 written), :mod:`.legacy` (Megatron-LM's ``mp_rank_*`` files, read as one model), :mod:`.nemo` (NeMo 2's
 ``weights/`` and ``context/``), :mod:`.distopt` (the ``DistributedOptimizer``'s buckets as per-parameter
-state) and :mod:`.distopt_join` (per-parameter state joined into those buckets). The names other packages use
+state), :mod:`.distopt_join` (per-parameter state joined into those buckets) and :mod:`.groups` (the param
+groups megatron-core's rule makes of each parameter's hyperparameters). The names other packages use
 are the ones exported here.
 """
 

@@ -18,14 +18,15 @@ from typing import Any
 from ...core.dtypes import by_name
 from ...core.manifest import Chunk, ObjectEntry, Span, TensorEntry
 from ...errors import FormatError
-from ..base import object_value
+from ...io.sources import Files
+from ..base import object_value, scalar_value
 from .distopt import PREFIX, _listed, _module_order, _Param, aligned
+from .groups import megatron_groups
 from .torch_dist import COMMON
 
 __all__ = ["join_buckets"]
 
 _SLOTS = ("exp_avg", "exp_avg_sq")
-_MEGATRON_GROUP = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 
 def _run(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int | None:
@@ -79,30 +80,26 @@ def _bucket(key: str, tensors: dict[str, TensorEntry], placed: list[tuple[_Param
     return entry
 
 
-def _groups(groups: dict[int, dict[str, Any]], params: list[_Param]) -> list[dict]:
-    """The param groups as megatron-core's ``DistributedOptimizer.state_dict`` saves them (no ``params``; the
-    caller adds the step), in megatron-core's order: the decayed group, then the group of 1-D parameters and biases."""
-    out: list[dict | None] = [None, None]
-    for index, fields in sorted(groups.items()):
+def _per_parameter(numbered: dict[int, dict[str, Any]], flat: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each parameter's hyperparameters: its numbered group's (``params`` listing it), or its own where the groups
+    are kept per parameter (torchtitan's layout)."""
+    out = {name: dict(fields) for name, fields in flat.items()}
+    for index, fields in sorted(numbered.items()):
         names = fields.get("params")
-        if not isinstance(names, list) or not names:
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise FormatError(f"param group {index}: expected the names of its parameters, found {names!r:.60}")
-        kinds = {p.undecayed for p in params if p.key in names}
-        missing = [f for f in _MEGATRON_GROUP if f not in fields]
-        if len(kinds) != 1 or missing or out[int(next(iter(kinds), False))] is not None:
-            raise FormatError(f"param group {index} ({', '.join(names[:3])}, ...): megatron-core puts 1-D parameters "
-                              "and biases in a group of their own and needs the group's "
-                              f"{', '.join(missing) or 'parameters to follow that rule'}")
-        out[int(kinds.pop())] = {k: v for k, v in fields.items() if k != "params"}
-    return [g for g in out if g is not None]
+        out.update({n: {k: v for k, v in fields.items() if k != "params"} for n in names})
+    return out
 
 
-def _parsed(state: tuple[TensorEntry | ObjectEntry, ...], section: str
-            ) -> tuple[dict[str, dict[str, TensorEntry]], dict[int, dict[str, Any]], set[Any]]:
-    """The moments by slot and tensor, the param groups' fields by index, and the steps of ``state``."""
+def _parsed(state: tuple[TensorEntry | ObjectEntry, ...], section: str, params: list[_Param]
+            ) -> tuple[dict[str, dict[str, TensorEntry]], dict[str, dict[str, Any]], set[Any]]:
+    """The moments by slot and tensor, each parameter's hyperparameters, and the steps of ``state``."""
     moments: dict[str, dict[str, TensorEntry]] = {s: {} for s in _SLOTS}
-    groups: dict[int, dict[str, Any]] = {}
-    steps: set[Any] = set()
+    numbered: dict[int, dict[str, Any]] = {}
+    flat: dict[str, dict[str, Any]] = {}
+    known = {p.key for p in params}
+    step_entries = []
     for e in state:
         rest = e.key[len(section) + 1:]
         if rest.startswith("state."):
@@ -110,20 +107,28 @@ def _parsed(state: tuple[TensorEntry | ObjectEntry, ...], section: str
             if slot in _SLOTS and isinstance(e, TensorEntry):
                 moments[slot][key] = e
             elif slot == "step":
-                value = object_value(e) if isinstance(e, ObjectEntry) else "a tensor, not read while planning"
-                steps.add(float(value) if isinstance(value, (int, float)) else str(value)[:40])
+                step_entries.append(e)
             else:
                 raise FormatError(f"{e.key}: megatron-core's DistributedOptimizer keeps exp_avg, exp_avg_sq and step")
         elif rest.startswith("param_groups.") and isinstance(e, ObjectEntry):
-            index, field = rest[len("param_groups."):].split(".", 1)
-            groups.setdefault(int(index), {})[field] = object_value(e)
-    return moments, groups, steps
+            head, field = rest[len("param_groups."):].rsplit(".", 1)
+            if head.isdigit():
+                numbered.setdefault(int(head), {})[field] = object_value(e)
+            elif head in known:
+                flat.setdefault(head, {})[field] = object_value(e)
+            else:
+                raise FormatError(f"{e.key}: a param group field of {head!r}, which is no parameter of the model")
+    with Files() as files:
+        values = [scalar_value(e, files) for e in step_entries]
+    steps = {float(v) if isinstance(v, (int, float)) else str(v)[:40] for v in values}
+    return moments, _per_parameter(numbered, flat), steps
 
 
 def join_buckets(model: tuple[TensorEntry, ...], state: tuple[TensorEntry | ObjectEntry, ...], section: str
                  ) -> tuple[tuple[TensorEntry, ...], tuple[ObjectEntry, ...]]:
     """The buckets, their objects and ``common.pt``'s sharding type of the per-parameter optimizer state
-    ``state`` (``<section>.state.<tensor>.<slot>``, ``<section>.param_groups.<i>.<field>``, under megatron-core's
+    ``state`` (``<section>.state.<tensor>.<slot>``, and ``<section>.param_groups.<i>.<field>`` or, kept per
+    parameter as torchtitan keeps them, ``<section>.param_groups.<tensor>.<field>``, under megatron-core's
     names) of ``model`` (megatron-core's names and shapes).
 
     Args:
@@ -136,7 +141,7 @@ def join_buckets(model: tuple[TensorEntry, ...], state: tuple[TensorEntry | Obje
 
     Raises:
         FormatError: a model outside megatron-core's GPTModel tables, weights other than float32, state other than
-            Adam's, or param groups megatron-core's default grouping does not make.
+            Adam's, or hyperparameters megatron-core's grouping cannot hold (:func:`.groups.megatron_groups`).
     """
     params = _module_order(_listed(list(model)))
     if params is None:
@@ -146,8 +151,9 @@ def join_buckets(model: tuple[TensorEntry, ...], state: tuple[TensorEntry | Obje
     if {t.dtype.name for t in model} != {"float32"}:
         raise FormatError("convert --to megatron with optimizer state: the weights are not all float32, and the "
                           "DistributedOptimizer's fp32 main parameters are taken from them")
-    moments, groups, steps = _parsed(state, section)
-    saved_groups = _groups(groups, params)
+    moments, fields, steps = _parsed(state, section, params)
+    undecayed = {p.key for p in params if p.undecayed}
+    saved_groups = megatron_groups(fields, list(dict.fromkeys(p.key for p in params)), undecayed.__contains__)
     lacking = [p.key for p in params for s in _SLOTS if p.key not in moments[s]]
     if lacking or len(steps) != 1 or not all(isinstance(v, float) for v in steps):
         raise FormatError(f"convert --to megatron: optimizer state for {', '.join(lacking[:3]) or 'every tensor'} "
