@@ -20,13 +20,15 @@ from .errors import (
 )
 from .formats import LocalOptions
 from .io.options import WriteOptions
-from .ops.convert import Report, convert, reshard
-from .ops.export import export_hf
+from .models.mapping import KeyMapping, key_mapping
+from .ops.convert import ConvertOptions, Report, convert, reshard
+from .ops.export import ExportOptions, export_hf
 
 __all__ = [
-    "load", "save", "CheckpointError", "ChecksumError", "Chunk", "Format", "FormatError", "IncompleteCheckpointError",
-    "LocalOptions", "Manifest", "ObjectEntry", "Report", "Span", "TensorEntry", "UnsafeCheckpointError", "UsageError",
-    "VerifyReport", "WriteOptions", "convert", "export_hf", "inspect", "reshard", "verify",
+    "load", "save", "CheckpointError", "ChecksumError", "Chunk", "ConvertOptions", "ExportOptions", "Format",
+    "FormatError", "IncompleteCheckpointError", "KeyMapping", "LocalOptions", "Manifest", "ObjectEntry", "Report",
+    "Span", "TensorEntry", "UnsafeCheckpointError", "UsageError", "VerifyReport", "WriteOptions", "convert",
+    "export_hf", "inspect", "key_mapping", "reshard", "verify",
 ]
 
 

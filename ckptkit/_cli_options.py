@@ -2,7 +2,8 @@
 
 Each option is listed under a heading of ``--help`` (:class:`Option`'s ``section``): a command's own options
 first, then the common ones, LOCAL-only ones last. :func:`writing_options` gives a writing command its common
-options as one :class:`ckptkit.io.options.WriteOptions`.
+options as one :class:`ckptkit.io.options.WriteOptions`, and :func:`mapping_options` its key mapping as one
+:class:`ckptkit.models.mapping.KeyMapping`.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ _MAPPING = (
     option("--rename", "renames", multiple=True, metavar="REGEX=REPLACEMENT", section=MAPPING,
             help="Rename keys by re.sub (repeatable, in order), e.g. '^net\\.=model.'."),
     option("--preset", type=_PresetName(_preset_names()), section=MAPPING, metavar="NAME",
-            help="A model family's adapter ('ckptkit presets' lists them): auto, the default toward HF, "
+            help="A model family's table ('ckptkit presets' lists them): auto, the default toward HF, "
                  "detects it; none maps nothing."),
     option("--strict-map", is_flag=True, section=MAPPING,
             help="Refuse keys that neither --key-map nor --rename maps."),
@@ -230,7 +231,25 @@ def _apply(*options):
 
 
 local_options = _apply(*_LOCAL)
-mapping_options = _apply(*_MAPPING)
+
+
+def mapping_options(default: str | None = None):
+    """The key-mapping options, given to the command as one :class:`ckptkit.models.mapping.KeyMapping`,
+    ``mapping``, with the command's own ``--hf-assets`` (``default``: the preset without ``--preset``)."""
+    def decorate(command):
+        @functools.wraps(command)
+        def run(*args, key_map, renames, preset, strict_map, megatron_args, hf_assets, **kwargs):
+            from .models.mapping import key_mapping
+
+            mapping = key_mapping(preset=preset or default, renames=renames, key_map=key_map, strict=strict_map,
+                                  hf_assets=hf_assets, megatron_args=megatron_args)
+            return command(*args, mapping=mapping, **kwargs)
+
+        return _apply(*_MAPPING)(run)
+
+    return decorate
+
+
 def writing_options(command):
     """The common options of every command that writes a checkpoint, given to ``command`` as one
     :class:`ckptkit.io.options.WriteOptions`, ``options`` (progress and ranks are the run's to decide), and

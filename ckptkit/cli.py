@@ -212,18 +212,16 @@ def inspect(path: str, depth: int | None, pattern: str | None, as_json: bool, st
          help="Cast floating tensors (full, sharded, megatron, hf); FP8 and MXFP4 weights become values.")
 @option("--hf-assets", metavar="DIR", callback=assets_dir,
          help="HF model folder whose config.json gives a --preset its head counts (default: SRC's own).")
-@mapping_options
+@mapping_options()
 @writing_options
 @local_options
-def convert(src, dst, to, world_size, max_shard_size, dtype, hf_assets, key_map, renames, preset, strict_map,
-            megatron_args, options, quiet, as_json, **local) -> None:
+def convert(src, dst, to, world_size, max_shard_size, dtype, mapping, options, quiet, as_json, **local) -> None:
     """Convert SRC (any format) to DST in format --to; with a key mapping, the model part under new names."""
-    from .ops.convert import convert as _convert
+    from .ops.convert import ConvertOptions, convert as _convert
 
-    _write(_convert, src, dst, to=to, world_size=world_size, max_shard_size=max_shard_size, dtype=dtype,
-           local=local_from(**local),
-           preset=preset, renames=renames, key_map=key_map, strict_map=strict_map, hf_assets=hf_assets,
-           megatron_args=megatron_args, options=options, quiet=quiet, as_json=as_json)
+    output = ConvertOptions(world_size=world_size, max_shard_size=max_shard_size, dtype=dtype)
+    _write(_convert, src, dst, to=to, mapping=mapping, output=output, local=local_from(**local), options=options,
+           quiet=quiet, as_json=as_json)
 
 
 @cli.command(examples=(
@@ -267,18 +265,19 @@ def reshard(src, dst, world_size, options, quiet, as_json, **local) -> None:
          help="Also strip this leading key prefix (repeatable).")
 @option("--keep-wrapper-prefixes", is_flag=True,
          help="Keep module., _orig_mod. and FSDP's wrapper prefixes.")
-@mapping_options
+@mapping_options("auto")
 @writing_options
 @local_options
-def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefixes, keep_wrapper_prefixes, hf_assets,
-              key_map, renames, preset, strict_map, megatron_args, options, quiet, as_json, **local) -> None:
+def export_hf(src, dst, model_key, dtype, keep_fp32, max_shard_size, strip_prefixes, keep_wrapper_prefixes, mapping,
+              options, quiet, as_json, **local) -> None:
     """Write the model part of SRC as Hugging Face safetensors in DST, with the files of --hf-assets."""
-    from .ops.export import export_hf as _export
+    from .ops.export import ExportOptions, export_hf as _export
 
-    _write(_export, src, dst, model_key=model_key, dtype=dtype, max_shard_size=max_shard_size,
-           strip_prefixes=strip_prefixes, strip_wrappers=not keep_wrapper_prefixes, hf_assets=hf_assets,
-           preset=preset or "auto", renames=renames, key_map=key_map, strict_map=strict_map, keep_fp32=keep_fp32,
-           megatron_args=megatron_args, local=local_from(**local), options=options, quiet=quiet, as_json=as_json)
+    output = ExportOptions(model_key=model_key, strip_prefixes=tuple(strip_prefixes),
+                           strip_wrappers=not keep_wrapper_prefixes, dtype=dtype, keep_fp32=tuple(keep_fp32),
+                           max_shard_size=max_shard_size)
+    _write(_export, src, dst, mapping=mapping, output=output, local=local_from(**local), options=options, quiet=quiet,
+           as_json=as_json)
 
 
 @cli.command(examples=(

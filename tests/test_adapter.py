@@ -1,4 +1,4 @@
-"""ckptkit.models.engine: a table's rows applied to stored tensors, both ways, written by the executor and compared
+"""ckptkit.models.apply: a table's rows applied to stored tensors, both ways, written by the executor and compared
 with torch's own views. The table here is Megatron-core's layout (layer-stacked ``decoder.layers.*``, a fused
 ``linear_qkv`` holding per query group its q rows, then its k rows, then its v rows, ``linear_fc1`` holding gate
 rows then up rows), which no shipped preset has: the engine serves any family that a table can say."""
@@ -15,8 +15,10 @@ from ckptkit.codecs.safetensors_header import read_header
 from ckptkit.core.plan import FilePlan, Region
 from ckptkit.errors import UsageError
 from ckptkit.io.storage.local.writer import write_files
-from ckptkit.models.engine import Source, apply_preset
-from ckptkit.models.table import ModelShape, Preset, Row
+from ckptkit.models.apply import apply_preset
+from ckptkit.models.completeness import Source
+from ckptkit.models.preset import Preset, Row
+from ckptkit.models.shape import ModelShape
 
 LAYERS, HEADS, GROUPS, HEAD_DIM, DIM, FFN = 3, 4, 2, 2, 5, 6
 SHAPE = ModelShape(HEAD_DIM, HEADS, GROUPS, LAYERS, False, "config.json")

@@ -8,6 +8,7 @@ except those under ``if TYPE_CHECKING:``, which never run.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -207,3 +208,38 @@ def test_layers_no_module_outside_storage_asks_whether_a_path_is_a_url():
             if named == "is_url" or isinstance(node, ast.alias) and node.name == "is_url":
                 wrong.append(f"{path.relative_to(ROOT.parent)}:{getattr(node, 'lineno', '?')}")
     assert not wrong, "is_url outside ckptkit/io/storage/ (ask the path's Storage instead):\n" + "\n".join(wrong)
+
+
+# The packages whose modules keep to each other's public names: a `_private` module is its package's own.
+PUBLIC_ONLY = ("formats", "models", "ops")
+
+
+def _package(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _private(module: str) -> bool:
+    """A ``_``-prefixed module (not a package's ``__init__``), other than those usable by all."""
+    return (layer(module) not in ("_version", "errors") and module.rpartition(".")[2].startswith("_")
+            and MODULES[module].name != "__init__.py")
+
+
+def test_layers_no_package_imports_a_private_module_of_another():
+    wrong = [_where(imp) for imp in INTERNAL if layer(imp.importer) in PUBLIC_ONLY and _private(imp.imported)
+             and _package(imp.importer) != imp.imported.rpartition(".")[0]]
+    assert not wrong, "private modules imported from another package (import its public names):\n" + "\n".join(wrong)
+
+
+FAMILY_WORDS = ("llama", "qwen", "mixtral", "deepseek", "gpt_oss", "gpt-oss", "kimi", "glimmer")
+
+
+def test_layers_no_module_of_the_model_layer_or_ops_names_a_family_outside_its_own():
+    """A family's facts live in its module under ``models/families/``: the generic code names none."""
+    from ckptkit.models.registry import FAMILIES
+
+    words = {*FAMILY_WORDS, *(f.name for f in FAMILIES if len(f.name) > 4)}
+    pattern = re.compile("|".join(map(re.escape, sorted(words))), re.IGNORECASE)
+    found = [f"{MODULES[m].relative_to(ROOT.parent)}:{n}: {line.strip()[:80]}" for m in MODULES
+             if layer(m) in ("models", "ops") and not m.startswith("ckptkit.models.families")
+             for n, line in enumerate(MODULES[m].read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "family names outside ckptkit/models/families/:\n" + "\n".join(found)

@@ -11,7 +11,8 @@ from ckptkit import Chunk, Span, TensorEntry
 from ckptkit.core.dtypes import by_name
 from ckptkit.errors import UsageError
 from ckptkit.models.mapping import KeyMapping, key_mapping, map_keys, parse_rename
-from ckptkit.models.table import ModelShape, rotary_rows
+from ckptkit.models.preset import rotary_rows
+from ckptkit.models.shape import ModelShape
 
 F32 = by_name("float32")
 SHAPE = ModelShape(head_dim=4, n_heads=2, n_kv_heads=1, layers=2, tied=False, source="config.json")

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from ckptkit.errors import UsageError
+from ckptkit.models.preset import rotary_rows
 from ckptkit.models.registry import PRESETS, preset
-from ckptkit.models.table import ModelShape, model_shape, rotary_rows
+from ckptkit.models.shape import ModelShape, model_shape
 
 
 def interleaved_to_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -100,10 +101,10 @@ def test_registry_finds_every_family_module_and_derives_detection_from_the_table
     import pkgutil
 
     from ckptkit.models import families
-    from ckptkit.models.registry import DETECT, MEGATRON
+    from ckptkit.models.registry import DETECT, FAMILIES, MEGATRON
 
     modules = {m.name for m in pkgutil.iter_modules(families.__path__) if not m.name.startswith("_")}
-    assert {"torchtitan", "megatron", "meta", "hf"} <= modules
+    assert {"llama", "qwen3", "deepseek_v3", "gpt_oss"} <= modules and {f.name for f in FAMILIES} == modules
     assert DETECT["qwen3_moe"] == "torchtitan-qwen3-moe" and MEGATRON["llama"] == "megatron-llama"
     assert all(PRESETS[name].other_side == "torchtitan" for name in DETECT.values())
 

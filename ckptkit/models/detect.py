@@ -6,10 +6,11 @@ names (:data:`FRAMEWORKS`: torchtitan's and Meta's ``tok_embeddings``/``layers.N
 ``decoder.layers.``/``embedding.word_embeddings``). Among that framework's presets in
 :data:`ckptkit.models.registry.PRESETS` it takes the one whose ``model_types`` hold the config's ``model_type``
 and whose table knows every key; without a ``model_type``, the one whose table knows every key and holds a
-tensor for each of its rows (so a Qwen3's q/k norms tell it from a Llama). Keys in no framework's names (HF's
+tensor for each of its rows (so a table's q/k norms tell it from one without them). Keys in no framework's names (HF's
 own) go through as they are. Keys of a recognised framework that no preset maps are :attr:`Detected.unmapped`:
 an HF output refuses them, naming the nearest preset. An explicit ``--preset`` is checked the same way: a config
 whose ``model_type`` belongs to another family, or keys that only another preset knows, are a family mismatch.
+A family that a framework ships and no preset maps is refused by name (:func:`refuse_unmapped`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from .engine import NameTable, listed, nearest, unknown_keys
-from .registry import PRESETS
-from .table import Preset
+from .completeness import listed
+from .matching import NameTable, nearest, pattern, unknown_keys
+from .preset import Preset
+from .registry import PRESETS, UNMAPPED, family_of
 
-__all__ = ["FRAMEWORKS", "Detected", "Framework", "check_family", "detect_family", "recognise"]
+__all__ = ["FRAMEWORKS", "Detected", "Framework", "check_family", "detect_family", "recognise", "refuse_unmapped"]
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ def check_family(p: Preset, keys: Sequence[str], model_type: str | None, source:
     """
     kin = [q for q in PRESETS.values() if q.other_side == p.other_side]
     claimed = [q for q in kin if model_type in q.model_types]
-    if claimed and p not in claimed and not _compatible(p.name, claimed[0].name):
+    if claimed and p not in claimed and not _reads(p, model_type):
         raise UsageError(f"--preset {p.name}: {source} says model_type {model_type!r}, which is --preset "
                          f"{claimed[0].name}'s family")
     templates = _templates(keys)
@@ -162,6 +164,31 @@ def check_family(p: Preset, keys: Sequence[str], model_type: str | None, source:
         raise UsageError(f"--preset {p.name}: the keys are --preset {others[0]}'s family, not {p.name}'s")
 
 
-def _compatible(chosen: str, named: str) -> bool:
-    """A Qwen3-MoE table holds Qwen3's dense layers too, so it reads a dense Qwen3 checkpoint."""
-    return (chosen, named) == ("torchtitan-qwen3-moe", "torchtitan-qwen3")
+def _reads(p: Preset, model_type: str | None) -> bool:
+    """Whether ``p``'s family says its table maps checkpoints of ``model_type`` too (:attr:`Family.reads`)."""
+    family = family_of(p)
+    return family is not None and (p.name, model_type) in family.reads
+
+
+def refuse_unmapped(keys: Sequence[str], config: dict | None, source: str = "config.json") -> None:
+    """Refuses a checkpoint of a family that a framework ships and ckptkit does not map
+    (:data:`ckptkit.models.registry.UNMAPPED`): its config names it (``model_type``, or diffusers'
+    ``_class_name``), or its keys are that family's own names. ``--preset none`` keeps the names, explicitly.
+
+    Args:
+        keys: the model's tensor names.
+        config: the model's ``config.json``, or None.
+        source: where the config came from, for the message.
+
+    Raises:
+        UsageError: the config or the keys name such a family.
+    """
+    named = [config.get(field) for field in ("model_type", "_class_name")] if config else []
+    for u in UNMAPPED:
+        by_config = next((n for n in named if isinstance(n, str) and n in u.model_types), None)
+        patterns = [pattern(k) for k in u.keys]
+        by_key = next((k for k in keys if any(p.fullmatch(k) for p in patterns)), None)
+        if by_config or by_key:
+            found = f"{source} names {by_config!r}" if by_config else f"the keys are its names ({by_key!r})"
+            raise UsageError(f"{u.family} is not mapped: {found}; {u.why}. Pass --preset none to keep the "
+                             "checkpoint's own names")

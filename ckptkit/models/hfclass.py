@@ -20,10 +20,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..errors import UsageError
 from .classcache import remembered
+from .completeness import listed
 from .hfconfig import model_class
+from .preset import Preset
+from .registry import PRESETS
 
-__all__ = ["CHECK_ENV", "ClassKeys", "check_asked", "class_keys"]
+__all__ = ["CHECK_ENV", "ClassKeys", "check_asked", "check_class", "class_keys"]
 
 CHECK_ENV = "CKPTKIT_CLASS_CHECK"
 """Set to ``0`` to skip the check: asking transformers the first time imports torch and its model code (seconds,
@@ -40,7 +44,7 @@ class ClassKeys:
     """How transformers' class of a config would load a set of keys."""
 
     name: str
-    """The class, as transformers names it (``LlamaForCausalLM``)."""
+    """The class, as transformers names it (as ``config.json``'s ``architectures`` does)."""
     unexpected: tuple[str, ...]
     """Keys to write that the class does not load."""
     missing: tuple[str, ...]
@@ -154,3 +158,46 @@ def _class_keys(config: dict, keys: Sequence[str]) -> ClassKeys | None:
     return ClassKeys(type(model).__name__,
                      tuple(k for k in unexpected if not (skip_unexpected and skip_unexpected.search(k))),
                      tuple(k for k in missing if k not in buffers), tuple(k for k in missing if k in buffers))
+
+
+def check_class(config: dict, keys: Sequence[str], where: str, keep_names: bool, mapped_by: Preset | None = None
+                ) -> tuple[str, ...]:
+    """Refuses an HF output that transformers' class of ``config`` (read from ``where``) would load differently:
+    keys it does not load, or weights of it that no key gives (:func:`class_keys`). ``keep_names``
+    (``--preset none``): the names were asked for as they are, so keys it does not load are a note. Buffers the
+    class computes itself are always a note. Keys that preset ``mapped_by`` wrote for the family the config names
+    are not checked again: each table is tested against that family's class, and importing transformers' model
+    code costs seconds.
+
+    Returns:
+        Notes for the report.
+
+    Raises:
+        UsageError: the keys and the class disagree.
+    """
+    if mapped_by is not None and config.get("model_type") in mapped_by.model_types:
+        return ()
+    if not check_asked():
+        return (f"not checked against transformers' class of {where} ({CHECK_ENV}=0): keys it would not load, or "
+                "weights it would initialise afresh, are not found",)
+    found = class_keys(config, keys)
+    if found is None:
+        return ()
+    notes = []
+    if found.unexpected and keep_names:
+        notes.append(f"--preset none: transformers' {found.name} ({where}) does not load {len(found.unexpected)} of "
+                     f"the keys written: {listed(found.unexpected)}")
+    elif found.unexpected or found.missing:
+        said = [f"does not load {len(found.unexpected)} of the keys to write ({listed(found.unexpected)})"
+                ] if found.unexpected else []
+        said += [f"would initialise {len(found.missing)} of its weights afresh, which no key gives "
+                 f"({listed(found.missing)})"] if found.missing else []
+        advice = (f"the names need a --preset ({', '.join(PRESETS)}), or --hf-assets of the model these weights are; "
+                  "--preset none writes the names as they are" if found.unexpected
+                  else "--hf-assets of the model these weights are")
+        raise UsageError(f"{where}: transformers' {found.name} {' and '.join(said)}: {advice}")
+    if found.buffers:
+        notes.append(f"transformers' {found.name} computes {len(found.buffers)} buffers the output does not hold: "
+                     f"{listed(found.buffers)}")
+    return tuple(notes) or (f"every key loads in transformers' {found.name} ({where}), and none of its weights is "
+                            "missing",)

@@ -1,9 +1,11 @@
 """Key mapping: the model's keys turned into another code base's names, as pure planning.
 
-A :class:`KeyMapping` says how: ``key_map`` (exact names, from ``--key-map``, inline JSON or a file; ``null``
-leaves a key out), then ``renames`` (``--rename 'REGEX=REPLACEMENT'``, in order, each a :func:`re.sub` over every key),
-then a ``preset`` (:mod:`.presets`: a name table with tensor transforms). :func:`map_keys` applies it to the
-tensors that the model-part rule (:mod:`.select`) chose and named: it renames entries and attaches row
+A :class:`KeyMapping` says how, as one object: ``key_map`` (exact names, from ``--key-map``, inline JSON or a file;
+``null`` leaves a key out), then ``renames`` (``--rename 'REGEX=REPLACEMENT'``, in order, each a :func:`re.sub` over
+every key), then a ``preset`` (a family's table with tensor transforms, :mod:`ckptkit.models.preset`), with what
+the preset reads beside the keys: ``hf_assets`` (a ``config.json``) and ``megatron_args``.
+:func:`ckptkit.models.resolve.resolve` makes it concrete for one checkpoint, and :func:`map_keys` applies it to the
+tensors that the model-part rule (:mod:`ckptkit.ops.select`) chose and named: it renames entries and attaches row
 gathers, and reads no file, so a mapping streams like any conversion and ``--dry-run`` shows it whole.
 
 Two keys that would get one name are an error naming both. Under ``strict``, so are keys that nothing
@@ -25,9 +27,11 @@ from typing import Any
 
 from ..core.manifest import TensorEntry
 from ..errors import UsageError
-from .engine import Source, apply_preset, listed
-from .registry import preset as preset_named
-from .table import ModelShape, Preset
+from .apply import apply_preset
+from .completeness import Source, listed
+from .preset import Preset
+from .registry import kin, preset as preset_named
+from .shape import ModelShape
 
 __all__ = ["KeyMapSource", "KeyMapping", "MappedKeys", "Renames", "key_mapping", "map_keys", "parse_rename",
            "read_json", "read_key_map", "rename_keys"]
@@ -43,7 +47,8 @@ _MAX_OPTION_FILE = 64 << 20
 
 @dataclass(frozen=True, kw_only=True)
 class KeyMapping:
-    """How to rename a model's keys, applied in this order: ``key_map``, ``renames``, ``preset``."""
+    """How to rename a model's keys, applied in this order: ``key_map``, ``renames``, ``preset``; and what the
+    preset reads beside the keys. :func:`key_mapping` makes one from the command line's forms of each field."""
 
     key_map: tuple[tuple[str, str | None], ...] = ()
     """Exact key to new key; None leaves the key out."""
@@ -53,6 +58,11 @@ class KeyMapping:
     """A name in :data:`ckptkit.models.registry.PRESETS`, or ``"auto"`` (:mod:`ckptkit.models.detect`)."""
     strict: bool = False
     """Keys that neither the key map names nor a rename matches are an error (a preset always is strict)."""
+    hf_assets: Path | str | None = None
+    """An HF model directory whose ``config.json`` gives a preset the model's counts (default: the source's own)."""
+    megatron_args: Mapping[str, Any] | None = None
+    """Megatron-LM arguments a Megatron preset applies, over the source's own
+    (:mod:`ckptkit.models.megatron_args`)."""
 
     def __post_init__(self) -> None:
         for pattern, _ in self.renames:
@@ -108,13 +118,19 @@ def read_key_map(source: Path | str) -> tuple[tuple[str, str | None], ...]:
 
 
 def key_mapping(*, preset: str | None = None, renames: Renames = (), key_map: KeyMapSource = None,
-                strict: bool = False) -> KeyMapping:
+                strict: bool = False, hf_assets: Path | str | None = None,
+                megatron_args: Mapping[str, Any] | None = None) -> KeyMapping:
     """A :class:`KeyMapping` from the library's and the CLI's arguments: ``renames`` as ``'REGEX=REPLACEMENT'``
-    strings or pairs, ``key_map`` as a dict or the path of its JSON file, ``preset`` ``"none"`` as None."""
+    strings or pairs, ``key_map`` as a dict or the path of its JSON file, ``preset`` ``"none"`` as None.
+
+    Raises:
+        UsageError: a rename that is no regular expression, a key map that cannot be read, an unknown preset.
+    """
     preset = None if preset == "none" else preset
     pairs = tuple(parse_rename(r) if isinstance(r, str) else (r[0], r[1]) for r in renames)
     table = read_key_map(key_map) if isinstance(key_map, (str, Path)) else tuple((key_map or {}).items())
-    return KeyMapping(key_map=table, renames=pairs, preset=preset, strict=strict)
+    return KeyMapping(key_map=table, renames=pairs, preset=preset, strict=strict, hf_assets=hf_assets,
+                      megatron_args=dict(megatron_args) if megatron_args else None)
 
 
 def read_inline_json(source: str | Path, what: str) -> Any:
@@ -222,7 +238,7 @@ def map_keys(tensors: Iterable[TensorEntry], mapping: KeyMapping, *, shape: Mode
     """``tensors`` renamed by ``mapping``. ``shape`` gives a preset its head counts (required by a preset with a
     transform); ``to_hf`` says which way a preset maps: towards HF names (True), or, when None, from whichever
     side the keys are named in to the other; ``preset`` is ``mapping.preset``'s table as the model's own
-    arguments adjust it (:mod:`ckptkit.models.megatron_args`), applied in its place.
+    arguments adjust it (:func:`ckptkit.models.resolve.resolve`), applied in its place.
 
     Raises :class:`UsageError` on collisions, on unmapped keys under ``strict``, and on keys a preset does
     not know or misses.
@@ -236,8 +252,8 @@ def map_keys(tensors: Iterable[TensorEntry], mapping: KeyMapping, *, shape: Mode
         if names[item.origin] != item.origin:
             _rename(item, names[item.origin] or "")
     if mapping.preset is not None:
-        adapted = apply_preset([Source(i.origin, i.entry) for i in items], preset or preset_named(mapping.preset),
-                               shape, to_hf)
+        table = preset or preset_named(mapping.preset)
+        adapted = apply_preset([Source(i.origin, i.entry) for i in items], table, shape, to_hf, kin(table))
         items = [_Item(s.origin, s.entry) for s in adapted.tensors]
         dropped += adapted.dropped
         notes += adapted.notes

@@ -1,42 +1,42 @@
-"""Megatron's run arguments that change what a checkpoint's weights mean, and what a Megatron preset does with
+"""Megatron's run arguments that change what a checkpoint's weights mean, and what a Megatron table does with
 each.
 
-A Megatron preset's table maps the weights of one configuration: rotary embeddings over whole heads that
-rotate each head's two halves, RMSNorm, SwiGLU, no linear biases. Megatron-LM keeps its arguments in the
-checkpoint (``args`` in ``common.pt``, or in megatron-core 0.19's ``common_state`` object); NeMo 2 keeps the
-model's megatron-core ``TransformerConfig`` in ``context/model.yaml``. :func:`run_args` reads either under
-Megatron-LM's names, and :func:`for_run` checks them against :data:`ARGS`: a value the table maps as it is
-passes; one it maps after an adjustment (the rotary row order of ``rotary_interleaved``) changes the preset; any
-other is refused in one line naming the argument, its value and what it changes. An argument the run does not
-state is not checked.
+A Megatron preset's table maps the weights of one configuration, the common one unless it says otherwise:
+rotary embeddings over whole heads that rotate each head's two halves, RMSNorm, SwiGLU, no linear biases.
+Megatron-LM keeps its arguments in the checkpoint (``args`` in ``common.pt``, or in megatron-core 0.19's
+``common_state`` object); NeMo 2 keeps the model's megatron-core ``TransformerConfig`` in ``context/model.yaml``
+(:mod:`ckptkit.models.evidence` reads either, as :class:`RunArgs` under Megatron-LM's names).
+
+Every argument is one of three kinds:
+
+- known not to change the forward (:data:`NEUTRAL`: parallelism, recompute, the optimizer, data, logging);
+- checked for every Megatron table (:data:`ARGS`, with the values the common configuration takes; a preset's
+  ``run_args`` accept others where its table maps them);
+- the family's own (its :class:`MegatronRules`: arguments it refuses, ``refuses``, and arguments its
+  ``config.json`` states, ``states``).
+
+:func:`for_run` checks a run against a table: a value the table maps as it is passes; one it maps after an
+adjustment (the rotary row order of ``rotary_interleaved``) changes the preset; one ``config.json`` states must
+agree with the config given; any other is refused in one line naming the argument, its value and what it
+changes. An argument the run does not state is not checked. :func:`unclassified` names a run's arguments of
+none of the three kinds, which a family's test holds empty.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from ..core.manifest import ObjectEntry
+from ..core.manifest import TensorEntry
 from ..errors import UsageError
-from ..formats.dcp import DcpIO
-from ..formats.megatron import (
-    COMMON,
-    COMMON_STATE,
-    COMMON_STATE_KEY,
-    CONTEXT,
-    MODEL_YAML,
-    config_of_args,
-    hf_fields,
-    nemo2_root,
-    read_common,
-    read_config,
-    read_model_yaml,
-)
-from .table import ModelShape, Preset, Row, model_shape
+from ..formats.megatron import hf_fields
+from .preset import Preset, Row
+from .shape import ModelShape, model_shape
 
-__all__ = ["ARGS", "MEGATRON_SIDE", "Arg", "RunArgs", "args_config", "common_objects", "for_run", "run_args"]
+__all__ = ["ARGS", "MEGATRON_SIDE", "NEUTRAL", "Arg", "ConfigBuilder", "MegatronRules", "RunArgs", "Stated",
+           "for_run", "unclassified"]
 
 MEGATRON_SIDE = "Megatron"
 """A Megatron preset's ``other_side``."""
@@ -70,9 +70,9 @@ ARGS = (
     Arg("rotary_percent", (1.0,), means="rotary embeddings over part of each head only"),
     Arg("normalization", ("RMSNorm",), "another norm than RMSNorm (LayerNorm has biases and centres)"),
     Arg("apply_layernorm_1p", (False,), "norm weights stored as weight - 1 (zero-centred gamma)"),
-    Arg("quick_geglu", (False, None), "a gated quick-GELU MLP (GPT-OSS's), not SwiGLU"),
+    Arg("quick_geglu", (False, None), "a gated quick-GELU MLP, not SwiGLU"),
     Arg("swiglu", (True,), "linear_fc1 without the gate and up rows of SwiGLU"),
-    Arg("glu_linear_offset", (None, 0.0), "an offset added to the GLU's linear half (GPT-OSS's 1.0)"),
+    Arg("glu_linear_offset", (None, 0.0), "an offset added to the GLU's linear half"),
     Arg("squared_relu", (False,), "a squared-ReLU MLP, not SwiGLU"),
     Arg("add_bias_linear", (False,), "biases on the linear layers, which the HF classes do not hold"),
     Arg("softmax_type", ("vanilla",), "attention with sinks or an offset softmax"),
@@ -108,88 +108,112 @@ class RunArgs:
         return self.values.get(name)
 
 
-# megatron-core's TransformerConfig (NeMo 2's model.yaml) -> Megatron-LM's argument of the same meaning.
-_CONFIG_NAMES = {
-    "layernorm_epsilon": "norm_epsilon", "seq_length": "max_position_embeddings", "num_moe_experts": "num_experts",
-    "layernorm_zero_centered_gamma": "apply_layernorm_1p", "rope_scaling": "use_rope_scaling",
-}
+NEUTRAL = frozenset({
+    # parallelism and where the weights live
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size", "sequence_parallel",
+    "data_parallel_size", "world_size", "rank", "local_rank", "use_distributed_optimizer", "overlap_grad_reduce",
+    "overlap_param_gather", "distributed_backend", "use_cpu_initialization", "perform_initialization",
+    # kernels that compute the same function
+    "attention_backend", "apply_rope_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "bias_swiglu_fusion",
+    "gradient_accumulation_fusion", "persist_layer_norm", "transformer_impl", "use_flash_attn",
+    "attention_softmax_in_fp32", "moe_grouped_gemm", "moe_token_dispatcher_type", "moe_permute_fusion",
+    # precision of the run, not of the weights saved
+    "bf16", "fp16", "params_dtype", "fp32_residual_connection", "accumulate_allreduce_grads_in_fp32",
+    # training: dropout, recompute, the optimizer, the schedule, data, logging, checkpointing
+    "hidden_dropout", "attention_dropout", "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "optimizer", "lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps",
+    "lr_decay_style", "lr_warmup_iters", "train_iters", "micro_batch_size", "global_batch_size", "seed",
+    "init_method_std", "seq_length", "encoder_seq_length", "data_path", "split", "log_interval", "save",
+    "load", "save_interval", "ckpt_format", "iteration", "consumed_train_samples", "moe_aux_loss_coeff",
+    "moe_router_load_balancing_type", "moe_z_loss_coeff",
+    # the vocabulary: the embedding's rows are read from the tensor itself
+    "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "tokenizer_type",
+    # sizes that the table's rows and the config carry (checked against the tensors)
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
+    "num_query_groups", "kv_channels", "max_position_embeddings", "rotary_base", "norm_epsilon",
+    "layernorm_epsilon", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "use_rope_scaling",
+    "rope_scaling_factor", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_shared_expert_gate",
+})
+"""Megatron-LM's arguments known not to change what the saved weights compute, or whose value the tensors'
+shapes and the config carry: never refused. (Megatron-LM has some 900 arguments; a run's argument that is in no
+list passes today, and :func:`unclassified` names it for the family's test.)"""
 
 
-def _target(value: Any) -> str:
-    """The name NeMo's YAML gives a class, function or dtype (``{_target_: torch.bfloat16}``), else the value's."""
-    return str(value.get("_target_", "")) if isinstance(value, dict) else str(getattr(value, "name", value))
+@dataclass(frozen=True, slots=True)
+class Stated:
+    """A run argument that ``config.json`` states: written into a config made from the run's arguments, and, where
+    a ``config.json`` is given, checked against it. Any value ``values`` lists is honoured."""
+
+    name: str
+    """Megatron-LM's argument."""
+    field: str
+    """The ``config.json`` field that states it."""
+    values: tuple[tuple[Any, Any], ...] = ()
+    """(the argument's value, the field's) for each value honoured; empty: any value, the field's the same."""
+    default: Any = None
+    """The field's value where ``config.json`` omits it (its class's default); None: not checked then."""
+    means: str = ""
+    """What a value not in ``values`` changes, for the refusal."""
+
+    def field_value(self, value: Any, source: str, who: str = "") -> Any:
+        """The field's value for the argument's ``value`` (read from ``source``; ``who`` begins the message).
+
+        Raises:
+            UsageError: a value the family's config cannot state.
+        """
+        if not self.values:
+            return value
+        for arg, field in self.values:
+            if arg == value:
+                return field
+        raise UsageError(f"{who}{self.name} {value!r} ({source}) means {self.means}; the preset's table does not map "
+                         "that model")
 
 
-def _from_transformer_config(config: dict) -> dict[str, Any]:
-    """NeMo 2's ``TransformerConfig`` fields as Megatron-LM's arguments."""
-    out = {_CONFIG_NAMES.get(k, k): v for k, v in config.items() if not k.startswith("_")}
-    activation = _target(config.get("activation_func")).rpartition(".")[2]
-    if "gated_linear_unit" in config:
-        out["swiglu"] = bool(config["gated_linear_unit"]) and activation == "silu"
-        out["squared_relu"] = activation == "squared_relu"
-        out["quick_geglu"] = bool(config["gated_linear_unit"]) and activation == "quick_gelu"
-    if "share_embeddings_and_output_weights" in config:
-        out["untie_embeddings_and_output_weights"] = not config["share_embeddings_and_output_weights"]
-    groups = config.get("num_query_groups")
-    out["group_query_attention"] = groups is not None and groups != config.get("num_attention_heads")
-    if "params_dtype" in config:
-        out["params_dtype"] = _target(config["params_dtype"]).rpartition(".")[2]
-    return out
+ConfigBuilder = Callable[["RunArgs", Sequence[TensorEntry]], "tuple[dict, str]"]
+"""Makes ``config.json`` (and a note saying where each field came from) from a run's arguments and the exported
+tensors (HF names)."""
 
 
-def common_objects(root: Path) -> tuple[str, list[ObjectEntry]]:
-    """The common state's non-tensor entries of the megatron-core checkpoint ``root``
-    (:func:`ckptkit.formats.megatron.read_common`), and where they were read, for a reader that wants its run
-    arguments alone. ``common.pt`` is read by itself; a megatron-core 0.19 checkpoint's ``.metadata`` first, to
-    find the object.
+@dataclass(frozen=True)
+class MegatronRules:
+    """What a family's Megatron table needs of a run beyond its rows (:attr:`ckptkit.models.family.Family.megatron`)."""
 
-    Raises:
-        FormatError, UnsafeCheckpointError: the common state cannot be read.
-    """
-    if (root / COMMON).is_file():
-        return str(root / COMMON), read_common(root, ())[1]
-    manifest = DcpIO().read_part(root, lambda _: ())
-    return f"{root}'s {COMMON_STATE_KEY}", [o for o in manifest.objects if o.sidecar == COMMON_STATE]
+    configs: tuple[tuple[str, ConfigBuilder], ...] = ()
+    """(``model_type``, its ``config.json`` builder): the family's configs made from Megatron's arguments, for an
+    export given no ``--hf-assets``."""
+    states: tuple[Stated, ...] = ()
+    """Arguments the family's ``config.json`` states (``rotary_percent`` as ``partial_rotary_factor``)."""
+    refuses: tuple[Arg, ...] = ()
+    """The family's own arguments that change the forward, beyond :data:`ARGS`, with the values its table maps."""
+    no_table: str | None = None
+    """Why ``convert --to megatron`` refuses the family: it has no Megatron table."""
 
-
-def args_config(root: Path) -> dict | None:
-    """The model's counts from the ``args`` (Megatron-LM's run arguments) in the common state of ``root``, under
-    HF ``config.json``'s field names; None where ``root`` is no megatron-core checkpoint or holds no ``args``.
-
-    Raises:
-        FormatError, UnsafeCheckpointError: as :func:`common_objects`.
-    """
-    if read_config(root) is None:
-        return None
-    return config_of_args(next((o.value for o in common_objects(root)[1] if o.path == ("args",)), None))
+    def config_builder(self, p: Preset) -> ConfigBuilder | None:
+        """The builder of the first of ``p``'s ``model_type`` values that has one."""
+        made = dict(self.configs)
+        return next((made[t] for t in p.model_types if t in made), None)
 
 
-def run_args(src: Path | None, given: dict[str, Any] | None = None) -> RunArgs | None:
-    """The run's arguments of the Megatron checkpoint ``src``: Megatron-LM's ``args`` in its ``common.pt``, else
-    NeMo 2's ``context/model.yaml`` above its ``weights/``; ``given`` (``--megatron-args``) added over them.
-    None where there are none.
-
-    Raises:
-        FormatError, UnsafeCheckpointError: ``common.pt`` or ``model.yaml`` cannot be read.
-    """
-    found: RunArgs | None = None
-    if src is not None and src.is_dir() and read_config(src) is not None:
-        where, common = common_objects(src)
-        args = next((o.value for o in common if o.path == ("args",)), None)
-        if args is not None and hasattr(args, "__dict__") and hasattr(args, "num_layers"):
-            found = RunArgs(dict(vars(args)), f"{where}'s args")
-        elif (root := nemo2_root(src)) is not None and (config := read_model_yaml(root)) is not None:
-            found = RunArgs(_from_transformer_config(config), str(root / CONTEXT / MODEL_YAML))
-    if given:
-        values = {**(found.values if found else {}), **given}
-        found = RunArgs(values, f"{found.source} and --megatron-args" if found else "--megatron-args")
-    return found
-
-
-def for_run(p: Preset, shape: ModelShape | None, args: RunArgs | None) -> tuple[Preset, ModelShape | None,
-                                                                             tuple[str, ...]]:
+def for_run(p: Preset, shape: ModelShape | None, args: RunArgs | None, rules: MegatronRules | None = None, *,
+            config: dict | None = None, kin: Sequence[Preset] = ()
+            ) -> tuple[Preset, ModelShape | None, tuple[str, ...]]:
     """Preset ``p`` (a Megatron one) and the model's shape as the run's ``args`` make them, with notes; a shape
     the config did not give comes from the arguments' counts.
+
+    Args:
+        p: the preset.
+        shape: the model's shape from its config, or None.
+        args: the run's arguments, or None (nothing is checked).
+        rules: the family's own (:class:`MegatronRules`): the arguments it refuses and those its config states.
+        config: the ``config.json`` given (not one made from the arguments), which what ``rules`` states must
+            agree with.
+        kin: the Megatron presets, named where one of them maps what ``p`` does not.
+
+    Returns:
+        The preset, the shape and notes for the report.
 
     Raises:
         UsageError: an argument's value the preset does not map, naming the argument, its value and why.
@@ -199,14 +223,16 @@ def for_run(p: Preset, shape: ModelShape | None, args: RunArgs | None) -> tuple[
     if shape is None and "num_attention_heads" in args.values:
         counts = hf_fields(args.values)
         shape = model_shape(counts, args.source, counts.get("tie_word_embeddings"))
+    rules = rules or MegatronRules()
     notes: list[str] = []
     accepted = dict(p.run_args)
-    for arg in ARGS:
-        if arg.name not in args.values or (arg.when and not args.get(arg.when)):
+    stated = {s.name for s in rules.states}
+    for arg in (*ARGS, *rules.refuses):
+        if arg.name not in args.values or arg.name in stated or (arg.when and not args.get(arg.when)):
             continue
         value = args.get(arg.name)
         if arg.row is not None:
-            _check_row(p, arg, value or (args.get(arg.also) if arg.also else None), args)
+            _check_row(p, arg, value or (args.get(arg.also) if arg.also else None), args, kin)
             continue
         how = next((how for v, how in arg.adjust if v == value), None)
         if how is not None:
@@ -215,19 +241,38 @@ def for_run(p: Preset, shape: ModelShape | None, args: RunArgs | None) -> tuple[
         elif value not in accepted.get(arg.name, arg.accepted):
             raise UsageError(f"--preset {p.name}: {arg.name} {value!r} ({args.source}) means {arg.means}; the preset's "
                              "table does not map that model")
+    for s in rules.states:
+        if s.name in args.values:
+            _check_stated(p, s, args, config, shape)
     return p, shape, tuple(notes)
 
 
-def _check_row(p: Preset, arg: Arg, value: Any, args: RunArgs) -> None:
+def _check_stated(p: Preset, s: Stated, args: RunArgs, config: dict | None, shape: ModelShape | None) -> None:
+    """Refuses a run whose argument ``s`` the family's config states otherwise than the ``config.json`` given."""
+    value = s.field_value(args.get(s.name), args.source, f"--preset {p.name}: ")
+    found = config.get(s.field, s.default) if config is not None else None
+    if found is not None and found != value:
+        where = shape.source if shape is not None else "config.json"
+        raise UsageError(f"--preset {p.name}: {s.name} {args.get(s.name)!r} ({args.source}) means {s.field} "
+                         f"{value!r}, but {where} says {found!r}")
+
+
+def unclassified(names: Sequence[str], rules: MegatronRules | None = None) -> list[str]:
+    """The arguments of ``names`` (a run's) that are neither :data:`NEUTRAL`, nor checked for every table
+    (:data:`ARGS`), nor the family's own (``rules``): a family's test holds this empty for the arguments its
+    framework's run saves."""
+    rules = rules or MegatronRules()
+    known = NEUTRAL | {a.name for a in (*ARGS, *rules.refuses)} | {s.name for s in rules.states}
+    return sorted(n for n in names if n not in known)
+
+
+def _check_row(p: Preset, arg: Arg, value: Any, args: RunArgs, kin: Sequence[Preset]) -> None:
     """Refuses a preset whose table maps ``*arg.row`` tensors where the run has none, or the other way round."""
     assert arg.row is not None
     has = bool(value)
     if has == _maps(p, arg.row):
         return
-    from .registry import PRESETS  # the registry loads the families' tables, which import this layer
-
-    nearest = [q.name for q in PRESETS.values()
-               if q.other_side == MEGATRON_SIDE and q is not p and _maps(q, arg.row) == has]
+    nearest = [q.name for q in kin if q.other_side == MEGATRON_SIDE and q.name != p.name and _maps(q, arg.row) == has]
     hint = f" (--preset {' or '.join(nearest)} {'maps' if has else 'leaves out'} them)" if nearest else ""
     maps = f"the table {'maps no' if has else 'expects'} {arg.row} tensors"
     raise UsageError(f"--preset {p.name}: {arg.name} {value!r} ({args.source}), but {maps}{hint}")
@@ -242,7 +287,7 @@ _QK = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_proj.b
 
 def _rotary(p: Preset, shape: ModelShape | None, arg: Arg, value: Any, args: RunArgs
             ) -> tuple[Preset, ModelShape | None, str | None]:
-    """``rotary_interleaved``: q and k rotate adjacent pairs of each head, as Meta's Llama does; HF rotates
+    """``rotary_interleaved``: q and k rotate adjacent pairs of each head, as Meta's original code does; HF rotates
     halves. The rotary row gather applies to the q and k parts of the fused ``linear_qkv`` (not v)."""
     rows: list[Row] = []
     for r in p.rows:

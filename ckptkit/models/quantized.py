@@ -4,11 +4,11 @@ A quantized release stores some weights as codes beside the scales that give the
 (``--dtype bf16|fp16|fp32``) writes values, so it reads each weight with its scales, as transformers'
 ``from_pretrained`` does, and the scales are not written:
 
-- FP8 blocks (DeepSeek-V3, Kimi K2, Qwen3-FP8): a float8 ``X.weight`` with ``X.weight_scale_inv``, one scale
+- FP8 blocks (the block-scaled FP8 releases): a float8 ``X.weight`` with ``X.weight_scale_inv``, one scale
   per 128x128 tile, becomes the float32 product of each value and its tile's scale
   (:func:`ckptkit.core.reshape.dequantized`), what torch's ``QuantizedHuggingFaceStorageReader`` and
   transformers' FP8 dequantization compute, then the cast's dtype;
-- MXFP4 (GPT-OSS): ``X_blocks`` with ``X_scales`` becomes ``X`` in bf16 and HF's layout, what transformers'
+- MXFP4 (released experts): ``X_blocks`` with ``X_scales`` becomes ``X`` in bf16 and HF's layout, what transformers'
   ``convert_moe_packed_tensors`` computes (:func:`ckptkit.core.reshape.dequantized_mxfp4`, transposed).
 
 Any other tensor of a quantized form (per-tensor FP8 ``weight_scale``, GPTQ and AWQ's packed weights,

@@ -1,4 +1,4 @@
-"""``export-hf --dtype fp8``: a model written back in DeepSeek-V3's release form.
+"""``export-hf --dtype fp8``: a model written back in the block-scaled FP8 form of FP8 releases.
 
 Each linear layer's weight (a 2-D ``*_proj.weight``: attention and MLP projections, routed and shared experts)
 becomes float8 e4m3 with a float32 ``weight_scale_inv`` per 128x128 tile, that tile's largest magnitude / 448;

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from ..core.manifest import Manifest, ObjectEntry, TensorEntry
 from ..errors import UsageError
 from ..formats import object_value
-from ..models.engine import listed
+from ..models.completeness import listed
 from ..models.mapping import MappedKeys
 from ._titan_state import titan_train_state
 from .select import ModelSelection, optimizer_sections, training_groups

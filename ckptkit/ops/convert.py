@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
-from ..core.dtypes import CastName, DType, parse_cast
+from ..core.dtypes import DType, parse_cast
 from ..core.manifest import Format, FormName, Manifest
 from ..core.plan import Check, FilePlan, WritePlan
 from ..core.reshape import computed_in
@@ -31,10 +31,19 @@ from ..io.options import WriteOptions
 from ..io.parallel import execute_parallel, writers
 from ..io.progress import progress_bar
 from ..io.storage import Storage, storage_at
-from ..models.mapping import KeyMapSource, Renames
+from ..models.mapping import KeyMapping
 from ..models.quantized import Dequantized, dequantize
-from ._model import key_mapping_for, model_part
-from ._options import WriteKeywords, storage_of, write_options
+from ._model import model_part
+from ._options import (
+    ConvertKeywords,
+    ConvertOptions,
+    WriteKeywords,
+    check_keywords,
+    mapping_of,
+    options_of,
+    storage_of,
+    write_options,
+)
 from ._read_checks import read_by, recorded_checks
 from .report import Changes, Report
 from .select import meta_groups
@@ -42,7 +51,8 @@ from .select import meta_groups
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["Changes", "Report", "WriteKeywords", "convert", "parse_size", "reshard", "sources_of", "write"]
+__all__ = ["Changes", "ConvertKeywords", "ConvertOptions", "Report", "WriteKeywords", "convert", "parse_size",
+           "reshard", "sources_of", "write"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -170,11 +180,8 @@ def _a(name: str) -> str:
 
 @all_ranks
 def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal["megatron", "deepspeed-universal"],
-            world_size: int | None = None, max_shard_size: int | str | None = None, dtype: CastName = "keep",
-            local: LocalOptions | None = None,
-            preset: str | None = None, renames: Renames = (), key_map: KeyMapSource = None, strict_map: bool = False,
-            hf_assets: Path | str | None = None, megatron_args: dict | None = None,
-            options: WriteOptions | None = None, **write_keywords: Unpack[WriteKeywords]) -> Report:
+            mapping: KeyMapping | None = None, output: ConvertOptions | None = None, local: LocalOptions | None = None,
+            options: WriteOptions | None = None, **keywords: Unpack[ConvertKeywords]) -> Report:
     """Convert the checkpoint at ``src`` into the form ``to`` at ``dst``, streaming tensor by tensor.
 
     FULL output is one ``torch.save`` file when ``dst`` ends in .pt/.pth/.bin/.ckpt and no shard size is given,
@@ -183,34 +190,30 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
     SHARDED output from another form carries Lightning's ``meta.pt``, so Lightning loads it too. ``megatron``
     writes an HF model for megatron-core (the model at step 0 under its GPT names, with ``common.pt`` and
     ``metadata.json``), which its ``dist_checkpointing.load`` takes at any tensor-parallel size. A key mapping
-    (:mod:`ckptkit.models.mapping`: ``key_map``, then ``renames``, then ``preset``) renames the model's weights;
+    (:class:`ckptkit.KeyMapping`: ``key_map``, then ``renames``, then ``preset``) renames the model's weights;
     the optimizer state follows them, each moment mapped as its weight is, and the rest of the training state is
-    carried as saved (:mod:`ckptkit.ops._optimizer`). ``src`` may be a run directory of :func:`ckptkit.save` (the
-    step its ``latest`` names is read, and the report says which); ``src`` and ``dst`` may be URLs.
+    carried as saved (:mod:`ckptkit.ops._optimizer`). ``src`` may be a run directory of :func:`ckptkit.save` (its
+    ``latest`` step is read); ``src`` and ``dst`` may be URLs.
+
+    Each group of options is one object, or its fields as keywords, which win: ``preset="auto", world_size=2`` is
+    ``mapping=key_mapping(preset="auto"), output=ConvertOptions(world_size=2)``.
 
     Args:
         src: The checkpoint to read: a file, a directory, a run directory or a URL (``s3://``, ``hf://``, ...).
         dst: Where to write; must not exist unless ``overwrite``.
         to: The output form: ``full``, ``sharded``, ``local``, ``hf``, ``megatron`` or ``deepspeed-universal``
             (DeepSpeed's universal checkpoint: the model and its Adam state, for DeepSpeed's ``load_universal``).
-        world_size: Ranks of a ``sharded``, ``local`` or ``megatron`` output (default: the source's, 1 for a
-            single-file source); the other forms have no ranks and refuse more than 1.
-        max_shard_size: Largest output file of a FULL or HF output (``"5GB"``, ``"1GiB"`` or bytes); None: one file.
-        dtype: ``keep``, or the cast of floating tensors (``bf16``, ``fp16``, ``fp32`` or their long names) of a
-            ``full``, ``sharded``, ``megatron`` or ``hf`` output; quantized weights (FP8 blocks, MXFP4) are then
-            written as values, their scales left out (:mod:`ckptkit.models.quantized`).
+        mapping: How the model's keys are renamed (:class:`ckptkit.KeyMapping`): a ``preset`` maps towards HF
+            names for ``hf`` (default there: ``"auto"``, the family's, by ``model_type`` and the keys), a
+            ``megatron-*`` one for ``megatron`` (default: the one for ``model_type``); ``hf_assets`` gives it the
+            model's counts; ``megatron_args`` are the run's (for ``megatron``: the run the output is for).
+        output: What the output is (:class:`ckptkit.ConvertOptions`): its ranks, its largest file, its ``dtype``
+            (quantized weights then written as values, their scales left out: :mod:`ckptkit.models.quantized`).
         local: How to read or write a LOCAL checkpoint: rank file names, and how FSDP wraps the model.
-        preset: A named key mapping (:data:`ckptkit.models.registry.PRESETS`), mapping towards HF names for ``hf``
-            (default there: ``"auto"``, the family's, told by config.json's ``model_type`` and the keys), and a
-            ``megatron-*`` one for ``megatron`` (default: the one for ``model_type``).
-        renames: ``'REGEX=REPLACEMENT'`` renames, applied in order.
-        key_map: Old key to new key (None leaves the key out), as a dict or a JSON file.
-        strict_map: Refuse keys that neither ``key_map`` nor ``renames`` maps.
-        hf_assets: An HF model directory whose ``config.json`` gives a preset its counts (default: the source's).
-        megatron_args: Megatron-LM arguments a ``megatron-*`` preset applies, over the source's own (for
-            ``megatron``: the run the output is for; :mod:`ckptkit.models.megatron_args`).
         options: How the output is written (:class:`ckptkit.WriteOptions`): overwrite, dry run, processes.
-        **write_keywords: Fields of ``options`` as keywords (``overwrite=True``, ``workers=4``); they win.
+        **keywords: Fields of ``mapping`` (``preset``, ``renames``, ``key_map``, ``strict_map``, ``hf_assets``,
+            ``megatron_args``, as :func:`ckptkit.key_mapping` reads them), of ``output`` (``world_size``,
+            ``max_shard_size``, ``dtype``) and of ``options`` (``overwrite=True``, ``workers=4``).
 
     Returns:
         What was written (or, with ``dry_run``, would be): files and sizes, keys renamed and left out, notes.
@@ -221,18 +224,22 @@ def convert(src: Path | str, dst: Path | str, *, to: Format | FormName | Literal
         UnsafeCheckpointError: A pickle in ``src`` names a global outside the allow-list.
         UsageError: ``dst`` exists without ``overwrite``, lies inside ``src``, or an option is unknown.
     """
-    options = write_options(options, write_keywords)
+    check_keywords("convert", keywords, ConvertKeywords)
+    options = write_options(options, keywords)
+    output = options_of(ConvertOptions, output, keywords)
+    mapping = mapping_of(mapping, keywords)
     io = writer_for(to, local)
-    cast = _cast(dtype, io)
+    mapping = dataclasses.replace(mapping, preset="auto") if mapping.preset is None and io.hf_model else mapping
+    cast = _cast(output.dtype, io)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
-    mapping = key_mapping_for(io, to, src, hf_assets, preset, renames, key_map, strict_map, megatron_args)
     found = locate(src, local)
     manifest = found.reader.read(found.path)
     checks = recorded_checks(manifest, found.path) if options.verify_checksums else ()
-    world_size, notes = _world_size(world_size, manifest, io)
-    manifest, values = _values(manifest, cast, dtype)
-    manifest, changes, model_notes = model_part(manifest, io, to, mapping, found.path, hf_assets, megatron_args)
-    target = Target(to=to, destination=str(dst), world_size=world_size, max_shard_size=parse_size(max_shard_size),
+    world_size, notes = _world_size(output.world_size, manifest, io)
+    manifest, values = _values(manifest, cast, output.dtype)
+    manifest, changes, model_notes = model_part(manifest, io, to, mapping, found.path)
+    target = Target(to=to, destination=str(dst), world_size=world_size,
+                    max_shard_size=parse_size(output.max_shard_size),
                     state_groups=meta_groups(manifest) if io.keeps_state_apart else None, cast=cast)
     casts = tuple((t.key, c.name) for t in manifest.tensors if (c := cast_for(t.dtype, cast)) is not None)
     changes = dataclasses.replace(changes, dropped=values.dropped + changes.dropped, cast=casts)
@@ -299,6 +306,7 @@ def reshard(src: Path | str, dst: Path | str, *, world_size: int, local: LocalOp
         CheckpointError: As :func:`convert` raises them.
         UsageError: ``src`` is not a sharded checkpoint (use :func:`convert`).
     """
+    check_keywords("reshard", write_keywords, WriteKeywords)
     options = write_options(options, write_keywords)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
     found = locate(src, local)

@@ -29,9 +29,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-from ..core.dtypes import CastName, DType, parse_cast
+from ..core.dtypes import DType, parse_cast
 from ..core.manifest import Format, Manifest, TensorEntry
 from ..core.plan import Bytes, Check, FilePlan
 from ..errors import FormatError, UsageError
@@ -42,14 +42,12 @@ from ..io.options import WriteOptions
 from ..io.sources import Files
 from ..io.storage import storage_at
 from ..models.hfconfig import INPUT_EMBEDDINGS, TIE_DEFAULTS, keep_in_fp32, tie_word_embeddings
-from ..models.mapping import KeyMapping, KeyMapSource, MappedKeys, Renames, key_mapping
-from ..models.megatron_args import MEGATRON_SIDE, run_args
-from ..models.megatron_config import ARCHITECTURES, hf_config
+from ..models.mapping import KeyMapping
 from ..models.quantized import QUANTIZED, dequantize
-from ..models.registry import preset as preset_named
+from ..models.resolve import Plan
 from ._fp8 import fp8_config, quantize_fp8
-from ._model import check_class, check_megatron_args, map_model
-from ._options import WriteKeywords, storage_of, write_options
+from ._model import plan_of
+from ._options import ExportKeywords, ExportOptions, check_keywords, mapping_of, options_of, storage_of, write_options
 from ._read_checks import recorded_checks, unread_damage
 from .assets import find_assets
 from .convert import parse_size, write
@@ -59,7 +57,7 @@ from .select import model_keys, select_model
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["TIE_DEFAULTS", "export_hf", "tie_word_embeddings"]
+__all__ = ["TIE_DEFAULTS", "ExportKeywords", "ExportOptions", "export_hf", "tie_word_embeddings"]
 
 
 def _assets(directory: Path) -> tuple[tuple[FilePlan, ...], dict, str | None]:
@@ -146,12 +144,9 @@ def _with_config(assets: tuple[FilePlan, ...], config: dict) -> tuple[FilePlan, 
 
 
 @all_ranks
-def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtype: CastName | Literal["fp8"] = "keep",
-              max_shard_size: int | str | None = "5GB", strip_prefixes: tuple[str, ...] = (),
-              strip_wrappers: bool = True, hf_assets: Path | str | None = None, preset: str | None = "auto",
-              renames: Renames = (), key_map: KeyMapSource = None, strict_map: bool = False,
-              keep_fp32: Iterable[str] = (), megatron_args: dict | None = None, local: LocalOptions | None = None,
-              options: WriteOptions | None = None, **write_keywords: Unpack[WriteKeywords]) -> Report:
+def export_hf(src: Path | str, dst: Path | str, *, mapping: KeyMapping | None = None,
+              output: ExportOptions | None = None, local: LocalOptions | None = None,
+              options: WriteOptions | None = None, **keywords: Unpack[ExportKeywords]) -> Report:
     """Write the model tensors of ``src`` as HF safetensors at ``dst`` (with the index file when sharded).
 
     The model part is found, stripped of wrapper prefixes and renamed towards HF names as :func:`convert` maps
@@ -160,26 +155,24 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
     In a save hook, call it from rank 0 alone, or with ``distributed=True`` from every rank. ``src`` may be a run
     directory of :func:`ckptkit.save` (its ``latest`` step is read); ``src``, ``dst`` and ``hf_assets`` may be URLs.
 
+    Each group of options is one object, or its fields as keywords, which win over it:
+    ``export_hf(src, dst, hf_assets="base", dtype="bf16")`` is ``export_hf(src, dst,
+    mapping=key_mapping(preset="auto", hf_assets="base"), output=ExportOptions(dtype="bf16"))``.
+
     Args:
         src: The checkpoint to read: a file, a directory, a run directory or a URL.
         dst: The HF folder to write; must not exist unless ``overwrite``.
-        model_key: Where the model sits, as a dotted path; ``auto`` finds it (:mod:`ckptkit.ops.select`).
-        dtype: ``keep``, or the cast of floating tensors: ``bf16``, ``fp16``, ``fp32`` (or their long names);
-            ``fp8``: the linear layers' weights as float8 e4m3 with 128x128 block scales, the rest bf16
-            (:mod:`ckptkit.ops._fp8`).
-        max_shard_size: Largest safetensors file (``"5GB"``, ``"1GiB"`` or bytes); None: one file.
-        strip_prefixes: Further leading key prefixes to strip.
-        strip_wrappers: Strip the wrapper names (:mod:`ckptkit.models.names`).
-        hf_assets: An HF model directory whose files are copied (default: the checkpoint's, verl's ``huggingface/``).
-        preset: A key mapping towards HF names; ``auto`` picks the family's for torchtitan's names, None none.
-        renames: ``'REGEX=REPLACEMENT'`` renames, applied in order.
-        key_map: Old key to new key (None leaves the key out), as a dict or a JSON file.
-        strict_map: Refuse keys that neither ``key_map`` nor ``renames`` maps.
-        keep_fp32: Regular expressions of HF names kept in float32 under a cast.
-        megatron_args: Megatron-LM arguments over the source's own (:mod:`ckptkit.models.megatron_args`).
+        mapping: How the model's keys are renamed towards HF names (:class:`ckptkit.KeyMapping`; default:
+            ``preset="auto"``, the family's preset where the keys are a framework's names of a known family, and
+            ``preset=None`` maps nothing); its ``hf_assets`` is the HF model directory whose files are copied
+            (default: the checkpoint's, verl's ``huggingface/``); its ``megatron_args`` are Megatron-LM arguments
+            over the source's own (:mod:`ckptkit.models.megatron_args`).
+        output: The model part written and how (:class:`ckptkit.ExportOptions`): ``model_key``,
+            ``strip_prefixes``, ``strip_wrappers``, the ``dtype`` cast, ``keep_fp32``, ``max_shard_size``.
         local: How to read a LOCAL checkpoint.
         options: How the output is written (:class:`ckptkit.WriteOptions`).
-        **write_keywords: Fields of ``options`` as keywords; they win.
+        **keywords: Fields of ``mapping`` (``preset``, ``renames``, ``key_map``, ``strict_map``, ``hf_assets``,
+            ``megatron_args``), of ``output`` and of ``options``.
 
     Returns:
         What was written (or, with ``dry_run``, would be): files and sizes, keys renamed, left out and cast,
@@ -189,19 +182,18 @@ def export_hf(src: Path | str, dst: Path | str, *, model_key: str = "auto", dtyp
         CheckpointError: As :func:`convert` raises them.
         UsageError: ``keep_fp32`` comes without a cast, or the checkpoint holds training state alone.
     """
-    options = write_options(options, write_keywords)
-    fp8 = dtype == "fp8"
-    cast, keep_patterns = _cast_rule(dtype, keep_fp32)
-    mapping = key_mapping(preset=preset, renames=renames, key_map=key_map, strict=strict_map)
-    if mapping.preset is None:
-        check_megatron_args(megatron_args, None)
+    check_keywords("export_hf", keywords, ExportKeywords)
+    options = write_options(options, keywords)
+    output = options_of(ExportOptions, output, keywords)
+    mapping = mapping_of(mapping, keywords, preset="auto")
+    fp8 = output.dtype == "fp8"
+    cast, keep_patterns = _cast_rule(output.dtype, output.keep_fp32)
     src, dst = storage_at(src, storage_of(options))[1], storage_at(dst, storage_of(options))[1]
-    part = _model_part(src, local, model_key, tuple(strip_prefixes), strip_wrappers, mapping, hf_assets,
-                       megatron_args, verify=options.verify_checksums)
-    part = _values(part, dtype) if cast is not None and not fp8 else part
-    part = _with_assets(part, storage_of(options), cast, options.max_memory, mapping.preset is None, fp8)
+    part = _model_part(src, local, output, mapping, verify=options.verify_checksums)
+    part = _values(part, output.dtype) if cast is not None and not fp8 else part
+    part = _with_assets(part, storage_of(options), cast, options.max_memory, fp8)
     part, quantized = _quantized(part) if fp8 else (part, frozenset[str]())
-    layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(max_shard_size), quantized)
+    layout, cast_notes = _hf_options(part, keep_patterns, cast, parse_size(output.max_shard_size), quantized)
     casts = tuple((t.key, to.name) for t in part.tensors if (to := layout.cast_of(t)) is not None)
     return write(Manifest(part.source.format, part.source.root, part.tensors), writer_for(Format.HF), dst, layout,
                  dataclasses.replace(options, progress=options.progress and not options.distributed), src=src,
@@ -227,7 +219,7 @@ def _values(part: _Part, dtype: str) -> _Part:
 
 
 def _quantized(part: _Part) -> tuple[_Part, frozenset[str]]:
-    """``part`` in DeepSeek-V3's FP8 release form (:mod:`._fp8`), and the keys written as they are."""
+    """``part`` in the block-scaled FP8 release form (:mod:`._fp8`), and the keys written as they are."""
     tensors, quantized, note = quantize_fp8(part.tensors)
     config = fp8_config(part.config, any(p.relpath == "config.json" for p in part.assets))
     return dataclasses.replace(part, tensors=tensors, assets=_with_config(part.assets, config), config=config,
@@ -242,8 +234,8 @@ class _Part:
     tensors: tuple[TensorEntry, ...]
     notes: tuple[str, ...]
     hf_assets: Path | str | None
-    preset: str | None = None
-    """The preset that mapped the keys, or None."""
+    plan: Plan
+    """The command's plan: the preset that mapped the keys, and how."""
     renamed: tuple[tuple[str, str], ...] = ()
     dropped: tuple[tuple[str, str], ...] = ()
     permuted: tuple[str, ...] = ()
@@ -253,50 +245,35 @@ class _Part:
     config: dict | None = None
 
 
-def _model_part(src: Path, local: LocalOptions | None, model_key: str, strip_prefixes: tuple[str, ...],
-                strip_wrappers: bool, mapping: KeyMapping, hf_assets: Path | str | None,
-                megatron_args: dict | None, *, verify: bool = True) -> _Part:
+def _model_part(src: Path, local: LocalOptions | None, output: ExportOptions, mapping: KeyMapping, *,
+                verify: bool = True) -> _Part:
     """The model's tensors of ``src`` under ``mapping``'s names; ``hf_assets`` defaults to the checkpoint's.
     ``verify``: with the checks of the checksums the source records."""
     # Only the model's chunks are read (DCP): the rest, optimizer state above all, is never written here.
     found = locate(src, local)
-    manifest = found.reader.read_part(found.path, model_keys(model_key, strip_prefixes, strip_wrappers))
+    select = (output.model_key, output.strip_prefixes, output.strip_wrappers)
+    manifest = found.reader.read_part(found.path, model_keys(*select))
     checks = recorded_checks(manifest, found.path) if verify else ()
-    sel = select_model(manifest, model_key, strip_prefixes, strip_wrappers)
+    sel = select_model(manifest, *select)
     notes = ((found.note,) if found.note else ()) + sel.notes + unread_damage(manifest)
-    if hf_assets is None and manifest.hf_assets is not None:
-        hf_assets = manifest.hf_assets
-        notes += (f"config and tokenizer from the checkpoint's {Path(hf_assets).name}/",)
+    if mapping.hf_assets is None and manifest.hf_assets is not None:
+        mapping = dataclasses.replace(mapping, hf_assets=manifest.hf_assets)
+        notes += (f"config and tokenizer from the checkpoint's {Path(manifest.hf_assets).name}/",)
+    plan = plan_of(mapping, found.path, manifest, tuple(t.key for t in sel.tensors), "hf" if mapping else None)
     if not mapping:
-        return _Part(manifest, sel.tensors, notes, hf_assets, checks=checks)
-    mapped = map_model(sel.tensors, mapping, found.path, hf_assets, to_hf=True, megatron_args=megatron_args)
-    config, said = _megatron_config(found.path, mapped, megatron_args) if hf_assets is None else (None, None)
-    return _Part(manifest, mapped.tensors, notes + mapped.notes + ((said,) if said else ()), hf_assets,
-                 preset=mapped.preset, renamed=mapped.renamed, dropped=mapped.dropped, permuted=mapped.permuted,
+        return _Part(manifest, sel.tensors, notes, mapping.hf_assets, plan, checks=checks)
+    mapped = plan.map(sel.tensors)
+    config, said = plan.megatron_config(mapped.tensors) if mapping.hf_assets is None else (None, None)
+    return _Part(manifest, mapped.tensors, notes + plan.notes + mapped.notes + ((said,) if said else ()),
+                 mapping.hf_assets, plan, renamed=mapped.renamed, dropped=mapped.dropped, permuted=mapped.permuted,
                  config=config, checks=checks)
 
 
-def _megatron_config(src: Path, mapped: MappedKeys, megatron_args: dict | None) -> tuple[dict | None, str | None]:
-    """The config.json made from a Megatron checkpoint's run arguments (:mod:`ckptkit.models.megatron_config`),
-    for an export under a Megatron preset given no ``--hf-assets``, and a note; (None, None) where there are no
-    such arguments."""
-    chosen = preset_named(mapped.preset) if mapped.preset not in (None, "auto") else None
-    if chosen is None or chosen.other_side != MEGATRON_SIDE or not isinstance(src, Path):
-        return None, None
-    args = run_args(src, megatron_args)
-    made = hf_config(args, chosen, mapped.tensors) if args is not None else None
-    if args is not None and made is None:
-        return None, (f"no config.json written: ckptkit makes one from Megatron's arguments for "
-                      f"{', '.join(ARCHITECTURES)} only; pass --hf-assets DIR with the model's config.json")
-    return made or (None, None)
-
-
-def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int, keep_names: bool,
-                 quantizing: bool) -> _Part:
+def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memory: int, quantizing: bool) -> _Part:
     """``part`` with the files of its ``hf_assets`` to copy (or the config made from a Megatron run's arguments),
-    untied as their config says, checked against the config's transformers class
-    (:func:`ckptkit.ops._model.check_class`; ``keep_names``: ``--preset none``), the config naming the dtype
-    written; its ``quantization_config`` is kept where the weights will be (``quantizing``) or are quantized."""
+    untied as their config says, checked against the config's transformers class (:meth:`Plan.check_class`), the
+    config naming the dtype written; its ``quantization_config`` is kept where the weights will be
+    (``quantizing``) or are quantized."""
     if part.hf_assets is not None:
         directory = storage_at(part.hf_assets, storage)[1]
         assets, config, left_note = _assets(directory)
@@ -312,7 +289,7 @@ def _with_assets(part: _Part, storage: dict | None, cast: DType | None, max_memo
     config, quant_note = (config, None) if quantizing else _without_quantization(config, tensors, cast)
     # A quantized model's layers are the quantizer's, which from_pretrained builds and a bare class lacks.
     class_notes = () if "quantization_config" in config else \
-        check_class(config, [t.key for t in tensors], where, keep_names, part.preset)
+        part.plan.check_class(config, [t.key for t in tensors], where)
     config, dtype_note = _with_written_dtype(config, tensors, cast)
     if quant_note or dtype_note:
         assets = _with_config(assets, config)

@@ -262,7 +262,7 @@ def _in(entry: dict[str, Any]) -> str:
 def family_of(manifest: Manifest, path: Path | str) -> Detected:
     """What ``--preset auto`` would do with the checkpoint at ``path`` (for ``inspect``): its model part's keys
     and the ``config.json`` beside it. A family mismatch is reported, not raised."""
-    from ..models.hfconfig import read_model_config
+    from ..models.evidence import read_model_config
 
     local = Path(path)
     where = (local if local.is_dir() else local.parent) / "config.json"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..models.preset import Preset
 from ..models.registry import PRESETS
-from ..models.table import Preset
 
 __all__ = ["describe", "presets", "render"]
 

@@ -25,7 +25,7 @@ optimizer moments. ``model_key`` names the model explicitly by a dotted path: ne
 (``model``, ``ema.model``), else a prefix of the flattened keys (``state_dict.model`` picks
 ``state_dict.model.<rest>``).
 
-Names then lose wrapper segments (:mod:`.names`). In a Lightning Trainer checkpoint (it records
+Names then lose wrapper segments (:mod:`ckptkit.models.wrappers`). In a Lightning Trainer checkpoint (it records
 ``pytorch-lightning_version``) the model section holds LightningModule names, ``<attribute>.<HF name>``;
 rule 1 strips that attribute when every key shares it. The selection records which rule chose the model
 and what it left out, for the report.
@@ -42,7 +42,7 @@ from pathlib import Path
 
 from ..core.manifest import Format, Manifest, ObjectEntry, TensorEntry
 from ..errors import UsageError
-from ..models.names import strip_names
+from ..models.wrappers import strip_names
 
 __all__ = ["MODEL_KEYS", "OPTIMIZER_SLOTS", "ModelSelection", "meta_groups", "model_keys",
            "optimizer_sections", "select_model", "training_groups"]

@@ -21,8 +21,8 @@ from ..formats._accelerate import PARTS, is_save_state, trainer_step
 from ..formats.deepspeed import DeepSpeedIO, tag_directory
 from ..io.execute import gloo_group
 from ..io.sources import Files, read_region
-from ..models.names import strip_wrapper_names
 from ..models.quantized import as_values_against
+from ..models.wrappers import strip_wrapper_names
 from ..ops import checksums
 from ..ops._step import optimizer_step, recorded_step
 from ..ops.select import ModelSelection, optimizer_sections, select_model

@@ -233,6 +233,36 @@ def test_megatron_export_hf_makes_a_qwen3_moe_config_from_megatron_args(tmp_path
         assert torch.equal(back(tokens()).logits, model(tokens()).logits)
 
 
+def test_megatron_export_hf_resolves_the_mapping_once_and_reads_the_run_arguments_once(qwen3, tmp_path, monkeypatch):
+    """One export of a checkpoint with Megatron-LM's args and no config.json: one resolution of the mapping, one
+    check of the run's arguments, and ``common.pt`` unpickled once (by the reader; the resolution takes the args
+    it read)."""
+    from ckptkit.formats.megatron import torch_dist
+    from ckptkit.models import resolve
+    from ckptkit.ops import _model
+
+    calls = {"resolve": 0, "for_run": 0, "common.pt": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    read_archive = torch_dist.read_archive
+
+    def read(file, *args, **kwargs):
+        calls["common.pt"] += str(file).endswith(torch_dist.COMMON)
+        return read_archive(file, *args, **kwargs)
+
+    monkeypatch.setattr(_model, "resolve", counted("resolve", _model.resolve))
+    monkeypatch.setattr(resolve, "for_run", counted("for_run", resolve.for_run))
+    monkeypatch.setattr(torch_dist, "read_archive", read)
+    report = ckptkit.export_hf(qwen3[0], tmp_path / "hf", preset="megatron-qwen3")
+    assert any(n.startswith("config.json (qwen3) made from ") for n in report.notes), report.notes
+    assert calls == {"resolve": 1, "for_run": 1, "common.pt": 1}
+
+
 def test_megatron_export_hf_config_vocab_size_is_the_padded_embeddings_rows(qwen3, tmp_path):
     import json
 

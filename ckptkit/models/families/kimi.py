@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..table import Preset, Row
-from ._llama import weights_and_biases
-from .torchtitan import DEEPSEEK_V3_ROWS
+from ..family import Family, HfModel
+from ..preset import Preset, Row
+from ._rows import weights_and_biases
+from ._titan import mla_moe_decoder
 
-__all__ = ["PRESETS"]
+__all__ = ["FAMILY"]
 
 _LM = "language_model."
 _HF, _T = "vision_tower.encoder.blocks.{v}.", "vision_encoder.layers.{v}."
@@ -24,11 +25,11 @@ _PATCH = "vision_config.patch_size"
 
 
 def _language_model() -> list[Row]:
-    """DeepSeek-V3's rows with the HF names under ``language_model.``."""
+    """DeepSeek-V3's language model's rows with the HF names under ``language_model.``."""
     def nested(name: str) -> str:
         return _LM + name
     return [dataclasses.replace(r, hf=tuple(map(nested, r.hf_names)) if isinstance(r.hf, tuple) else nested(r.hf),
-                                tied_to=r.tied_to and nested(r.tied_to)) for r in DEEPSEEK_V3_ROWS]
+                                tied_to=r.tied_to and nested(r.tied_to)) for r in mla_moe_decoder()]
 
 
 _VISION = [
@@ -46,9 +47,12 @@ _VISION = [
              ("mm_projector.proj.2", "vision_encoder.projector.linear_2"))),
 ]
 
-PRESETS = (
-    Preset("torchtitan-kimi-k2.5", "torchtitan's Kimi K2.5 (kimi_k2_7: DeepSeek-V3's language model, MoonViT "
-           "vision tower and projector) <-> its HF release (language_model.*, vision_tower.*, mm_projector.*)",
-           "torchtitan", tuple(_language_model() + _VISION),
-           dropped=(_LM + "model.layers.{n}.self_attn.rotary_emb.inv_freq",), model_types=("kimi_k25",)),
+FAMILY = Family(
+    "kimi",
+    presets=(Preset("torchtitan-kimi-k2.5", "torchtitan's Kimi K2.5 (kimi_k2_7: DeepSeek-V3's language model, MoonViT "
+                    "vision tower and projector) <-> its HF release (language_model.*, vision_tower.*, mm_projector.*)",
+                    "torchtitan", tuple(_language_model() + _VISION),
+                    dropped=(_LM + "model.layers.{n}.self_attn.rotary_emb.inv_freq",), model_types=("kimi_k25",)),),
+    hf=(HfModel("kimi_k25"),),
+    rank=8,
 )

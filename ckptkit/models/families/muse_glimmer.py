@@ -11,10 +11,11 @@ blocks are numbered ``{v}``.
 
 from __future__ import annotations
 
-from ..table import Heads, Preset, Row
-from ._llama import renames
+from ..family import Family, HfModel
+from ..preset import Heads, Preset, Row
+from ._rows import renames
 
-__all__ = ["PRESETS"]
+__all__ = ["FAMILY"]
 
 _LM, _HF, _T = "model.language_model.", "model.language_model.layers.{n}.", "layers.{n}."
 _VHF, _VT = "model.vision_tower.layers.{v}.", "vision_encoder.layers.{v}."
@@ -54,8 +55,12 @@ _VISION = [
                ("vision_projection.weight", "vision_projection.weight")), "model.", "", _TOWER),
 ]
 
-PRESETS = (
-    Preset("torchtitan-muse-glimmer", "torchtitan's Muse Glimmer (gated attention, rotary q/k row order, vision "
-           "tower, adapter and projection) <-> HF Muse Glimmer", "torchtitan", tuple(_TEXT + _VISION),
-           dropped=(_HF + "self_attn.rotary_emb.inv_freq",), model_types=("muse_glimmer",)),
+FAMILY = Family(
+    "muse_glimmer",
+    presets=(Preset("torchtitan-muse-glimmer", "torchtitan's Muse Glimmer (gated attention, rotary q/k row order, "
+                    "vision tower, adapter and projection) <-> HF Muse Glimmer", "torchtitan",
+                    tuple(_TEXT + _VISION), dropped=(_HF + "self_attn.rotary_emb.inv_freq",),
+                    model_types=("muse_glimmer",)),),
+    hf=(HfModel("muse_glimmer"),),
+    rank=9,
 )

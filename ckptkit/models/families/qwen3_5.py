@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from functools import partial
 
-from ..table import Buffer, Count, Preset, Row
-from ._llama import renames, weights_and_biases
-from .torchtitan import EXPERT_BIAS
+from ..family import Family, HfModel
+from ..preset import Buffer, Count, Preset, Row
+from ._rows import renames, weights_and_biases
+from ._titan import EXPERT_BIAS
 
-__all__ = ["PRESETS"]
+__all__ = ["FAMILY"]
 
 _LM, _HF, _T = "model.language_model.", "model.language_model.layers.{n}.", "layers.{n}."
 _renames = partial(renames, hf=_HF, other=_T)
@@ -75,10 +76,17 @@ _MOE = [
 ]
 _INV_FREQ = _HF + "self_attn.rotary_emb.inv_freq"
 
-PRESETS = (
-    Preset("torchtitan-qwen3.5", "torchtitan's Qwen3.5 (full and GatedDeltaNet attention, vision tower) <-> HF "
-           "Qwen3.5", "torchtitan", tuple(_COMMON + _DENSE + _VISION), dropped=(_INV_FREQ,), model_types=("qwen3_5",)),
-    Preset("torchtitan-qwen3.5-moe", "torchtitan's Qwen3.5-MoE (as Qwen3.5, with stacked experts as transformers "
-           "holds them and a gated shared expert) <-> HF Qwen3.5-MoE", "torchtitan", tuple(_COMMON + _MOE + _VISION),
-           dropped=(_INV_FREQ,), buffers=(Buffer(EXPERT_BIAS, (("experts",),)),), model_types=("qwen3_5_moe",)),
+FAMILY = Family(
+    "qwen3_5",
+    presets=(
+        Preset("torchtitan-qwen3.5", "torchtitan's Qwen3.5 (full and GatedDeltaNet attention, vision tower) <-> HF "
+               "Qwen3.5", "torchtitan", tuple(_COMMON + _DENSE + _VISION), dropped=(_INV_FREQ,),
+               model_types=("qwen3_5",)),
+        Preset("torchtitan-qwen3.5-moe", "torchtitan's Qwen3.5-MoE (as Qwen3.5, with stacked experts as transformers "
+               "holds them and a gated shared expert) <-> HF Qwen3.5-MoE", "torchtitan",
+               tuple(_COMMON + _MOE + _VISION), dropped=(_INV_FREQ,), buffers=(Buffer(EXPERT_BIAS, (("experts",),)),),
+               model_types=("qwen3_5_moe",)),
+    ),
+    hf=(HfModel("qwen3_5"), HfModel("qwen3_5_moe")),
+    rank=10,
 )

@@ -1,6 +1,6 @@
 """Whether a checkpoint mapped by a preset's table holds every tensor of the model, and what an import towards
 the other side adds that HF has no tensor for: a tied head's copy, a buffer at its initial value
-(:mod:`ckptkit.models.table`). Pure planning, as :mod:`ckptkit.models.engine`."""
+(:mod:`ckptkit.models.preset`). Pure planning, as :mod:`ckptkit.models.apply`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from ..core.dtypes import by_name
 from ..core.manifest import TensorEntry
 from ..core.reshape import zeros
 from ..errors import UsageError
-from .table import ModelShape, Preset, Row
+from .preset import Preset, Row
+from .shape import ModelShape
 
 __all__ = ["Source", "buffers", "check_complete", "fill", "listed"]
 

@@ -1,5 +1,5 @@
 """A preset's table as regular expressions per side (:class:`NameTable`), and what follows from it for keys
-the table does not know: which preset knows the most of them, and the advice a refusal gives."""
+the table does not know: which of some presets knows the most of them, and the advice a refusal gives."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .complete import listed
-from .names import RECOMPUTED
-from .registry import PRESETS
-from .table import Preset, Row
+from .completeness import listed
+from .preset import Preset, Row
+from .wrappers import RECOMPUTED
 
 __all__ = ["Match", "NameTable", "advice", "nearest", "pattern", "unknown_keys"]
 
@@ -64,17 +63,17 @@ def nearest(keys: Sequence[str], presets: Sequence[Preset], hf: bool = False) ->
     return min(((p, unknown_keys(p, keys, hf)) for p in presets), key=lambda s: len(s[1]))
 
 
-def advice(p: Preset, unknown: Sequence[str], towards: bool) -> str:
-    """What to do about keys that preset ``p``'s table does not know. Only what a consumer rebuilds itself
-    (:data:`ckptkit.models.names.RECOMPUTED`) may be left out: leaving out a weight gives a model that loads
+def advice(p: Preset, unknown: Sequence[str], towards: bool, kin: Sequence[Preset] = ()) -> str:
+    """What to do about keys that preset ``p``'s table does not know, naming the preset of ``kin`` (the presets
+    of ``p``'s framework) that knows the most of them. Only what a consumer rebuilds itself
+    (:data:`ckptkit.models.wrappers.RECOMPUTED`) may be left out: leaving out a weight gives a model that loads
     with that weight initialised afresh."""
     weights = [k for k in unknown if not RECOMPUTED.search(k)]
     if not weights:
         shown = ", ".join(f'"{k}": null' for k in unknown[:_SHOWN])
         return (f"they are not weights (the model recomputes them): leave them out with --key-map '{{{shown}}}'"
                 + (f" (and the {len(unknown) - _SHOWN} others)" if len(unknown) > _SHOWN else ""))
-    kin = [q for q in PRESETS.values() if q.other_side == p.other_side and not q.identity] or [p]
-    near, missing = nearest(weights, kin, hf=not towards)
+    near, missing = nearest(weights, [q for q in kin if not q.identity] or [p], hf=not towards)
     closest = ("no other preset knows more of them" if near is p else f"--preset {near.name} knows them"
                if not missing else f"the nearest, --preset {near.name}, does not know {len(missing)} of them")
     return (f"{listed(weights)} {'is a weight' if len(weights) == 1 else 'are weights'} of a family or variant "

@@ -1,8 +1,8 @@
-"""Model adapters as declarative tables: how another code base's tensors (torchtitan's, Meta's, Megatron's)
-become Hugging Face's, and back.
+"""Presets: declarative tables of how another code base's tensors (torchtitan's, Meta's, Megatron's) become
+Hugging Face's, and back.
 
 A :class:`Preset` is a table of :class:`Row`\\ s. Nothing here reads a file or imports torch:
-:mod:`ckptkit.models.engine` applies a table to a manifest's entries, building each output tensor from byte
+:mod:`ckptkit.models.apply` applies a table to a manifest's entries, building each output tensor from byte
 ranges of the input (:mod:`ckptkit.core.reshape`) or as a computed tensor (a transpose, an FP8
 dequantization), so that an adapted model streams like any conversion.
 
@@ -27,15 +27,15 @@ The table format. A row names one tensor of the other side and the HF tensor(s) 
   the config's head count.
 - ``transpose``: the other side holds the transpose (last two dims) of HF's tensor; computed tile by tile.
 - ``interleave``: HF's last dim takes in turn the elements of the two halves that the other side holds one after
-  the other (GPT-OSS's experts: gate and up columns interleaved in HF, gate rows then up rows in megatron-core's
+  the other (an MoE's experts: gate and up columns interleaved in HF, gate rows then up rows in megatron-core's
   ``linear_fc1``); on the way to HF after any transpose, on the way back before it; computed box by box.
 - ``hf_fuses``: the reverse of a tuple ``hf``: HF's one tensor is the other side's tensors, all of ``other``
   in order, one after another along dim ``fuse_dim`` (0; or 1 under a leading expert dim); ``split`` gives
-  their sizes (None: equal). Kimi's and Qwen3.5's vision ``qkv``; Qwen3.5's ``gate_up_proj`` ``[E, 2F, D]``.
+  their sizes (None: equal). A vision tower's fused ``qkv``; a fused ``gate_up_proj`` ``[E, 2F, D]``.
 - ``hf_dims``: HF's dims past the first, which the other side holds flattened into one (a convolution's
   kernel as a linear layer's row); each a row count as in ``split``. Moves no byte.
 - ``group``: ``"slot:variant"``. A layer holds exactly one variant of each slot, and all of its rows:
-  ``"mlp:dense"`` or ``"mlp:moe"`` (DeepSeek-V3's first dense layers), ``"q:plain"`` or ``"q:lora"``. A
+  ``"mlp:dense"`` or ``"mlp:moe"`` (dense first layers, then MoE ones), ``"q:plain"`` or ``"q:lora"``. A
   slot named with a trailing ``?`` may be absent altogether (``"vision?:tower"``: a text-only checkpoint of
   a multimodal family).
 - ``read_only``: a spelling read on the way to HF but never written (an older layout under its own row).
@@ -54,37 +54,33 @@ read too. HF names are written per layer when the layers hold different variants
 stacked otherwise.
 
 On import from HF, a preset with ``fp8`` dequantizes each float8 ``X.weight`` with its ``X.weight_scale_inv``
-(128x128 blocks) into float32 before the table applies (what torchtitan's DeepSeek-V3 import reads through
-torch's ``QuantizedHuggingFaceStorageReader``). A preset with ``mxfp4`` dequantizes each ``X_blocks``
+(128x128 blocks) into float32 before the table applies (what torchtitan's FP8 import reads through torch's
+``QuantizedHuggingFaceStorageReader``). A preset with ``mxfp4`` dequantizes each ``X_blocks``
 (uint8, two FP4 values a byte, 32 values a block) with its ``X_scales`` (e8m0) into bf16 ``X``, HF's layout of
 the tensor (the transpose of the blocks' rows and values, as transformers' ``convert_moe_packed_tensors``
-returns it; GPT-OSS's released experts).
+returns it; MXFP4 releases' experts).
 
-The rotary transform. torchtitan's Llama and Meta's original Llama code rotate adjacent pairs ``(2i, 2i+1)``
+The rotary transform. torchtitan's and Meta's original code rotate adjacent pairs ``(2i, 2i+1)``
 of each q/k head as complex numbers; Hugging Face's ``rotate_half`` rotates ``(i, i + head_dim/2)``. So the
 HF rows of a head are the other code base's rows in the order even, then odd. With ``hd = head_dim``,
 ``half = hd/2``, HF row ``r = h·hd + j`` is row ``h·hd + 2·(j mod half) + j // half`` of the other's, which
-is what torchtitan's ``Llama3StateDictAdapter._permute`` and transformers' ``convert_llama_weights_to_hf.permute``
+is what torchtitan's state dict adapter's ``_permute`` and transformers' conversion script's ``permute``
 compute; the inverse, ``_reverse_permute``, takes HF row ``h·hd + (k mod 2)·half + k // 2`` to row ``h·hd + k``.
 Only ``head_dim`` enters, so the same map serves q (``num_attention_heads`` heads) and k
 (``num_key_value_heads``).
 
-Adding a family is adding a module to :mod:`ckptkit.models.families` with its tables, each naming the
-``model_type`` values it is detected by.
+A family's module in :mod:`ckptkit.models.families` holds its presets, each naming the ``model_type`` values it
+is detected by.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..errors import UsageError
-
-__all__ = ["CONFIG_NAMES", "STACK_FIELDS", "TRANSFORMS", "Buffer", "ModelShape", "Preset", "Row", "Unmapped",
-           "model_shape", "rotary_rows"]
+__all__ = ["STACK_FIELDS", "TRANSFORMS", "Buffer", "Count", "Heads", "Preset", "Row", "rotary_rows"]
 
 Heads = Literal["n_heads", "n_kv_heads"]
 Count = tuple[str | int, ...]
@@ -175,7 +171,7 @@ class Preset:
     mxfp4: bool = False
     """On import from HF, MXFP4 ``X_blocks`` with their ``X_scales`` are dequantized into ``X`` (module docstring)."""
     refuse: tuple[tuple[str, str], ...] = ()
-    """(HF name pattern, why): keys refused with that reason (GPT-OSS's MXFP4 ``_blocks``)."""
+    """(HF name pattern, why): keys refused with that reason (MXFP4 ``_blocks`` a table does not read)."""
     buffers: tuple[Buffer, ...] = ()
     """The other side's buffers HF has no tensor for: left out on export, written at their initial value on
     import (module docstring)."""
@@ -187,7 +183,7 @@ class Preset:
     number (module docstring)."""
     run_args: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     """(Megatron-LM argument, the values this table maps) where they differ from the common ones
-    (:data:`ckptkit.models.megatron_args.ARGS`): GPT-OSS's linear biases, attention sinks, YaRN, quick GeGLU."""
+    (:data:`ckptkit.models.megatron_args.ARGS`): linear biases, attention sinks, YaRN, a quick GeGLU."""
 
     def per_layer(self, singletons: bool = False) -> Preset:
         """This table in the per-layer spelling: each row stacked along ``n`` named ``<prefix>{n}.<rest>``
@@ -222,108 +218,6 @@ class Preset:
     @property
     def needs_shape(self) -> bool:
         return bool(self.buffers) or any(r.transform or not r.plain for r in self.rows)
-
-
-@dataclass(frozen=True)
-class Unmapped:
-    """A family that a framework ships and ckptkit has no table for: ``--preset auto`` refuses it by name, rather
-    than writing its tensors under their own names into an HF folder."""
-
-    family: str
-    """What the family is, for the message (``torchtitan's flux``)."""
-    why: str
-    model_types: tuple[str, ...] = ()
-    """The ``config.json`` ``model_type`` values (or diffusers' ``_class_name``) that name it."""
-    keys: tuple[str, ...] = ()
-    """Names, with ``{n}`` placeholders, any of which recognises the family's own checkpoint."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What a preset needs to know of the model, from its config."""
-
-    head_dim: int
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    layers: int | None = None
-    tied: bool | None = None
-    """Whether ``lm_head`` is tied to the input embedding (``tie_word_embeddings``); None: not known."""
-    source: str = "config"
-    """Where these came from, for messages (``base/config.json``)."""
-    experts: int | None = None
-    """Routed experts per MoE layer (``num_experts``, ``num_local_experts`` or ``n_routed_experts``)."""
-    fields: tuple[tuple[str, int], ...] = field(default=(), compare=False)
-    """Every positive integer of the config, by its own name, for table rows that count rows in them."""
-
-    def heads(self, which: Heads) -> int | None:
-        return self.n_heads if which == "n_heads" else self.n_kv_heads
-
-    def value(self, name: str, why: str) -> int:
-        """The shape field ``name`` (``head_dim``, ``n_heads``, ``n_kv_heads``, ``heads_per_group``, ``layers``,
-        ``experts``, or any integer field of the config).
-
-        Raises:
-            UsageError: the config does not state it; the message names the field and ``why`` it is needed.
-        """
-        known: dict[str, int | None] = {"head_dim": self.head_dim, "n_heads": self.n_heads,
-                                        "n_kv_heads": self.n_kv_heads, "layers": self.layers,
-                                        "experts": self.experts, **dict(self.fields)}
-        if self.n_heads and self.n_kv_heads:
-            known["heads_per_group"] = self.n_heads // self.n_kv_heads
-        value = known.get(name)
-        if value is None:
-            raise UsageError(f"{self.source}: states no {CONFIG_NAMES.get(name, name)}; {why} needs it "
-                             "(pass --hf-assets DIR with the model's config.json)")
-        return value
-
-    def count(self, factors: Count, why: str) -> int:
-        return math.prod(f if isinstance(f, int) else self.value(f, why) for f in factors)
-
-
-CONFIG_NAMES = {"experts": "num_experts (or num_local_experts, n_routed_experts)", "layers": "num_hidden_layers",
-                "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
-                "heads_per_group": "num_attention_heads and num_key_value_heads"}
-"""A shape field (:meth:`ModelShape.value`) -> the config.json field(s) that state it, for messages."""
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def model_shape(config: dict, source: str, tied: bool | None = None) -> ModelShape:
-    """Head counts from an HF ``config.json`` (its ``text_config`` for a composite model) or Meta's
-    ``params.json`` (fields under ``model`` in some releases). ``head_dim`` is the config's own where it
-    states one (Mistral-Nemo's differs from ``hidden_size / num_attention_heads``). The integer fields of the
-    config's sub-configs are fields too, by their dotted name (``vision_config.patch_size``), with a
-    ``head_dim`` (width over heads) where a sub-config states none."""
-    top = config
-    if isinstance(config.get("text_config"), dict) and "num_attention_heads" not in config:
-        config = config["text_config"]
-    if isinstance(config.get("model"), dict) and "n_heads" not in config:
-        config = config["model"]
-    hf = "num_attention_heads" in config or "hidden_size" in config
-    n_heads = _int(config.get("num_attention_heads" if hf else "n_heads"))
-    width = _int(config.get("hidden_size" if hf else "dim"))
-    n_kv = _int(config.get("num_key_value_heads" if hf else "n_kv_heads")) or n_heads
-    head_dim = _int(config.get("head_dim")) or (width // n_heads if width and n_heads else None)
-    if head_dim is None:
-        fields = "head_dim, or hidden_size and num_attention_heads" if hf else "head_dim, or dim and n_heads"
-        raise UsageError(f"{source}: states neither {fields}; the preset needs the model's head_dim")
-    if head_dim % 2:
-        raise UsageError(f"{source}: head_dim {head_dim} is odd; rotary embeddings pair the dimensions of a head")
-    layers = _int(config.get("num_hidden_layers" if hf else "n_layers"))
-    experts = next((n for k in ("num_experts", "num_local_experts", "n_routed_experts") if (n := _int(config.get(k)))),
-                   None)
-    integers = tuple((k, v) for k, v in config.items() if _int(v) is not None)
-    integers += tuple((f"{k}.{k2}", v2) for k, sub in top.items() if isinstance(sub, dict)  # vision_config.patch_size
-                      for k2, v2 in {**_head_dim(sub), **sub}.items() if _int(v2) is not None)
-    return ModelShape(head_dim, n_heads, n_kv, layers, tied, source, experts, integers)
-
-
-def _head_dim(sub: dict) -> dict[str, int]:
-    """A sub-config's head size where it states none: its width over its head count."""
-    width, heads = _int(sub.get("hidden_size")), _int(sub.get("num_attention_heads") or sub.get("num_heads"))
-    return {"head_dim": width // heads} if width and heads and width % heads == 0 else {}
 
 
 def rotary_rows(n_rows: int, head_dim: int, to_hf: bool) -> tuple[int, ...]:

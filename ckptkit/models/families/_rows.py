@@ -1,11 +1,11 @@
-"""The Llama-shaped table that several families share: torchtitan's and Meta's Llama, and HF's own names
-checked as they are (Qwen2, Mistral)."""
+"""Rows any family's table is built from: renames below a prefix, weight and bias pairs, and the Llama-shaped
+table that several families share (torchtitan's and Meta's Llama, and HF's own names checked as they are)."""
 
 from __future__ import annotations
 
-from ..table import Row
+from ..preset import Row
 
-__all__ = ["META", "TITAN", "hf_names", "llama_rows", "renames", "weights_and_biases"]
+__all__ = ["META", "TITAN", "hf_names", "llama_shaped", "renames", "weights_and_biases"]
 
 TITAN, META = "layers.{n}.attention.qkv_linear.", "layers.{n}.attention."
 """torchtitan 0.3's fused-module prefix of q/k/v, and Meta's (and torchtitan <= 0.2's) attention prefix."""
@@ -22,9 +22,10 @@ def weights_and_biases(pairs: tuple[tuple[str, str], ...], hf: str = "", other: 
     return [Row(f"{hf}{a}.{leaf}", (f"{other}{b}.{leaf}",)) for a, b in pairs for leaf in ("weight", "bias")]
 
 
-def llama_rows(q: tuple[str, ...], k: tuple[str, ...], v: tuple[str, ...], head: tuple[str, ...],
+def llama_shaped(q: tuple[str, ...], k: tuple[str, ...], v: tuple[str, ...], head: tuple[str, ...],
                 rotary: str | None, biases: bool = False) -> tuple[Row, ...]:
-    """The Llama family's table; the other side's attention names (``q``, ``k``, ``v``) and output head vary."""
+    """A Llama-shaped table (GQA with rotary q/k, SwiGLU, RMSNorm); the other side's attention names (``q``,
+    ``k``, ``v``) and output head vary."""
     layer = "model.layers.{n}."
     rows = [
         Row("model.embed_tokens.weight", ("tok_embeddings.weight",) if rotary else ("model.embed_tokens.weight",)),
@@ -48,7 +49,7 @@ def llama_rows(q: tuple[str, ...], k: tuple[str, ...], v: tuple[str, ...], head:
 
 
 def hf_names(biases: bool) -> tuple[Row, ...]:
-    """HF's own Llama names (with q/k/v biases for Qwen2)."""
+    """HF's own names of a Llama-shaped model (with q/k/v biases: Qwen2's)."""
     layer = "model.layers.{n}.self_attn."
-    return llama_rows((layer + "q_proj",), (layer + "k_proj",), (layer + "v_proj",), ("lm_head.weight",), None,
+    return llama_shaped((layer + "q_proj",), (layer + "k_proj",), (layer + "v_proj",), ("lm_head.weight",), None,
                        biases)

@@ -1,4 +1,4 @@
-"""A preset's table (:mod:`ckptkit.models.table`) applied to a model's tensors, as pure planning.
+"""A preset's table (:mod:`ckptkit.models.preset`) applied to a model's tensors, as pure planning.
 
 Call order: :func:`apply_preset` with the tensors (each with the key it came from), the preset, the model's
 shape and the direction. It matches every key to a row (a key no row knows is refused, never passed through),
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.dtypes import by_name
@@ -31,11 +32,12 @@ from ..core.reshape import (
     unstack,
 )
 from ..errors import UsageError
-from .complete import Source, buffers, check_complete, fill, listed
-from .nametable import Match, NameTable, advice, nearest, unknown_keys
-from .table import CONFIG_NAMES, STACK_FIELDS, TRANSFORMS, ModelShape, Preset, Row
+from .completeness import Source, buffers, check_complete, fill, listed
+from .matching import Match, NameTable, advice
+from .preset import STACK_FIELDS, TRANSFORMS, Preset, Row
+from .shape import CONFIG_NAMES, ModelShape
 
-__all__ = ["Adapted", "NameTable", "Source", "advice", "apply_preset", "listed", "nearest", "unknown_keys"]
+__all__ = ["Adapted", "apply_preset"]
 Binding = tuple[tuple[str, str], ...]
 
 
@@ -93,23 +95,17 @@ def _spelling(p: Preset, table: NameTable, keys: list[str], to_hf: bool | None) 
     return spellings[1] if any(len(v) > 1 for v in variants.values()) else p
 
 
-def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_hf: bool | None) -> Adapted:
+def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_hf: bool | None,
+                 kin: Sequence[Preset] = ()) -> Adapted:
     """``sources`` under preset ``p``'s table, towards HF names (``to_hf``) or, when None, from whichever side
-    the keys are named in to the other.
+    the keys are named in to the other; ``kin``: the presets a refusal's advice may name (``p``'s framework's).
 
     Raises:
         UsageError: a key the table does not know; a tensor of the model missing; counts that disagree with
             the config (experts, heads, layers); the shape needed and not given.
     """
+    _require_shape(p, shape)
     table = NameTable(p)
-    if p.needs_shape and shape is None:
-        if all(r.plain for r in p.rows):
-            raise UsageError(f"--preset {p.name} needs the model's head_dim for the rotary q/k row order: pass "
-                             "--hf-assets DIR whose config.json states num_attention_heads and num_key_value_heads")
-        needed = [STACK_FIELDS.get(a, a) for r in p.rows for a in r.stack_axes] + [r.groups for r in p.rows if r.groups]
-        fields = dict.fromkeys(CONFIG_NAMES.get(f, f) for f in needed if f)
-        raise UsageError(f"--preset {p.name} needs config.json's {', '.join(f for f in fields if f)}: pass "
-                         "--hf-assets DIR with the model's config.json")
     keys = [s.entry.key for s in sources]
     spelled = _spelling(p, table, keys, to_hf)
     if spelled is not p:  # megatron-core's other spelling of the layers: its own table
@@ -136,7 +132,7 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
             unknown.append(key)
     if unknown:
         raise UsageError(f"--preset {p.name}: {len(unknown)} keys are not {p.other_side if towards else 'HF'} names "
-                         f"it knows: {listed(unknown)}; {advice(p, unknown, towards)}")
+                         f"it knows: {listed(unknown)}; {advice(p, unknown, towards, kin)}")
     build = _Builder(p, shape)
     out = build.to_hf(matched) if towards else build.from_hf(matched)
     canonical = {r.hf_names: r for r in p.rows if not r.read_only}
@@ -153,6 +149,18 @@ def apply_preset(sources: list[Source], p: Preset, shape: ModelShape | None, to_
                   f"their initial value ({', '.join(sorted({b.init for b in p.buffers}))}): "
                   f"{listed([f.entry.key for f in filled])}",)
     return Adapted(tuple(out), tuple(dropped), notes, build.gathered)
+
+
+def _require_shape(p: Preset, shape: ModelShape | None) -> None:
+    """Refuses a preset that needs the model's shape, given none, naming the config fields it needs."""
+    if p.needs_shape and shape is None:
+        if all(r.plain for r in p.rows):
+            raise UsageError(f"--preset {p.name} needs the model's head_dim for the rotary q/k row order: pass "
+                             "--hf-assets DIR whose config.json states num_attention_heads and num_key_value_heads")
+        needed = [STACK_FIELDS.get(a, a) for r in p.rows for a in r.stack_axes] + [r.groups for r in p.rows if r.groups]
+        fields = dict.fromkeys(CONFIG_NAMES.get(f, f) for f in needed if f)
+        raise UsageError(f"--preset {p.name} needs config.json's {', '.join(f for f in fields if f)}: pass "
+                         "--hf-assets DIR with the model's config.json")
 
 
 def _notes(p: Preset, out: list[Source], shape: ModelShape | None, towards: bool, gathered: int) -> tuple[str, ...]:
